@@ -1,0 +1,35 @@
+# Two entry points; each sets itself up (idempotently) in .venv.
+#   make validate   run `ringcheck validate` on its built-in default
+#   make test       run the test suites
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ringcheck-installed
+
+.PHONY: validate test install clean
+
+install: $(STAMP)
+
+# torch: keep a torch the system already has (a GPU runner) by seeing the system
+# site-packages; otherwise take the CPU wheel 2.13.0, never an unpinned (CUDA) download.
+$(STAMP): pyproject.toml Makefile
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,triton]"
+	@touch $(STAMP)
+
+validate: $(STAMP)
+	$(VENV)/bin/ringcheck validate
+
+test: $(STAMP)
+	$(PY) -m pytest suites -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
