@@ -1,0 +1,14 @@
+"""Single-device references that ring attention is judged against.
+
+- `dense_attention`: attention in float64 (the truth for every test; products of
+  bf16/fp16/fp32 values are exact in float64), differentiable, with an analytic backward in
+  `dense_grads`.
+- `peer_attention`: the same naive computation in the *input* dtype (flash-attention's
+  ``upcast=False`` reference); its error to the truth sets a ring's error budget.
+
+Nothing here imports the ring code of ``ringcheck``.
+"""
+
+from .dense import dense_attention, dense_grads, peer_attention
+
+__all__ = ["dense_attention", "dense_grads", "peer_attention"]

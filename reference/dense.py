@@ -1,0 +1,105 @@
+"""Dense (whole-sequence, one device) attention references.
+
+Shapes follow the ring: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads,
+head_dim); query head h uses K/V head h // (heads // kv_heads). Causal means key j is visible
+to query i iff j <= i. A row with no visible key has output 0, lse -inf and zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
+
+
+def _scale(softmax_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, s, kv_heads, d) -> (b, heads, s, d), repeating each K/V head over its group."""
+    return x.transpose(1, 2).repeat_interleave(heads // x.shape[2], dim=1)
+
+
+def _attention(q, k, v, causal, scale, compute_dtype):
+    """Naive attention computed in `compute_dtype`; returns out (b, s, h, d), lse (b, h, s)."""
+    h = q.shape[2]
+    qh = q.transpose(1, 2).to(compute_dtype)
+    kh, vh = _expand(k, h).to(compute_dtype), _expand(v, h).to(compute_dtype)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s.float() if compute_dtype != torch.float64 else s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key
+    out = torch.matmul(p.to(compute_dtype), vh)
+    return out.transpose(1, 2), lse
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    softmax_scale: float | None = None, return_lse: bool = False):
+    """Attention in float64 on whole tensors; differentiable; returns float64."""
+    _check(q, k, v)
+    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), torch.float64)
+    return (out, lse) if return_lse else out
+
+
+def peer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   softmax_scale: float | None = None, return_lse: bool = False):
+    """The same-dtype peer: naive attention with every matmul and the softmax in the input
+    dtype (lse from the input-dtype scores, in float32). Differentiable (autograd in the
+    input dtype), so its gradients are the peer's gradients too."""
+    _check(q, k, v)
+    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                causal: bool = False, softmax_scale: float | None = None):
+    """Analytic float64 forward and backward: returns (out, lse, dq, dk, dv), all float64.
+
+    dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D), dQ = scale dS K,
+    dK = scale dS^T Q; dK and dV are summed over each K/V head's group of query heads.
+    """
+    _check(q, k, v)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    scale = _scale(softmax_scale, q.shape[-1])
+    b, n, h, d = q.shape
+    kvh = k.shape[2]
+    f64 = torch.float64
+    with torch.no_grad():
+        qh = q.transpose(1, 2).to(f64)
+        kh, vh = _expand(k, h).to(f64), _expand(v, h).to(f64)
+        doh = dout.transpose(1, 2).to(f64)
+        s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+        if causal:
+            sk = s.shape[-1]
+            visible = torch.ones(n, sk, dtype=torch.bool, device=s.device).tril(sk - n)
+            s = s.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
+        out = torch.matmul(p, vh)
+        delta = (doh * out).sum(-1, keepdim=True)
+        dv = torch.matmul(p.transpose(-1, -2), doh)
+        ds = p * (torch.matmul(doh, vh.transpose(-1, -2)) - delta)
+        dq = torch.matmul(ds, kh) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
+        group = h // kvh
+        dk = dk.view(b, kvh, group, -1, d).sum(2)
+        dv = dv.view(b, kvh, group, -1, d).sum(2)
+    return (out.transpose(1, 2), lse, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))

@@ -1,0 +1,59 @@
+"""Block backends: attention of one (query chunk, K/V chunk) block of the ring.
+
+The contract every backend keeps (the ring calls nothing else):
+
+``forward(q, k, v, *, scale, mask, diagonal) -> (out, lse)``
+    q is (batch, sq, heads, head_dim), k and v are (batch, sk, kv_heads, head_dim) in any
+    supported dtype; heads is a multiple of kv_heads (query head h uses K/V head
+    h // (heads // kv_heads)). Returns out (batch, sq, heads, head_dim) and lse
+    (batch, heads, sq), both float32. ``mask`` is ``"full"`` or ``"causal"`` (key j visible
+    to query i iff j <= i + diagonal); a row with no visible key has out 0 and lse -inf.
+
+``backward(q, k, v, dout, lse, delta, *, scale, mask, diagonal) -> (dq, dk, dv)``
+    lse is the *merged* lse of the whole ring (batch, heads, sq) and delta the merged row
+    statistic rowsum(dout * out) (batch, heads, sq), both float32; the block's probabilities
+    are exp(scale q k^T - lse). Returns float32 gradients: dq like q, dk and dv like k.
+
+Backends never import the references and never fall back silently to one another.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class BlockBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                mask: str, diagonal: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                 lse: torch.Tensor, delta: torch.Tensor, *, scale: float, mask: str,
+                 diagonal: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+BACKENDS = ("torch", "triton", "flash_attn")
+
+
+def get_backend(name: str) -> BlockBackend:
+    """The block backend called `name`; an unavailable one raises, it is never replaced."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a name (one of {list(BACKENDS)}), got {type(name).__name__}")
+    if name == "torch":
+        from .torch_backend import TorchBackend
+        return TorchBackend()
+    if name == "triton":
+        from .triton_backend import TritonBackend
+        return TritonBackend()
+    if name == "flash_attn":
+        from .flash_attn_backend import FlashAttnBackend
+        return FlashAttnBackend()
+    raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
+
+
+def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dout * out) in float32, arranged (batch, heads, seq) like lse."""
+    return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()

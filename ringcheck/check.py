@@ -1,0 +1,128 @@
+"""One case end to end: inputs -> ring -> references -> verdict.
+
+A `Case` names everything that determines a check (spec, ring, seed, distribution, backend),
+so a failure message is also a reproduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from reference import dense_grads, peer_attention
+
+from .inputs import Inputs, make_inputs
+from .layouts import positions
+from .spec import AttentionSpec, Budget, RingSpec
+from .verdict import TENSORS, Verdict, judge
+
+# what users call a "mode": (causal, layout)
+MODES = {
+    "bidirectional": (False, "contiguous"),
+    "causal": (True, "contiguous"),
+    "zigzag": (True, "zigzag"),
+    "striped": (True, "striped"),
+}
+
+# whole-tensor implementation under test: (q, k, v) -> (out, lse), differentiable
+WholeImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: AttentionSpec
+    ring: RingSpec
+    seed: int = 0
+    distribution: str = "normal"
+    backend: str = "torch"
+
+    def describe(self) -> str:
+        s = self.spec
+        mode = ("causal" if s.causal else "bidirectional")
+        return (f"P={self.ring.world_size} {self.ring.layout} {mode} {s.dtype} batch={s.batch} "
+                f"heads={s.heads}/{s.kv_heads} seq={s.seq_len} d={s.head_dim} "
+                f"dist={self.distribution} seed={self.seed} backend={self.backend}")
+
+
+@dataclass(frozen=True)
+class Results:
+    """Whole-sequence results of one implementation (or reference) for one case."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+    def get(self, tensor: str) -> torch.Tensor:
+        return getattr(self, tensor)
+
+
+def run_whole(impl: WholeImpl, inputs: Inputs) -> Results:
+    """Run `impl` forward and backward (with the case's random dout) on detached copies."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = impl(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout)
+    return Results(out.detach(), lse.detach(), dq, dk, dv)
+
+
+def truth(spec: AttentionSpec, inputs: Inputs) -> Results:
+    """float64 truth with the analytic backward."""
+    return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
+                                softmax_scale=spec.scale))
+
+
+def peer(spec: AttentionSpec, inputs: Inputs) -> Results:
+    """The same-dtype single-device peer (its error sets the budget)."""
+    return run_whole(lambda q, k, v: peer_attention(q, k, v, causal=spec.causal,
+                                                    softmax_scale=spec.scale, return_lse=True), inputs)
+
+
+def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple[int, ...]], str]:
+    """Index of a whole tensor -> 'rank r, local row i, token t, head h'."""
+    owner = torch.empty(spec.seq_len, dtype=torch.int64)
+    local = torch.empty(spec.seq_len, dtype=torch.int64)
+    for r in range(ring.world_size):
+        pos = positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=spec.seq_len)
+        owner[pos] = r
+        local[pos] = torch.arange(len(pos))
+    seq_dim, head_dim = (2, 1) if tensor == "lse" else (1, 2)
+    head_word = "kv head" if tensor in ("dk", "dv") else "head"
+
+    def locate(index: tuple[int, ...]) -> str:
+        t = index[seq_dim]
+        return (f"rank {int(owner[t])} of {ring.world_size} ({ring.layout}), local row {int(local[t])}, "
+                f"token {t}, {head_word} {index[head_dim]}, batch {index[0]}")
+
+    return locate
+
+
+def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
+                  budget: Budget = Budget(), tensors=TENSORS) -> Verdict:
+    verdict = Verdict(case.describe())
+    for name in tensors:
+        dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
+        verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),
+                                     k=budget.k_for(name), dtype=dtype,
+                                     locate=locator(case.spec, case.ring, name)))
+    return verdict
+
+
+def simulated_impl(case: Case, **ring_options) -> WholeImpl:
+    from .ring import simulate_ring
+
+    def impl(q, k, v):
+        return simulate_ring(q, k, v, world_size=case.ring.world_size, causal=case.spec.causal,
+                             softmax_scale=case.spec.softmax_scale, layout=case.ring.layout,
+                             backend=case.backend, return_lse=True, **ring_options)
+    return impl
+
+
+def run_case(case: Case, *, budget: Budget = Budget(), impl: WholeImpl | None = None) -> Verdict:
+    """Judge `impl` (default: our simulated ring) on `case` against float64 and the peer."""
+    case.ring.check_seq_len(case.spec.seq_len)
+    inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution)
+    got = run_whole(impl or simulated_impl(case), inputs)
+    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget)

@@ -1,0 +1,83 @@
+"""Error statistics of a computed tensor against its float64 truth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """How far `got` is from `truth` (all errors in float64, over the compared elements).
+
+    Elements where both are the same infinity (lse = -inf of an empty row) compare equal;
+    an element that is NaN or Inf in `got` but finite in `truth` (or vice versa) is counted in
+    `nonfinite` and makes the error infinite.
+    """
+
+    max_abs: float
+    worst_index: tuple[int, ...]
+    mean_signed: float
+    rmse: float
+    rel_norm: float
+    nonfinite: int
+    numel: int
+
+    @property
+    def finite(self) -> bool:
+        return self.nonfinite == 0
+
+
+def abs_error(got: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise |got - truth| in float64 (0 where both are the same infinity, inf where
+    exactly one side is not finite) and the mask of elements that are wrong non-finites."""
+    if got.shape != truth.shape:
+        raise ValueError(f"shape mismatch: got {tuple(got.shape)}, truth {tuple(truth.shape)}")
+    g, t = got.detach().double(), truth.detach().double()
+    same_inf = torch.isinf(g) & torch.isinf(t) & (g == t)
+    bad = ~(torch.isfinite(g) & torch.isfinite(t)) & ~same_inf
+    diff = (g - t).abs().masked_fill(same_inf, 0.0).masked_fill(bad, float("inf"))
+    return diff, bad
+
+
+def error_stats(got: torch.Tensor, truth: torch.Tensor) -> ErrorStats:
+    diff, bad = abs_error(got, truth)
+    numel = diff.numel()
+    if numel == 0:
+        return ErrorStats(0.0, (), 0.0, 0.0, 0.0, 0, 0)
+    flat = int(diff.argmax())
+    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    ok = ~bad & torch.isfinite(truth.detach().double())
+    g, t = got.detach().double()[ok], truth.detach().double()[ok]
+    signed = (g - t)
+    tnorm = float(t.norm())
+    return ErrorStats(
+        max_abs=float(diff.flatten()[flat]),
+        worst_index=worst,
+        mean_signed=float(signed.mean()) if signed.numel() else 0.0,
+        rmse=float(signed.pow(2).mean().sqrt()) if signed.numel() else 0.0,
+        rel_norm=float(signed.norm() / tnorm) if tnorm > 0 else float(signed.norm()),
+        nonfinite=int(bad.sum()),
+        numel=numel,
+    )
+
+
+def rounding_floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
+    """The slack of the budget: what rounding alone can cost, whatever the algorithm.
+
+    Two parts, added: flash-attention's floor of the output dtype, 2 * max |(ref + 0.3 - 0.3)
+    - ref| with ref in `dtype`; and the floor of float32 accumulation, 2 float32 epsilons of
+    the largest |ref|, since a ring accumulates its P partials in float32 whatever the input
+    dtype (negligible next to the peer's error for bf16/fp16; for float32 inputs it is the
+    same order as the peer's error, and without it a correct ring fails at random).
+    Finite entries only.
+    """
+    t = truth.detach()
+    t = t[torch.isfinite(t)]
+    if t.numel() == 0:
+        return 0.0
+    ref = t.to(dtype)
+    output_floor = 2.0 * float(((ref + 0.3 - 0.3) - ref).abs().max())
+    accumulation_floor = 2.0 * torch.finfo(torch.float32).eps * float(t.abs().max())
+    return output_floor + accumulation_floor
