@@ -45,6 +45,14 @@ class Case:
                 f"heads={s.heads}/{s.kv_heads} seq={s.seq_len} d={s.head_dim} "
                 f"dist={self.distribution} seed={self.seed} backend={self.backend}")
 
+    def labels(self) -> dict[str, str]:
+        s = self.spec
+        mode = next((m for m, v in MODES.items() if v == (s.causal, self.ring.layout)),
+                    f"{self.ring.layout} {'causal' if s.causal else 'bidirectional'}")
+        return {"P": str(self.ring.world_size), "mode": mode, "dtype": s.dtype,
+                "heads": f"{s.heads}/{s.kv_heads}", "b x n x d": f"{s.batch}x{s.seq_len}x{s.head_dim}",
+                "dist": self.distribution, "seed": str(self.seed)}
+
 
 @dataclass(frozen=True)
 class Results:
@@ -101,7 +109,7 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
                   budget: Budget = Budget(), tensors=TENSORS) -> Verdict:
-    verdict = Verdict(case.describe())
+    verdict = Verdict(case.describe(), labels=case.labels())
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),

@@ -1,6 +1,7 @@
 """Named generators of (q, k, v, dout) in float32 on the CPU, cast later to the spec's dtype.
 
-`normal`: every entry N(0, 1); logits then have std ~ sqrt(head_dim) x scale = 1.
+Each generator takes the spec and a seeded `torch.Generator` and draws q, k, v, dout in that
+order, so the same (spec, seed) gives the same tensors on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ def normal(spec: AttentionSpec, gen: torch.Generator):
             torch.randn(kvs, generator=gen), torch.randn(qs, generator=gen))
 
 
-DISTRIBUTIONS: dict[str, Generator] = {"normal": normal}
+def near_uniform(spec: AttentionSpec, gen: torch.Generator):
+    """Near-ties: q scaled by 0.3 so every row's probabilities are close to uniform, and V with
+    a common offset of +6, so every partial output of the ring is large and of one sign. Any
+    rounding of the running output (a low-precision partial at every hop) adds up here
+    instead of averaging out."""
+    q, k, v, dout = normal(spec, gen)
+    return 0.3 * q, k, v + 6.0, dout
+
+
+DISTRIBUTIONS: dict[str, Generator] = {"normal": normal, "near-uniform": near_uniform}
 
 
 def generate(name: str, spec: AttentionSpec, gen: torch.Generator):

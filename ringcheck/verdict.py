@@ -82,6 +82,7 @@ class Verdict:
 
     case: str
     tensors: list[TensorVerdict] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # short columns for tables
 
     @property
     def passed(self) -> bool:

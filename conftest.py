@@ -1,0 +1,1 @@
+"""Root pytest configuration: options and fixtures shared by the suites."""

@@ -1,0 +1,116 @@
+"""The simulated ring against float64: every tensor, every mode, ring sizes 1 to 16."""
+
+import itertools
+
+import pytest
+import torch
+
+import ringcheck
+from ringcheck.backends import get_backend, row_delta
+from ringcheck.check import MODES, Case, run_case
+from ringcheck.spec import AttentionSpec, RingSpec
+
+SIZES = [1, 2, 3, 4, 8, 16]
+DTYPES = ["float32", "bfloat16", "float16"]
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+
+
+def _case(world_size, dtype, mode, heads, *, seed=0, tokens=4, head_dim=16, distribution="normal"):
+    causal, layout = MODES[mode]
+    h, kvh = HEADS[heads]
+    spec = AttentionSpec(batch=1, heads=h, kv_heads=kvh, seq_len=2 * world_size * tokens,
+                         head_dim=head_dim, dtype=dtype, causal=causal)
+    return Case(spec, RingSpec(world_size, layout), seed=seed, distribution=distribution)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world_size", SIZES)
+def test_ring_within_budget_of_float64(world_size, dtype, mode, heads):
+    case = _case(world_size, dtype, mode, heads, seed=world_size)
+    verdict = run_case(case)
+    assert verdict.passed, verdict.message()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_ring_within_budget_on_near_uniform_rows(dtype, mode):
+    verdict = run_case(_case(16, dtype, mode, "gqa", distribution="near-uniform", tokens=8, head_dim=32))
+    assert verdict.passed, verdict.message()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_size_one_equals_the_block_kernel_bit_for_bit(dtype, causal):
+    g = torch.Generator().manual_seed(3)
+    dt = getattr(torch, dtype)
+    q = torch.randn(2, 12, 4, 16, generator=g).to(dt).requires_grad_()
+    k = torch.randn(2, 12, 2, 16, generator=g).to(dt).requires_grad_()
+    v = torch.randn(2, 12, 2, 16, generator=g).to(dt).requires_grad_()
+    dout = torch.randn(2, 12, 4, 16, generator=g).to(dt)
+    out, lse = ringcheck.simulate_ring(q, k, v, world_size=1, causal=causal, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+
+    backend, scale, mask = get_backend("torch"), 16 ** -0.5, "causal" if causal else "full"
+    with torch.no_grad():
+        ref_out, ref_lse = backend.forward(q, k, v, scale=scale, mask=mask, diagonal=0)
+        ref_grads = backend.backward(q, k, v, dout, ref_lse, row_delta(ref_out, dout),
+                                     scale=scale, mask=mask, diagonal=0)
+    assert torch.equal(out, ref_out.to(dt)) and torch.equal(lse, ref_lse)
+    for got, want in zip((dq, dk, dv), ref_grads):
+        assert torch.equal(got, want.to(dt))
+
+
+def test_outputs_have_the_promised_shapes_dtypes_and_gradients():
+    q = torch.randn(2, 16, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 16, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 16, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    out, lse = ringcheck.simulate_ring(q, k, v, world_size=4, layout="zigzag", causal=True, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32
+    (out.float().sum() + lse.sum()).backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.dtype == t.dtype and torch.isfinite(t.grad).all()
+
+
+def test_gradient_through_lse_matches_float64():
+    """lse is differentiable too: d lse / d s = P enters the backward as dS += P * dlse."""
+    from reference import dense_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64).float().requires_grad_()
+               for _ in range(3))
+    w = torch.randn(1, 2, 16, generator=g)
+    _, lse = ringcheck.simulate_ring(q, k, v, world_size=4, causal=True, return_lse=True)
+    got = torch.autograd.grad((lse * w).sum(), (q, k, v))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    _, lse_ref = dense_attention(qd, kd, vd, causal=True, return_lse=True)
+    want = torch.autograd.grad((lse_ref * w.double()).sum(), (qd, kd, vd), allow_unused=True)
+    for a, b in zip(got, want):
+        b = torch.zeros_like(a, dtype=torch.float64) if b is None else b
+        assert (a.double() - b).abs().max() < 1e-5
+
+
+def _qkv(shape_q=(1, 8, 4, 8), shape_kv=(1, 8, 2, 8), dtype=torch.float32):
+    return torch.randn(shape_q, dtype=dtype), torch.randn(shape_kv, dtype=dtype), torch.randn(shape_kv, dtype=dtype)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=3), ValueError, r"seq_len=8 is not divisible by world_size=3"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=3, layout="zigzag"), ValueError, r"2 x world_size=6"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=2, layout="ring"), ValueError, r"layout='ring' is unknown"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=2, backend="cuda"), ValueError, r"backend='cuda' is unknown"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=0), ValueError, r"world_size must be >= 1"),
+    (lambda: ringcheck.simulate_ring(*_qkv((1, 8, 3, 8)), world_size=2), ValueError, r"heads=3 \(q\) is not divisible by kv_heads=2"),
+    (lambda: ringcheck.simulate_ring(*_qkv((8, 4, 8), (8, 2, 8)), world_size=2), ValueError, r"must be 4-D"),
+    (lambda: ringcheck.simulate_ring(*_qkv(dtype=torch.float64), world_size=2), TypeError, r"dtype torch.float64"),
+    (lambda: ringcheck.simulate_ring(_qkv()[0].half(), *_qkv()[1:], world_size=2), TypeError, r"share one dtype"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=2, softmax_scale=-1.0), ValueError, r"softmax_scale"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=2, causal="yes"), TypeError, r"causal must be a bool"),
+    (lambda: ringcheck.simulate_ring(*_qkv(), world_size=2, accumulate="bf16"), ValueError, r"accumulate='bf16'"),
+    (lambda: AttentionSpec(1, 4, 3, 8, 8), ValueError, r"heads=4 is not divisible by kv_heads=3"),
+])
+def test_bad_input_raises_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
