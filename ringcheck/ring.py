@@ -98,8 +98,13 @@ def _plan(config: RingConfig, shard: RankShard, src: int, local_len: int):
                       world_size=config.world_size, local_len=local_len, causal=config.causal)
 
 
+# observer(rank, step, src_rank, out, lse): called after every ring step of the forward with
+# the running partial (float32, this rank's rows), for per-step drift studies; None in normal use
+StepObserver = Callable[[int, int, int, torch.Tensor, torch.Tensor], None]
+
+
 def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, backend: BlockBackend) -> RankLoop:
+                 v: torch.Tensor, backend: BlockBackend, observer: StepObserver | None = None) -> RankLoop:
     """One rank's forward; returns (out in q's dtype, lse float32, out float32)."""
     b, n, h, d = q.shape
     acc, m, l = start_state(b, n, h, d, device=q.device)
@@ -118,6 +123,8 @@ def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch
                 out_rows, _ = finish(a, mm, ll)
                 a = out_rows.to(q.dtype).float() * ll.transpose(1, 2).unsqueeze(-1)
             acc[:, rows], m[:, :, rows], l[:, :, rows] = a, mm, ll
+        if observer is not None:
+            observer(shard.rank, step, shard.source(step), *finish(acc, m, l))
         if not last:
             kv = yield Wait("kv")
     out, lse = finish(acc, m, l)
@@ -227,12 +234,12 @@ class _RingFunction(torch.autograd.Function):
     outputs then their lse."""
 
     @staticmethod
-    def forward(ctx, config: RingConfig, driver, *tensors):
+    def forward(ctx, config: RingConfig, driver, observer, *tensors):
         backend = get_backend(config.backend)
         m = len(driver.local_ranks)
         qs, ks, vs = tensors[:m], tensors[m:2 * m], tensors[2 * m:]
         results = driver.run([
-            forward_loop(config, RankShard(r, config.world_size), q, k, v, backend)
+            forward_loop(config, RankShard(r, config.world_size), q, k, v, backend, observer)
             for r, q, k, v in zip(driver.local_ranks, qs, ks, vs)])
         outs = [res[0] for res in results]
         lses = [res[1] for res in results]
@@ -255,7 +262,7 @@ class _RingFunction(torch.autograd.Function):
         dqs = [res[0] for res in results]
         dks = [res[1] for res in results]
         dvs = [res[2] for res in results]
-        return (None, None, *dqs, *dks, *dvs)
+        return (None, None, None, *dqs, *dks, *dvs)
 
 
 def check_qkv(q: Any, k: Any, v: Any, *, what: str = "shard") -> None:
@@ -302,12 +309,13 @@ def make_config(*, world_size: int, layout: str, causal: bool, softmax_scale: fl
 def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int,
                   causal: bool = False, softmax_scale: float | None = None,
                   layout: str = "contiguous", backend: str = "torch", return_lse: bool = False,
-                  accumulate: str = "float32"):
+                  accumulate: str = "float32", observer: StepObserver | None = None):
     """Ring attention on whole tensors through P virtual ranks in one process.
 
     q is (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim). Shards the
     sequence with `layout`, runs every rank's loop, and returns the whole output (and lse,
     (batch, heads, seq) float32, with `return_lse`); differentiable in q, k and v.
+    `accumulate` and `observer` are for drift studies (see `RingConfig`, `StepObserver`).
     """
     from .layouts import shard, unshard
 
@@ -319,15 +327,15 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_si
                          accumulate=accumulate)
     parts = [shard(t, layout=layout, rank=r, world_size=world_size, dim=1)
              for t in (q, k, v) for r in range(world_size)]
-    results = _RingFunction.apply(config, SimulatedDriver(world_size), *parts)
+    results = _RingFunction.apply(config, SimulatedDriver(world_size), observer, *parts)
     out = unshard(results[:world_size], layout=layout, dim=1)
     if not return_lse:
         return out
     return out, unshard(results[world_size:], layout=layout, dim=2)
 
 
-def run_ring(config: RingConfig, driver, qs, ks, vs):
+def run_ring(config: RingConfig, driver, qs, ks, vs, observer: StepObserver | None = None):
     """Run `_RingFunction` for the local ranks of `driver`; returns (outs, lses) lists."""
     m = len(driver.local_ranks)
-    results = _RingFunction.apply(config, driver, *qs, *ks, *vs)
+    results = _RingFunction.apply(config, driver, observer, *qs, *ks, *vs)
     return list(results[:m]), list(results[m:])
