@@ -1,1 +1,178 @@
 """Root pytest configuration: options and fixtures shared by the suites."""
+
+# --- distributed runs (ringcheck.launch) ------------------------------------------------------
+# Plain `pytest suites/`: tests that need ranks get local gloo rings (worker processes kept for
+# the session). `torchrun --nproc-per-node=P -m pytest suites/`: every rank runs the same tests
+# in the same order; ring tasks run in-process on the torchrun world; every test's verdict is
+# collective (a failure on any rank fails it on all, with every rank's error); only rank 0
+# prints. The launcher environment is read here, once (the edge).
+
+import os
+import sys
+import traceback
+import zlib
+
+import pytest
+import torch
+
+_WORLD = pytest.StashKey()      # TorchrunWorld or None
+_RINGS = pytest.StashKey()      # {timeout: LocalRings}
+_QUIET = pytest.StashKey()      # (real stdout, devnull) on ranks other than 0
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("ringcheck")
+    group.addoption("--ring-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="bound on every ring wait and collective of distributed tests (default 60)")
+    group.addoption("--ring-planted-failure", action="store_true", default=False,
+                    help="run the demonstration test that fails on purpose on one rank (it must fail on all)")
+
+
+def _torchrun_env():
+    from ringcheck.launch import from_torchrun_env
+
+    return from_torchrun_env(os.environ)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    env = _torchrun_env()
+    config.stash[_WORLD] = None
+    config.stash[_RINGS] = {}
+    if env is None:
+        return
+    if getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("under torchrun every rank is already a process; drop pytest-xdist's -n")
+    timeout = config.getoption("--ring-timeout")
+    if env.rank != 0:  # before the terminal reporter is made: it writes to this stdout for good
+        config.stash[_QUIET] = (sys.stdout, open(os.devnull, "w"))
+        sys.stdout = config.stash[_QUIET][1]
+    try:
+        from hypothesis import settings
+
+        # every rank must draw the same examples: no randomness, no database, no timing
+        settings.register_profile("ringcheck-torchrun", derandomize=True, database=None, deadline=None)
+        settings.load_profile("ringcheck-torchrun")
+    except ImportError:
+        pass
+    from ringcheck.launch import TorchrunWorld
+
+    config.stash[_WORLD] = TorchrunWorld(env, timeout=timeout)
+
+
+def pytest_unconfigure(config):
+    for rings in config.stash.get(_RINGS, {}).values():
+        rings.close()
+    world = config.stash.get(_WORLD, None)
+    if world is not None:
+        world.close()
+    quiet = config.stash.get(_QUIET, None)
+    if quiet is not None:
+        real, devnull = quiet
+        if sys.stdout is devnull:
+            sys.stdout = real
+        devnull.close()
+
+
+class CollectiveFailure(AssertionError):
+    """A test failed on some rank; raised on every rank with every failing rank's error."""
+
+
+def _failure_text(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "_pytest" not in f.filename
+              and "pluggy" not in f.filename]
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}{where}: {exc}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    __tracebackhide__ = True
+    world = pyfuncitem.config.stash.get(_WORLD, None)
+    if world is None:
+        return (yield)
+    error, mine = None, ("passed", "")
+    try:
+        result = yield
+    except (pytest.skip.Exception, pytest.xfail.Exception) as exc:
+        error, mine = exc, ("skipped", "")
+    except (Exception, pytest.fail.Exception) as exc:
+        error, mine = exc, ("failed", _failure_text(exc))
+    everyone = world.all_gather((pyfuncitem.nodeid, *mine))
+    ids = {nodeid for nodeid, _, _ in everyone}
+    if len(ids) > 1:
+        raise CollectiveFailure("ranks disagree on the test being run (they must collect the same tests in "
+                                "the same order): " + "; ".join(f"rank {r}: {n}" for r, (n, _, _) in enumerate(everyone)))
+    failed: dict[str, list[int]] = {}  # the same words from several ranks are said once
+    for r, (_, kind, text) in enumerate(everyone):
+        if kind == "failed":
+            failed.setdefault(text, []).append(r)
+    if failed:
+        ranks = sorted(r for rs in failed.values() for r in rs)
+        lines = [f"failed on {len(ranks)} of {world.size} ranks: {', '.join(map(str, ranks))}"]
+        for text, rs in failed.items():
+            who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
+            lines.append(f"{who}: {text}")
+        raise CollectiveFailure("\n".join(lines)) from error
+    if error is not None:
+        raise error
+    return result
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    """The same seed for a test on every rank and in every run (from its id)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def torchrun_world(request):
+    """The torchrun world (ringcheck.launch.TorchrunWorld), or None under plain pytest."""
+    return request.config.stash[_WORLD]
+
+
+@pytest.fixture(scope="session")
+def ring_pool(request):
+    """Factory: `ring_pool(world_size, timeout=None)` -> a live local gloo ring of at least
+    world_size processes (`LocalRingPool`), kept for the session, restarted after a failure."""
+    from ringcheck.launch import LocalRings
+
+    config = request.config
+    rings = config.stash[_RINGS]
+
+    def get(world_size, *, timeout=None):
+        if config.stash[_WORLD] is not None:
+            pytest.skip("local rings start their own processes: run this test with plain pytest, "
+                        "not under torchrun")
+        timeout = config.getoption("--ring-timeout") if timeout is None else timeout
+        if timeout not in rings:
+            rings[timeout] = LocalRings(timeout=timeout)
+        return rings[timeout].pool(world_size)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def run_on_ring(request):
+    """`run_on_ring(world_size, task, *args)` -> [task(member, *args) for every ring rank]:
+    on the torchrun world (a sub-group of its last ranks) when launched by torchrun, else on a
+    local gloo ring; skips when the ring needs more ranks than the torchrun world has."""
+    from ringcheck.launch import LocalRings
+
+    config = request.config
+    world = config.stash[_WORLD]
+
+    def run(world_size, task, *args):
+        __tracebackhide__ = True
+        if world is not None:
+            if world_size > world.size:
+                pytest.skip(f"needs a ring of {world_size} ranks; the torchrun world has {world.size} "
+                            f"(launch with --nproc-per-node={world_size} or more)")
+            return world.run(world_size, task, *args)
+        rings = config.stash[_RINGS]
+        timeout = config.getoption("--ring-timeout")
+        if timeout not in rings:
+            rings[timeout] = LocalRings(timeout=timeout)
+        return rings[timeout].run(world_size, task, *args)
+
+    return run
