@@ -1,0 +1,240 @@
+"""The ring on torch.distributed: bit for bit equal to its simulation, and failures that are
+collective and bounded.
+
+Every test body that needs ranks is a module-level task `task(member, *args)` run through the
+`run_on_ring` fixture: on local gloo rings under plain pytest, on the torchrun world (in-process)
+under `torchrun -m pytest`. Rings smaller than the world are sub-groups of its last ranks, so
+ring ranks differ from global ranks.
+"""
+
+import itertools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcheck
+from ringcheck.check import MODES, Case
+from ringcheck.comm import DistributedDriver, RingComm, ring_attention
+from ringcheck.distributed import judge_case, rank_results, run_cases_on_ring, shard_inputs
+from ringcheck.inputs import make_inputs
+from ringcheck.launch import RingError
+from ringcheck.ring import Post
+from ringcheck.spec import AttentionSpec, RingSpec
+
+SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones
+DTYPES = ["float32", "bfloat16"]
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _case(world_size, mode, dtype, *, seed=0, tokens=8, batch=2, heads=(4, 2), head_dim=16):
+    causal, layout = MODES[mode]
+    spec = AttentionSpec(batch=batch, heads=heads[0], kv_heads=heads[1], seq_len=world_size * tokens,
+                         head_dim=head_dim, dtype=dtype, causal=causal)
+    return Case(spec, RingSpec(world_size, layout), seed=seed)
+
+
+def _simulated_shards(case, member, *, lse_weight=None):
+    """The simulated ring on the whole inputs, cut to this rank's shards."""
+    s, ring = case.spec, case.ring
+    inputs = make_inputs(s, seed=case.seed, device=member.device)
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = ringcheck.simulate_ring(q, k, v, world_size=ring.world_size, causal=s.causal,
+                                       layout=ring.layout, return_lse=True)
+    outputs, grads = [out], [inputs.dout]
+    if lse_weight is not None:
+        outputs.append(lse)
+        grads.append(lse_weight)
+    dq, dk, dv = torch.autograd.grad(outputs, (q, k, v), grads)
+    cut = lambda t, dim=1: ringcheck.shard(t, layout=ring.layout, rank=member.rank,  # noqa: E731
+                                           world_size=ring.world_size, dim=dim)
+    return {"out": cut(out), "lse": cut(lse, 2), "dq": cut(dq), "dk": cut(dk), "dv": cut(dv)}
+
+
+def _mismatches(case, got, want, member):
+    bad = []
+    for name in TENSORS:
+        a, b = got[name], want[name]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs()
+            bad.append(f"rank {member.rank}: {case.describe()}: {name} differs from the simulated ring in "
+                       f"{int((diff != 0).sum())} of {diff.numel()} elements (max {diff.max().item():.3e})")
+    return bad
+
+
+def bit_for_bit_task(member, cases):
+    """Each case through ring_attention on this rank and through the simulated ring on the
+    whole inputs; returns the mismatches this rank sees (none expected)."""
+    bad = []
+    for case in cases:
+        r = rank_results(member, case)
+        got = dict(zip(TENSORS, (r.out, r.lse, r.dq, r.dk, r.dv)))
+        bad += _mismatches(case, got, _simulated_shards(case, member), member)
+    return bad
+
+
+def lse_gradient_task(member, case):
+    """A gradient flowing into lse as well as out, through both rings."""
+    s, ring = case.spec, case.ring
+    inputs = make_inputs(s, seed=case.seed, device=member.device)
+    weight = torch.randn(s.batch, s.heads, s.seq_len, generator=torch.Generator().manual_seed(7)).to(member.device)
+    q, k, v, dout = shard_inputs(inputs, layout=ring.layout, rank=member.rank, world_size=member.world_size)
+    out, lse = ring_attention(q, k, v, causal=s.causal, layout=ring.layout, group=member.group,
+                              return_lse=True, timeout=member.timeout)
+    my_weight = ringcheck.shard(weight, layout=ring.layout, rank=member.rank, world_size=member.world_size, dim=2)
+    dq, dk, dv = torch.autograd.grad([out, lse], (q, k, v), [dout, my_weight])
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    return _mismatches(case, got, _simulated_shards(case, member, lse_weight=weight), member)
+
+
+@pytest.mark.parametrize("world_size", SIZES)
+def test_distributed_equals_simulated_bit_for_bit(run_on_ring, world_size):
+    """Every mode, float32 and bfloat16, MHA and GQA: out, lse, dq, dk, dv identical."""
+    cases = [_case(world_size, mode, dtype, seed=i, heads=heads)
+             for i, (mode, dtype, heads) in enumerate(itertools.product(MODES, DTYPES, [(4, 2), (2, 2)]))]
+    per_rank = run_on_ring(world_size, bit_for_bit_task, cases)
+    bad = [line for rank in per_rank for line in rank]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world_size", [4, 3])
+def test_gradient_through_lse_equals_simulated_bit_for_bit(run_on_ring, world_size):
+    for mode in ("bidirectional", "zigzag"):
+        bad = [line for rank in run_on_ring(world_size, lse_gradient_task, _case(world_size, mode, "bfloat16"))
+               for line in rank]
+        assert not bad, "\n".join(bad)
+
+
+def test_validate_path_gathers_whole_results_that_pass_the_budget(run_on_ring):
+    """`run_cases_on_ring` (what `ringcheck validate` uses) batches cases per ring size."""
+    class Ring:
+        run = staticmethod(run_on_ring)
+
+    cases = [_case(4, "zigzag", "bfloat16", seed=3), _case(2, "striped", "float32", seed=4)]
+    for case, got in zip(cases, run_cases_on_ring(cases, Ring())):
+        verdict = judge_case(case, got)
+        assert verdict.passed, verdict.message()
+        inputs = make_inputs(case.spec, seed=case.seed)
+        out = ringcheck.simulate_ring(inputs.q, inputs.k, inputs.v, world_size=case.ring.world_size,
+                                      causal=case.spec.causal, layout=case.ring.layout)
+        assert torch.equal(got.out, out)
+
+
+def ranks_task(member):
+    comm = RingComm(member.group, timeout=member.timeout)
+    return (member.rank, member.global_rank, dist.get_rank(), comm.global_ranks)
+
+
+@pytest.mark.parametrize("world_size", [3, 2])
+def test_group_ranks_are_converted_to_global_ranks(run_on_ring, world_size):
+    got = run_on_ring(world_size, ranks_task)
+    assert [g[0] for g in got] == list(range(world_size))
+    globals_ = [g[2] for g in got]
+    assert [g[1] for g in got] == globals_
+    for g in got:
+        assert g[3] == globals_, "every rank must see the ring's global ranks in ring order"
+
+
+def misuse_task(member):
+    comm = RingComm(member.group, timeout=member.timeout)
+    said = []
+    try:
+        comm.wait("kv")
+    except RuntimeError as exc:
+        said.append(str(exc))
+    payload = (torch.full((2,), float(member.rank)),)
+    comm.post("kv", payload)
+    try:
+        comm.post("kv", payload)
+    except RuntimeError as exc:
+        said.append(str(exc))
+    (got,) = comm.wait("kv")
+    said.append(int(got[0]))
+
+    def loop_leaving_a_post():
+        yield Post("grad", payload)
+        return "done"
+
+    try:
+        DistributedDriver(comm).run([loop_leaving_a_post()])
+    except RuntimeError as exc:
+        said.append(str(exc))  # (the abandoned exchange still completes: both ranks posted it)
+    return said
+
+
+def test_comm_raises_on_misuse(run_on_ring):
+    said = run_on_ring(2, misuse_task)
+    for rank, words in enumerate(said):
+        assert "wait on channel 'kv' before anything was posted" in words[0]
+        assert "two sends in flight on channel 'kv'" in words[1]
+        assert words[2] == (rank - 1) % 2
+        assert "exchanges still in flight on channels ['grad']" in words[3]
+
+
+def test_ring_attention_without_a_process_group_says_how_to_launch(torchrun_world):
+    if torchrun_world is not None:
+        pytest.skip("torch.distributed is initialized under torchrun")
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=r"torchrun --nproc-per-node=<P>"):
+        ring_attention(q, q, q)
+
+
+# ------------------------------------------------------------------------ collective failures
+
+def planted_wrong_result_task(member, planted_rank):
+    """A correct ring run, then one rank's output is made wrong: its check must fail."""
+    case = _case(member.world_size, "zigzag", "float32")
+    r = rank_results(member, case)
+    got = dict(zip(TENSORS, (r.out, r.lse, r.dq, r.dk, r.dv)))
+    if member.rank == planted_rank:
+        got["out"] = got["out"].clone()
+        got["out"][0, 0, 0, 0] += 1.0
+    bad = _mismatches(case, got, _simulated_shards(case, member), member)
+    assert not bad, "\n".join(bad)
+    return "ok"
+
+
+def test_a_failure_on_one_rank_fails_every_rank_with_one_message(run_on_ring, torchrun_world):
+    start = time.monotonic()
+    with pytest.raises(RingError) as info:
+        run_on_ring(4, planted_wrong_result_task, 1)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert set(info.value.failures) == {1}
+    assert "failing ranks: 1\n" in message and "rank 1 (global rank" in message
+    assert "out differs from the simulated ring in 1 of" in message
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    if torchrun_world is not None:  # every rank raised, and all raised the same words
+        messages = torchrun_world.all_gather(message)
+        assert all(m == messages[0] for m in messages), messages
+    # the ring is usable again afterwards (a local ring restarts, a torchrun ring is re-made)
+    assert run_on_ring(4, ranks_task)[0][0] == 0
+
+
+def raises_before_the_ring_task(member, timeout):
+    if member.rank == 1:
+        raise ValueError("planted: rank 1 fails before its first send")
+    case = _case(member.world_size, "causal", "float32")
+    q, k, v, _ = shard_inputs(make_inputs(case.spec, seed=0), layout="contiguous", rank=member.rank,
+                              world_size=member.world_size)
+    return ring_attention(q, k, v, causal=True, group=member.group, timeout=timeout).shape
+
+
+def test_a_rank_that_raises_fails_the_others_in_bounded_time(run_on_ring):
+    timeout = 5.0
+    start = time.monotonic()
+    with pytest.raises(RingError) as info:
+        run_on_ring(3, raises_before_the_ring_task, timeout)
+    elapsed = time.monotonic() - start
+    assert "rank 1 (global rank" in str(info.value) and "ValueError: planted" in str(info.value)
+    assert 1 in info.value.failures
+    assert elapsed < timeout + 10, f"took {elapsed:.1f} s"
+
+
+def test_planted_failure_demonstration(request, run_on_ring):
+    """Fails on purpose (with --ring-planted-failure): under torchrun, on every rank with one
+    message naming rank 1; with plain pytest, once, naming rank 1."""
+    if not request.config.getoption("--ring-planted-failure"):
+        pytest.skip("a demonstration that fails on purpose: select it with --ring-planted-failure")
+    run_on_ring(4, planted_wrong_result_task, 1)

@@ -1,0 +1,123 @@
+"""Faults on a local gloo ring: a rank that raises, is SIGKILLed mid-ring, or never sends.
+
+Each ends with a RingError that names the rank, within a bound set by the (short) timeout, with
+every process of the failed ring gone; the next task gets a fresh ring. Plain pytest only: these
+kill and stall processes, which under torchrun would take the launcher's world down.
+"""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import ringcheck
+from ringcheck.launch import LocalRings, RingError
+from ringcheck.ring import RingConfig, run_ring
+
+TIMEOUT = 5.0
+RING = 3
+VICTIM = 1
+
+
+def _shards(member):
+    g = torch.Generator().manual_seed(member.rank)
+    return [torch.randn(1, 8, 2, 8, generator=g) for _ in range(3)]
+
+
+def _kill_at_step(rank: int, step: int):
+    def observer(r, s, src, out, lse):
+        if r == rank and s == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return observer
+
+
+def ring_task(member, fault):
+    """A forward and backward through ring_attention, with `fault` planted on VICTIM."""
+    from ringcheck.comm import DistributedDriver, RingComm
+
+    q, k, v = (t.requires_grad_() for t in _shards(member))
+    if member.rank == VICTIM and fault == "raise":
+        raise ValueError("planted: this rank gives up before its first send")
+    if member.rank == VICTIM and fault == "never-send":
+        time.sleep(3600)  # stuck: never posts, never answers
+    if fault == "sigkill":  # dies after computing ring step 1, with the next K/V exchange in flight
+        config = RingConfig(world_size=member.world_size, scale=8 ** -0.5)
+        driver = DistributedDriver(RingComm(member.group, timeout=member.timeout))
+        (out,), _ = run_ring(config, driver, [q], [k], [v], observer=_kill_at_step(VICTIM, 1))
+    else:
+        out = ringcheck.ring_attention(q, k, v, group=member.group, timeout=member.timeout)
+    out.sum().backward()
+    return "ok"
+
+
+def _children():
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def rings(torchrun_world):
+    if torchrun_world is not None:
+        pytest.skip("fault injection kills and stalls processes: run it with plain pytest (it starts "
+                    "its own local rings), not under torchrun")
+    with LocalRings(timeout=TIMEOUT) as rings:
+        yield rings
+
+
+def _fails_cleanly(rings, fault, says, bound):
+    """Run `fault` on a warm ring: a RingError naming VICTIM within `bound` seconds, every
+    process of the failed ring gone, and a fresh ring for the next task. Returns the error."""
+    pool = rings.pool(RING)
+    assert rings.run(RING, ring_task, "none") == ["ok"] * RING
+    pids = pool.pids
+    start = time.monotonic()
+    with pytest.raises(RingError) as info:
+        rings.run(RING, ring_task, fault)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert VICTIM in info.value.failures, message
+    assert f"rank {VICTIM} (global rank" in message and says in message, message
+    assert elapsed < bound, f"{fault}: the ring took {elapsed:.1f} s to fail (bound {bound} s)\n{message}"
+    assert not pool.alive
+    assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
+    assert not (set(pids) & _children())
+    assert rings.run(RING, ring_task, "none") == ["ok"] * RING
+    assert rings.pool(RING) is not pool
+    return info.value
+
+
+def test_a_rank_that_raises(rings):
+    # reported at once; the others, stuck waiting for it, are stopped after the grace (2 s)
+    _fails_cleanly(rings, "raise", "ValueError: planted", bound=TIMEOUT)
+
+
+def test_a_rank_killed_mid_ring(rings):
+    # the worker's sentinel fires at once; its neighbours see the connection close
+    _fails_cleanly(rings, "sigkill", "died during the task: killed by SIGKILL", bound=TIMEOUT)
+
+
+def test_a_rank_that_never_sends(rings):
+    # its neighbours time out naming it; it is stopped after the grace
+    error = _fails_cleanly(rings, "never-send", f"no 'kv' payload arrived from rank {VICTIM}", bound=TIMEOUT + 6)
+    nxt, prv = (VICTIM + 1) % RING, (VICTIM - 1) % RING
+    assert f"no 'kv' payload arrived from rank {VICTIM}" in error.failures[nxt]
+    assert f"rank {VICTIM} (global rank {VICTIM}) did not take the 'kv' payload" in error.failures[prv]
+    assert "did not answer within the grace" in error.failures[VICTIM]
+
+
+def test_closing_leaves_no_process_behind():
+    with LocalRings(timeout=TIMEOUT) as rings:
+        pids = rings.pool(2).pids
+        assert rings.run(2, ring_task, "none") == ["ok", "ok"]
+    assert all(_gone(pid) for pid in pids)
+    assert not (set(pids) & _children())
