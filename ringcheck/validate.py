@@ -25,7 +25,19 @@ def default_cases(world_size: int = 4, *, backend: str = "torch") -> list[Case]:
 
 
 def validate(cases: Iterable[Case], *, budget: Budget = Budget(),
-             progress: Callable[[Case], None] | None = None) -> list[Verdict]:
+             progress: Callable[[Case], None] | None = None, ring=None) -> list[Verdict]:
+    """Judge our ring on every case: distributed on `ring` (local gloo rings or the torchrun
+    world, see `ringcheck.launch`) when given, else simulated in this process."""
+    if ring is not None:
+        from .distributed import judge_case, run_cases_on_ring
+
+        cases = list(cases)
+        verdicts = []
+        for case, got in zip(cases, run_cases_on_ring(cases, ring)):
+            if progress is not None:
+                progress(case)
+            verdicts.append(judge_case(case, got, budget=budget))
+        return verdicts
     verdicts = []
     for case in cases:
         if progress is not None:
