@@ -57,7 +57,7 @@ def check_timeout(timeout: Any) -> float:
 class _Exchange:
     """One posted exchange: the requests, the send buffers kept alive, the receive buffers."""
 
-    works: list
+    works: list            # (work, "recv" | "send" | "both"), receives first
     sends: list            # kept referenced until the sends complete
     recvs: list            # uint8 buffers
     meta: list             # (dtype, shape) per tensor, to view the bytes back
@@ -123,7 +123,12 @@ class RingComm:
         except RuntimeError as exc:
             raise RuntimeError(f"{self._where()}: could not start the {channel!r} exchange with "
                                f"{self._name(self.next_rank)} and {self._name(self.prev_rank)}: {exc}") from exc
-        self._in_flight[channel] = _Exchange(works, sends, recvs, [(t.dtype, t.shape) for t in payload])
+        if len(works) == len(ops):  # one request per operation (gloo)
+            roles = [(w, "send") for w in works[:len(sends)]]
+            roles = [(w, "recv") for w in works[len(sends):]] + roles  # "nothing arrived" tells more
+        else:  # a coalesced batch (NCCL) answers with one request for all of it
+            roles = [(w, "both") for w in works]
+        self._in_flight[channel] = _Exchange(roles, sends, recvs, [(t.dtype, t.shape) for t in payload])
 
     def wait(self, channel: str) -> tuple:
         """The payload the previous rank posted on `channel`, once the exchange is complete."""
@@ -132,25 +137,25 @@ class RingComm:
             raise RuntimeError(f"{self._where()}: wait on channel {channel!r} before anything was posted on it")
         if isinstance(exchange, tuple):
             return exchange
-        n = len(exchange.sends)
         start = time.monotonic()
         deadline = start + self.timeout
-        # receives first: "nothing arrived from rank r-1" is the more telling message
-        order = list(range(n, 2 * n)) + list(range(n))
-        for i in order:
-            receiving = i >= n
+        for work, role in exchange.works:
             left = max(deadline - time.monotonic(), 0.001)
             try:
-                exchange.works[i].wait(datetime.timedelta(seconds=left))
+                work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as exc:
-                peer = self.prev_rank if receiving else self.next_rank
-                what = (f"no {channel!r} payload arrived from {self._name(peer)}" if receiving else
-                        f"{self._name(peer)} did not take the {channel!r} payload sent to it")
+                what = {
+                    "recv": f"no {channel!r} payload arrived from {self._name(self.prev_rank)}",
+                    "send": f"{self._name(self.next_rank)} did not take the {channel!r} payload sent to it",
+                    "both": f"the {channel!r} exchange (sending to {self._name(self.next_rank)}, receiving "
+                            f"from {self._name(self.prev_rank)}) did not complete",
+                }[role]
+                who = "one of them" if role == "both" else "that rank"
                 waited = time.monotonic() - start
                 when = (f"within the timeout of {self.timeout:g} s" if waited >= self.timeout - 0.01 else
                         f"(the wait failed after {waited:.2f} s of at most {self.timeout:g} s)")
                 raise RuntimeError(
-                    f"{self._where()}: {what} {when}: that rank raised, died, or never reached this ring "
+                    f"{self._where()}: {what} {when}: {who} raised, died, or never reached this ring "
                     f"step ({type(exc).__name__}: {exc})") from exc
         return tuple(buf.view(dtype).view(shape) for buf, (dtype, shape) in zip(exchange.recvs, exchange.meta))
 
