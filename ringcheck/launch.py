@@ -258,7 +258,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) ->
                                 timeout=_td(control_timeout(timeout)))
         conn.send_bytes(pickle.dumps(("ready", None)))
     except Exception:
-        conn.send_bytes(pickle.dumps(("error", f"could not join the ring:\n{traceback.format_exc()}")))
+        conn.send_bytes(pickle.dumps(("error", f"could not join the ring: {_raised()}")))
         return
     rings: dict[int, Any] = {}
     while True:
@@ -269,7 +269,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) ->
         try:
             kind, ring_size, task, args = pickle.loads(message)
         except Exception:
-            conn.send_bytes(pickle.dumps(("error", f"could not unpickle the task:\n{traceback.format_exc()}")))
+            conn.send_bytes(pickle.dumps(("error", f"could not unpickle the task: {_raised()}")))
             continue
         if kind == "stop":
             break
@@ -286,7 +286,10 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) ->
             reply = pickle.dumps(outcome)
         except BaseException:
             reply = pickle.dumps(("error", _raised()))
-        conn.send_bytes(reply)
+        try:
+            conn.send_bytes(reply)
+        except OSError:  # the parent is gone
+            break
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -453,7 +456,9 @@ class LocalRings:
     """Local gloo rings kept alive for a session: `run(ring_size, ...)` uses the smallest live
     pool with at least `ring_size` processes, or starts one of exactly `ring_size`.
 
-    A pool that failed is dropped, so the next task gets fresh processes.
+    A pool that failed is dropped, so the next task gets fresh processes. As with any
+    multiprocessing start method but fork, a script that starts rings must guard its entry
+    point with `if __name__ == "__main__":` (workers import the main module).
     """
 
     size = None     # no upper bound: a bigger ring just starts more processes

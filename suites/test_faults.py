@@ -7,7 +7,10 @@ kill and stall processes, which under torchrun would take the launcher's world d
 
 import multiprocessing
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -58,11 +61,18 @@ def _children():
 
 
 def _gone(pid):
+    """No such process, or only its zombie (exited; waiting for whoever reaps orphans)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
         return True
-    return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
 
 @pytest.fixture
@@ -121,3 +131,37 @@ def test_closing_leaves_no_process_behind():
         assert rings.run(2, ring_task, "none") == ["ok", "ok"]
     assert all(_gone(pid) for pid in pids)
     assert not (set(pids) & _children())
+
+
+PARENT = """
+import time
+from ringcheck.launch import LocalRings
+
+if __name__ == "__main__":
+    pool = LocalRings(timeout=5).pool(2)
+    print(*pool.pids, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_parent_leaves_no_worker_behind(tmp_path, torchrun_world):
+    """The parent SIGKILLed (no chance to clean up): its idle workers see their pipe close
+    and leave."""
+    if torchrun_world is not None:
+        pytest.skip("starts and kills processes: plain pytest only")
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 120)
+        assert ready, "the parent did not start its ring within 120 s"
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids), f"workers left behind: {[p for p in pids if not _gone(p)]}"
