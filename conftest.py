@@ -6,6 +6,10 @@
 # in the same order; ring tasks run in-process on the torchrun world; every test's verdict is
 # collective (a failure on any rank fails it on all, with every rank's error); only rank 0
 # prints. The launcher environment is read here, once (the edge).
+# To merge with other sections: call `_add_ring_options(parser)` from pytest_addoption,
+# `_configure_ring(config)` first in a tryfirst pytest_configure (after loading any Hypothesis
+# profile: it derandomizes the loaded one under torchrun), `_unconfigure_ring(config)` from
+# pytest_unconfigure; the rest of the section (a pyfunc_call wrapper, fixtures) stands alone.
 
 import os
 import sys
@@ -20,7 +24,7 @@ _RINGS = pytest.StashKey()      # {timeout: LocalRings}
 _QUIET = pytest.StashKey()      # (real stdout, devnull) on ranks other than 0
 
 
-def pytest_addoption(parser):
+def _add_ring_options(parser) -> None:
     group = parser.getgroup("ringcheck")
     group.addoption("--ring-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="bound on every ring wait and collective of distributed tests (default 60)")
@@ -28,39 +32,38 @@ def pytest_addoption(parser):
                     help="run the demonstration test that fails on purpose on one rank (it must fail on all)")
 
 
-def _torchrun_env():
-    from ringcheck.launch import from_torchrun_env
+def _derandomize_hypothesis() -> None:
+    """Every rank must draw the same examples: the current profile (whatever another section
+    loaded), derandomized, without a database or deadline."""
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    settings.register_profile("ringcheck-torchrun", parent=settings.default, derandomize=True,
+                              database=None, deadline=None)
+    settings.load_profile("ringcheck-torchrun")
 
-    return from_torchrun_env(os.environ)
 
+def _configure_ring(config) -> None:
+    """Call first in pytest_configure (tryfirst): a quiet rank must swap stdout before the
+    terminal reporter takes it."""
+    from ringcheck.launch import TorchrunWorld, from_torchrun_env
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    env = _torchrun_env()
+    env = from_torchrun_env(os.environ)
     config.stash[_WORLD] = None
     config.stash[_RINGS] = {}
     if env is None:
         return
     if getattr(config.option, "numprocesses", None):
         raise pytest.UsageError("under torchrun every rank is already a process; drop pytest-xdist's -n")
-    timeout = config.getoption("--ring-timeout")
-    if env.rank != 0:  # before the terminal reporter is made: it writes to this stdout for good
+    if env.rank != 0:  # the terminal reporter writes to the stdout it finds, for good
         config.stash[_QUIET] = (sys.stdout, open(os.devnull, "w"))
         sys.stdout = config.stash[_QUIET][1]
-    try:
-        from hypothesis import settings
-
-        # every rank must draw the same examples: no randomness, no database, no timing
-        settings.register_profile("ringcheck-torchrun", derandomize=True, database=None, deadline=None)
-        settings.load_profile("ringcheck-torchrun")
-    except ImportError:
-        pass
-    from ringcheck.launch import TorchrunWorld
-
-    config.stash[_WORLD] = TorchrunWorld(env, timeout=timeout)
+    _derandomize_hypothesis()
+    config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"))
 
 
-def pytest_unconfigure(config):
+def _unconfigure_ring(config) -> None:
     for rings in config.stash.get(_RINGS, {}).values():
         rings.close()
     world = config.stash.get(_WORLD, None)
@@ -72,6 +75,19 @@ def pytest_unconfigure(config):
         if sys.stdout is devnull:
             sys.stdout = real
         devnull.close()
+
+
+def pytest_addoption(parser):
+    _add_ring_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    _configure_ring(config)
+
+
+def pytest_unconfigure(config):
+    _unconfigure_ring(config)
 
 
 class CollectiveFailure(AssertionError):
@@ -176,3 +192,5 @@ def run_on_ring(request):
         return rings[timeout].run(world_size, task, *args)
 
     return run
+
+# ---- end of the distributed runs section ---------------------------------------------------

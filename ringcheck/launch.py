@@ -162,6 +162,8 @@ class TorchrunWorld:
     replaced after a failure (a ring that timed out may hold stale transfers).
     """
 
+    is_torchrun = True
+
     def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None):
         self.env = env
         self.timeout = check_timeout(timeout)
@@ -461,8 +463,9 @@ class LocalRings:
     point with `if __name__ == "__main__":` (workers import the main module).
     """
 
-    size = None     # no upper bound: a bigger ring just starts more processes
-    is_main = True  # the one process that reports
+    size = None         # no upper bound: a bigger ring just starts more processes
+    is_main = True      # the one process that reports
+    is_torchrun = False
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT):
         self.timeout = check_timeout(timeout)
