@@ -38,3 +38,27 @@ def print_verdicts(verdicts: list[Verdict], console: Console | None = None) -> N
         console.print(f"[bold red]FAILED[/]: {len(failed)} of {n} cases over budget")
     else:
         console.print(f"[bold green]PASSED[/]: all {n} cases within budget")
+
+
+def check_rows_table(rows, *, title: str = "ringcheck validate") -> Table:
+    table = Table(title=title)
+    for name, justify in (("check", "left"), ("verdict", "left"), ("error", "right"), ("budget", "right"),
+                          ("err/budget", "right"), ("detail", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    colours = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": "[cyan]info[/]"}
+    for r in rows:
+        ratio = f"{r.error / r.budget:.2f}" if (r.error is not None and r.budget) else ""
+        table.add_row(r.check, colours.get(r.status, r.status), "" if r.error is None else f"{r.error:.2e}",
+                      "" if r.budget is None else f"{r.budget:.2e}", ratio, r.detail if r.status == "fail" else
+                      (r.detail if r.status == "info" else ""))
+    return table
+
+
+def print_check_rows(rows, passed: bool, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(check_rows_table(rows))
+    failed = [r for r in rows if r.status == "fail"]
+    if failed:
+        console.print(f"[bold red]FAILED[/]: {len(failed)} of {len(rows)} checks")
+    else:
+        console.print(f"[bold green]PASSED[/]: every check within budget")
