@@ -59,12 +59,6 @@ def _target_from_args(args: argparse.Namespace):
         raise UsageError(str(exc)) from exc
 
 
-def _validate_task(member, target):
-    from .validate import validate_on_rank
-
-    return validate_on_rank(target, member.group)
-
-
 def _short_failures(exc) -> str:
     """One line per failing rank (the exception's last line), not whole tracebacks."""
     failures = getattr(exc, "failures", None)
@@ -83,7 +77,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from .adapters import load_impl
     from .launch import RingError, open_ring
     from .report import print_check_rows
-    from .validate import markdown, report_dict
+    from .validate import markdown, report_dict, validate_task
 
     target = _target_from_args(args)
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
@@ -103,7 +97,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             console.print(f"ringcheck validate {target.describe()}")
         with console.status("validating", spinner="dots") if main else _nullcontext():
             try:
-                rows = ring.run(target.world_size, _validate_task, target)[0]
+                rows = ring.run(target.world_size, validate_task, target)[0]
             except RingError as exc:
                 raise UsageError("the implementation did not complete on every rank:\n" + _short_failures(exc)) from exc
     finally:

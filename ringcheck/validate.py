@@ -382,3 +382,8 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("meta"):
         lines += ["", "Run: " + ", ".join(f"{k}={v}" for k, v in report["meta"].items())]
     return "\n".join(lines) + "\n"
+
+
+def validate_task(member, target: Target) -> list[CheckRow]:
+    """`validate_on_rank` as a ring task (`ringcheck.launch`): member carries the group."""
+    return validate_on_rank(target, member.group)
