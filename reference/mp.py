@@ -36,6 +36,7 @@ Nothing here imports ``ringcheck``.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -129,11 +130,13 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
         if hit is not None:
             return _result_from_payload(hit, q.device)
 
-    qd, kd, vd = (_float64(t) for t in (q, k, v))
-    dod = None if dout is None else _float64(dout)
+    rows_idx = slice(None) if sel is None else torch.from_numpy(sel)
+    qd, kd, vd = _float64(q[:, rows_idx]), _float64(k), _float64(v)
+    dod = None if dout is None else _float64(dout[:, rows_idx])
     failure = None
     for lo, hi in pairs:
-        payload = _compute(qd, kd, vd, dod, sel, bool(causal), scale, (lo, hi))
+        with _one_blas_thread():
+            payload = _compute(qd, kd, vd, dod, sel, q.shape[1], bool(causal), scale, (lo, hi))
         if payload["certified_digits"] >= digits:
             if store is not None:
                 store.put(key, payload)
@@ -212,6 +215,21 @@ def _precision_pairs(digits: float, precision) -> list[tuple[int, int]]:
     return pairs
 
 
+@contextmanager
+def _one_blas_thread():
+    """The limb products are small, skinny float64 GEMMs; on a shared 2-core machine a
+    second BLAS thread made them 4x slower (spinning against other processes), so they run
+    on one thread. torch's setting is restored afterwards."""
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
+
+
 def _float64(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float64).numpy()  # every bf16/fp16/fp32 value is exact in float64
 
@@ -233,14 +251,22 @@ class _Grid:
 
 
 def _grid(x: np.ndarray) -> _Grid:
-    a = np.abs(x[x != 0])
-    if a.size == 0:
+    lo, hi = None, None  # lowest set bit and top exponent over the nonzero values
+    flat = x.reshape(-1)
+    for i in range(0, flat.size, 1 << 20):  # chunks bound the temporaries
+        a = np.abs(flat[i:i + (1 << 20)])
+        a = a[a != 0]
+        if a.size == 0:
+            continue
+        m, ex = np.frexp(a)  # a = m 2^ex, m in [0.5, 1)
+        man = np.ldexp(m, 53).astype(np.int64)  # a = man 2^(ex - 53), man an integer < 2^53
+        tz = np.frexp((man & -man).astype(np.float64))[1] - 1  # trailing zero bits of man
+        c_lo, c_hi = int((ex - 53 + tz).min()), int(ex.max())
+        lo = c_lo if lo is None else min(lo, c_lo)
+        hi = c_hi if hi is None else max(hi, c_hi)
+    if lo is None:
         return _Grid(0, 1)
-    m, ex = np.frexp(a)  # a = m 2^ex, m in [0.5, 1)
-    man = np.ldexp(m, 53).astype(np.int64)  # a = man 2^(ex - 53), man an integer < 2^53
-    tz = np.frexp((man & -man).astype(np.float64))[1] - 1  # trailing zero bits of man
-    e = int((ex - 53 + tz).min())
-    return _Grid(e, max(1, -(-(int(ex.max()) - e) // 16)))
+    return _Grid(lo, max(1, -(-(hi - lo) // 16)))
 
 
 def _float_limbs(x: np.ndarray, g: _Grid) -> np.ndarray:
@@ -315,9 +341,9 @@ def _imatmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     digits = np.zeros((la + lb - 1, m, n), np.int64)
     pending = 0
     for k0 in range(0, k, _K_CHUNK):
-        aa = a[:, k0:k0 + _K_CHUNK].transpose(2, 0, 1).reshape(la * m, -1)
-        bb = b[k0:k0 + _K_CHUNK].transpose(0, 2, 1).reshape(-1, lb * n)
-        c = (aa @ bb).reshape(la, m, lb, n).astype(np.int64)
+        aa = np.ascontiguousarray(a[:, k0:k0 + _K_CHUNK].transpose(2, 0, 1)).reshape(la * m, -1)
+        bb = np.ascontiguousarray(b[k0:k0 + _K_CHUNK].transpose(0, 2, 1)).reshape(-1, lb * n)
+        c = torch.from_numpy(aa).matmul(torch.from_numpy(bb)).numpy().reshape(la, m, lb, n).astype(np.int64)
         for i in range(la):
             digits[i:i + lb] += c[i].transpose(1, 0, 2)
         pending += 1
@@ -712,12 +738,12 @@ def _result_bits(precisions) -> int:
 # whole tensors: groups, certification, float64
 
 
-def _compute(qd, kd, vd, dod, sel, causal, scale, precision) -> dict:
+def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision) -> dict:
     """Both precisions; the p_hi values rounded to float64; certified bits per tensor as
     the minimum over (batch, head) slices of min(agreement of lo with hi, a-priori bits of
     hi)."""
     lo, hi = precision
-    b_, nq, h_, d = qd.shape
+    b_, _, h_, d = qd.shape  # qd, dod: the selected rows only
     nk, kvh = kd.shape[1], kd.shape[2]
     grp = h_ // kvh
     full = sel is None
@@ -733,9 +759,9 @@ def _compute(qd, kd, vd, dod, sel, causal, scale, precision) -> dict:
         for kh in range(kvh):
             heads = slice(kh * grp, (kh + 1) * grp)
             # rows: (head g, position), head-major
-            qg = np.ascontiguousarray(qd[b, sel, heads].transpose(1, 0, 2).reshape(grp * ns, d))
+            qg = np.ascontiguousarray(qd[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, d))
             dog = None if dod is None else \
-                np.ascontiguousarray(dod[b, sel, heads].transpose(1, 0, 2).reshape(grp * ns, d))
+                np.ascontiguousarray(dod[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, d))
             inp = _Inputs(qg, kd[b, :, kh], vd[b, :, kh], dog, np.tile(sel, grp), causal, nk - nq, scale)
             res = _group(inp, (lo, hi), key_grads=key_grads)
             (vhi, bhi), (vlo, _) = res[hi], res[lo]

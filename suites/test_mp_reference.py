@@ -229,11 +229,11 @@ def test_agreement_of_truncated_precisions_is_not_certified():
     assert float(auto.dq.abs().max()) > 0
 
 
-def test_precision_is_scoped():
+def test_precision_and_threads_are_scoped():
     q, k, v, do = make(ordinary, torch.float32)
-    before = (mpmath.mp.prec, mpmath.mp.dps)
+    before = (mpmath.mp.prec, mpmath.mp.dps, torch.get_num_threads())
     mp_attention(q[:, :8], k[:, :8], v[:, :8], do[:, :8], cache=False)
-    assert (mpmath.mp.prec, mpmath.mp.dps) == before
+    assert (mpmath.mp.prec, mpmath.mp.dps, torch.get_num_threads()) == before
     assert mpmath.libmp.BACKEND == "gmpy"  # gmpy2 is a dependency: the fast backend is in use
 
 
