@@ -22,7 +22,11 @@ How
       from the same exact scores. The served result is the p_hi one; its certified precision
       is the number of bits on which the two agree, per tensor and per (batch, head) slice,
       measured against the slice's largest magnitude (normwise in the max norm, so an entry
-      that is exactly zero in truth cannot make certification impossible).
+      that is exactly zero in truth cannot make certification impossible), capped by an
+      a-priori bound on what the fixed-point E of p_hi can cost (`_Bounds`: two precisions
+      that both flush the same tiny exponentials to 0 agree exactly and are both wrong) and
+      by the p_hi + 32 bits the rational results are rounded to. With precision=None the
+      pair doubles until `digits` is reached.
     - Row sampling: with ``rows``, only those query rows are computed, streaming over key
       tiles (two passes: the exact row maximum, then exps and sums), so memory is
       O(rows x tile + N d).
@@ -115,8 +119,8 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     tensors = _validate(q, k, v, dout)
     scale = _scale(softmax_scale, q.shape[-1])
     sel = _rows(rows, q.shape[1])
-    if isinstance(digits, bool) or not isinstance(digits, (int, float)) or not digits >= 0:
-        raise ValueError(f"digits must be a number >= 0, got {digits!r}")
+    if isinstance(digits, bool) or not isinstance(digits, (int, float)) or not 0 <= digits < math.inf:
+        raise ValueError(f"digits must be a finite number >= 0, got {digits!r}")
     pairs = _precision_pairs(digits, precision)
 
     store = ResultCache(cache_dir) if cache else None
@@ -739,9 +743,9 @@ def _result_bits(precisions) -> int:
 
 
 def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision) -> dict:
-    """Both precisions; the p_hi values rounded to float64; certified bits per tensor as
-    the minimum over (batch, head) slices of min(agreement of lo with hi, a-priori bits of
-    hi)."""
+    """Both precisions; the p_hi values rounded to float64; certified bits per tensor: the
+    minimum over (batch, head) slices of min(agreement of lo with hi, a-priori bits of hi,
+    bits of the mpf values)."""
     lo, hi = precision
     b_, _, h_, d = qd.shape  # qd, dod: the selected rows only
     nk, kvh = kd.shape[1], kd.shape[2]
@@ -774,7 +778,8 @@ def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision) -> dict:
                 for rs, at in slices:
                     vals[name][at] = _to_float(vhi[name][rs])
                     bound = bhi[name] if np.ndim(bhi[name]) == 0 else np.max(bhi[name][rs], initial=_NEG_INF)
-                    bits[name] = min(bits[name], _certified_bits(vhi[name][rs], vlo[name][rs], float(bound)))
+                    bits[name] = min(bits[name], _certified_bits(vhi[name][rs], vlo[name][rs], float(bound)),
+                                     _result_bits((lo, hi)) - 1)
     digits = {n: bits[n] * _LOG10_2 for n in names}
     return {"tensors": {n: torch.from_numpy(vals[n]) for n in names},
             "rows": None if full else torch.from_numpy(sel.copy()),
