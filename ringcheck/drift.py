@@ -578,7 +578,9 @@ def build_document(spec: DriftSpec, implementation: str, raw: dict[tuple, list[d
 
 def summarise(fits: dict[str, dict]) -> dict:
     """Per accumulation: how many groups, how many flagged, by which flag; per (backend, mode,
-    dtype, distribution): whether the flags separate the ring under test from the control."""
+    dtype, distribution): the flagged tensors per accumulation, whether the flags separate
+    the ring under test from the control, and the slope and projected budget crossing of
+    `out` per accumulation (where the flags do not separate the two, the slopes may)."""
     by_acc: dict[str, dict] = {}
     for fit in fits.values():
         s = by_acc.setdefault(fit["accumulation"], {
@@ -593,20 +595,24 @@ def summarise(fits: dict[str, dict]) -> dict:
     for fit in fits.values():
         name = "/".join((fit["backend"], fit["mode"], fit["dtype"], fit["distribution"]))
         row = settings.setdefault(name, {"backend": fit["backend"], "mode": fit["mode"], "dtype": fit["dtype"],
-                                         "distribution": fit["distribution"], "flagged": {}})
+                                         "distribution": fit["distribution"], "flagged": {}, "out_slope": {},
+                                         "out_projected_budget_P": {}})
         flagged = row["flagged"].setdefault(fit["accumulation"], [])
         if fit["flags"]:
             flagged.append(fit["tensor"])
+        if fit["tensor"] == "out":
+            row["out_slope"][fit["accumulation"]] = fit["slope"]
+            row["out_projected_budget_P"][fit["accumulation"]] = fit["projected_budget_P"]
     for row in settings.values():
         under = row["flagged"].get(UNDER_TEST)
         control = row["flagged"].get("input")
-        # for float32 inputs the round trip through the input dtype changes nothing: no contrast
+        # for float32 inputs the round trip goes through float32 itself: no contrast to find
         row["separated"] = (None if under is None or control is None or row["dtype"] == "float32"
                             else (not under) and bool(control))
     under = by_acc.get(UNDER_TEST)
     return {
         "under_test": UNDER_TEST,
-        "accumulations": dict(sorted(by_acc.items())),
-        "settings": dict(sorted(settings.items())),
+        "accumulations": by_acc,
+        "settings": settings,
         "passed": under is None or under["flagged"] == 0,
     }

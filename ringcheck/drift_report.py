@@ -7,6 +7,32 @@ same bytes there; `diff_documents` ignores `meta`. Non-finite numbers (an infini
 a ring that produced NaN) are written as the strings "inf", "-inf" and "nan", so the file is
 strict JSON.
 
+Schema (`schema` = "ringcheck.drift", `schema_version` = 1), top-level keys in this order:
+
+- `spec`: the sweep (dtypes, ring_sizes, distributions, modes, backends, accumulations,
+  seeds, batch, heads, kv_heads, head_dim, tokens_per_rank | seq_len, softmax_scale,
+  budget {k_forward, k_backward});
+- `implementation`: the ring driven ("simulated");
+- `rules`: the model and flag rules in words (what the reports print);
+- `cases`: key "impl/backend/mode/dtype/distribution/acc=A/P=N" -> {implementation, backend,
+  mode, dtype, distribution, accumulation, P, seq_len, seeds, tensors: {out|lse|dq|dk|dv:
+  {max_abs, rel_norm, rmse, max_ulp, rel_over_u, mean_signed, peer_max_abs, peer_rel_norm,
+  peer_ratio, budget, budget_ratio, over_budget, passed, nonfinite}}, steps: {out_max_abs,
+  out_rel_norm, lse_max_abs: one value per ring step}};
+- `fits`: key "impl/backend/mode/dtype/distribution/acc=A/tensor" -> {the same labels,
+  tensor, slope, slope_stderr, intercept, points, slope_max_abs, slope_peer_ratio,
+  bias_slope, bias_share, max_budget_ratio, budget_ratio_slope, projected_budget_P,
+  over_budget_at, nonfinite_at, diagnosis, flags};
+- `summary`: {under_test, accumulations: {acc: {groups, flagged, flags, max_slope}},
+  settings: {"backend/mode/dtype/distribution": {flagged, separated, out_slope,
+  out_projected_budget_P, ...}}, passed};
+- `meta` (written by the command, ignored by diff): command, created, host, platform,
+  python, torch, ringcheck, threads, elapsed_s.
+
+Magnitudes are geometric means over seeds, the mean signed error a plain mean, the budget
+numbers the worst seed's (see `ringcheck.drift.aggregate_seeds`); measured numbers keep 6
+significant digits. A change to any key or meaning bumps `schema_version`.
+
 No rich or plotting here; `ringcheck.report` renders both documents and diffs.
 """
 

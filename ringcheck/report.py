@@ -153,8 +153,8 @@ def _verdict_lines(doc: dict) -> list[tuple[str, str]]:
         sep = [r for r in rows if r["separated"]]
         not_sep = [r for r in rows if not r["separated"]]
         text = (f"Separation: the flags tell the default ring from the per-hop round trip in {len(sep)} of "
-                f"{len(rows)} settings (mode x dtype x distribution; float32 inputs left out: the round "
-                "trip is a no-op there)")
+                f"{len(rows)} settings (mode x dtype x distribution; float32 inputs left out: a round "
+                "trip through float32 costs no more than float32 accumulation)")
         if not_sep:
             text += "; not in " + ", ".join(f"{r['mode']}/{r['dtype']}/{r['distribution']}" for r in not_sep)
         lines.append(("info", text))
@@ -189,17 +189,27 @@ def _worst_row(c: dict, t: str, m: dict) -> list[str]:
             "pass" if m["passed"] else "OVER"]
 
 
+def _separation_headers(doc: dict) -> list[str]:
+    accs = _accumulations(doc)
+    return (["mode", "dtype", "distribution"] + [f"flagged: {ACC_SHORT.get(a, a)}" for a in accs]
+            + ["separated"] + [f"out slope: {ACC_SHORT.get(a, a)}" for a in accs]
+            + [f"out projected P: {ACC_SHORT.get(a, a)}" for a in accs])
+
+
 def _separation_rows(doc: dict) -> list[list[str]]:
     rows = []
+    accs = _accumulations(doc)
     for r in doc["summary"]["settings"].values():
         cells = [r["mode"], r["dtype"], r["distribution"]]
-        for acc in _accumulations(doc):
+        for acc in accs:
             flagged = r["flagged"].get(acc, [])
             cells.append(", ".join(flagged) if flagged else "-")
         if r["separated"] is None:
-            cells.append("n/a (no-op)" if r["dtype"] == "float32" else "n/a")
+            cells.append("n/a (float32)" if r["dtype"] == "float32" else "n/a")
         else:
             cells.append("yes" if r["separated"] else "no")
+        cells += [_f(r["out_slope"].get(a), 2, sign=True) for a in accs]
+        cells += [_projected(r["out_projected_budget_P"].get(a)) for a in accs]
         rows.append(cells)
     return rows
 
@@ -211,7 +221,10 @@ def _blocks(doc: dict) -> list[tuple]:
     sizes = _sizes(doc)
     b: list[tuple] = [("h1", "ringcheck drift report")]
     if meta.get("command"):
-        b.append(("p", "Produced, and reproduced bit for bit (everything but `meta`) on the same machine, by:"))
+        b.append(("p", "Produced by this command, run from the repository root (installed with `pip install -e .`; "
+                       "or run `PYTHONPATH=. python -m ringcheck ...`). The same command on the same machine "
+                       "writes the same JSON bit for bit, everything but `meta`; check with `ringcheck report "
+                       "diff --exact OLD.json NEW.json`."))
         b.append(("code", meta["command"]))
     shape = (f"batch={spec['batch']}, heads={spec['heads']}/{spec['kv_heads']} (q/kv), "
              f"head_dim={spec['head_dim']}, "
@@ -231,14 +244,16 @@ def _blocks(doc: dict) -> list[tuple]:
                        f"Non-finite {r['nonfinite']}.", f"Projected P: {r['projected']}.",
                        "The float32 merge is the ring under test (the exit code follows it); the per-hop "
                        "round trip rounds the running output to the input dtype after every merge and is "
-                       "the control that shows what the flags see. For float32 inputs the round trip is "
-                       "a no-op, so the two coincide there.",
+                       "the control that shows what the flags see. For float32 inputs the round trip "
+                       "goes through float32 itself and costs no more than the accumulation, so the two "
+                       "coincide there up to float32 rounding.",
                        f"Metrics {r['metrics']}."]))
     b.append(("h2", "Separation per setting"))
     b.append(("p", "Tensors flagged in each setting, per accumulation; separated = the default ring has no "
-                   "flag and the control has at least one."))
-    b.append(("table", ["mode", "dtype", "distribution"] + [f"flagged: {ACC_SHORT.get(a, a)}" for a in accs]
-              + ["separated"], _separation_rows(doc)))
+                   "flag and the control has at least one. Then the fitted slope of `out` per accumulation "
+                   "and the ring size where its error is projected to reach the budget: where the flags do "
+                   "not separate the two, the slopes may (flat against sqrt-like)."))
+    b.append(("table", _separation_headers(doc), _separation_rows(doc)))
     b.append(("h2", "Slopes of error against ring size"))
     b.append(("p", "Slope of ln(normwise relative error) on ln(P), P >= 2, ± its standard error; diagnosis; "
                    "largest error / budget over P; the projected P where error reaches the budget; flags."))
@@ -536,11 +551,12 @@ def print_drift_summary(doc: dict, console: Console | None = None, *, worst: int
         console.print(text, style=colour[style], highlight=False)
     accs = _accumulations(doc)
     if len(accs) > 1:
-        table = Table(title="flagged tensors per setting")
-        for h in ["mode", "dtype", "distribution"] + [ACC_SHORT.get(a, a) for a in accs] + ["separated"]:
-            table.add_column(h)
+        table = Table(title="flagged tensors per setting, and the slope of out")
+        keep = [i for i, h in enumerate(_separation_headers(doc)) if not h.startswith("out projected")]
+        for i in keep:
+            table.add_column(_separation_headers(doc)[i].replace("flagged: ", "").replace("out slope: ", "slope "))
         for row in _separation_rows(doc):
-            table.add_row(*row)
+            table.add_row(*[row[i] for i in keep])
         console.print(table)
     table = Table(title=f"worst {worst} cases by error / budget")
     for h in WORST_SHORT:

@@ -176,6 +176,16 @@ def test_json_schema_round_trips_with_stable_keys(tiny_doc, tmp_path):
     assert "Infinity" not in path.read_text() and load(path)["cases"] == odd["cases"]
 
 
+def test_strong_scaling_keeps_one_problem_for_every_ring_size():
+    doc = run_drift(DriftSpec(**dict(TINY, tokens_per_rank=None, seq_len=16, accumulations=("float32",))))
+    cases = [doc["cases"][f"simulated/torch/zigzag/bfloat16/normal/acc=float32/P={p}"] for p in (1, 2, 4)]
+    assert {c["seq_len"] for c in cases} == {16}
+    # the same inputs at every P: the truth and the peer do not change, only the ring does
+    assert len({c["tensors"]["dq"]["peer_max_abs"] for c in cases}) == 1
+    with pytest.raises(ValueError, match="not both"):
+        DriftSpec(tokens_per_rank=8, seq_len=64)
+
+
 def test_same_seeds_give_the_same_json_bit_for_bit(tiny_doc):
     again = run_drift(DriftSpec(**TINY))
     assert dumps(again) == dumps(tiny_doc)
