@@ -36,10 +36,9 @@ import torch
 from .check import MODES, Case, Results, judge_results, run_whole, simulated_impl, truth, peer
 from .inputs import Inputs, make_inputs
 from .layouts import positions
-from .metrics import abs_error, max_ulp_error, relative_to_roundoff, unit_roundoff
+from .metrics import abs_error, max_ulp_error, relative_to_roundoff
 from .ring import ACCUMULATIONS, StepObserver
 from .spec import DTYPES, AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS
 
 SCHEMA = "ringcheck.drift"
 SCHEMA_VERSION = 1
@@ -69,7 +68,8 @@ RULES = {
                  "at most 0.5 with a round trip through the input dtype at every hop"),
     "slope": f"flag: slope >= {SLOPE_FLAG} (error growing like P or faster)",
     "budget": ("flag: any P where any seed is over budget, error > k x peer error + slack per element "
-               "(k = 2 forward, 3 backward; slack = rounding floor of the output dtype)"),
+               "(k = spec.budget: k_forward for out and lse, k_backward for dq, dk, dv; slack = rounding "
+               "floor of the output dtype; see ringcheck.verdict)"),
     "bias": (f"flag: the mean signed error grows with P: the slope of ln|mean signed error| on ln(P) "
              f"(P >= {FIT_MIN_P}, signed error averaged over seeds) is >= {BIAS_SLOPE_FLAG} AND at the "
              f"largest P |mean signed error| >= {BIAS_SHARE_FLAG} x RMSE (the bias is a visible part "
