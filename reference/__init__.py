@@ -10,5 +10,6 @@ Nothing here imports the ring code of ``ringcheck``.
 """
 
 from .dense import dense_attention, dense_grads, peer_attention
+from .mp import MPResult, UncertifiedError, mp_attention
 
-__all__ = ["dense_attention", "dense_grads", "peer_attention"]
+__all__ = ["dense_attention", "dense_grads", "peer_attention", "mp_attention", "MPResult", "UncertifiedError"]

@@ -33,16 +33,36 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.transpose(1, 2).repeat_interleave(heads // x.shape[2], dim=1)
 
 
-def _attention(q, k, v, causal, scale, compute_dtype):
+def _causal_mask(s: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Mask scores (..., sq, sk): query i at position rows[i] sees the keys <= its position.
+    Without rows the queries are the last sq positions of the sk keys (bottom-right aligned,
+    as flash-attention; for sq == sk that is the ordinary causal mask)."""
+    sq, sk = s.shape[-2:]
+    pos = torch.arange(sk - sq, sk, device=s.device) if rows is None else rows.to(s.device)
+    visible = torch.arange(sk, device=s.device)[None, :] <= pos[:, None]
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def _check_rows(rows, q: torch.Tensor) -> torch.Tensor | None:
+    if rows is None:
+        return None
+    rows = torch.as_tensor(rows, dtype=torch.int64).flatten()
+    n = q.shape[1]
+    if rows.numel() and (rows.min() < 0 or rows.max() >= n):
+        raise ValueError(f"rows must be query indices in [0, {n}), got min {int(rows.min())}, max {int(rows.max())}")
+    return rows
+
+
+def _attention(q, k, v, causal, scale, compute_dtype, rows=None):
     """Naive attention computed in `compute_dtype`; returns out (b, s, h, d), lse (b, h, s)."""
     h = q.shape[2]
+    if rows is not None:
+        q = q[:, rows]
     qh = q.transpose(1, 2).to(compute_dtype)
     kh, vh = _expand(k, h).to(compute_dtype), _expand(v, h).to(compute_dtype)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     if causal:
-        sq, sk = s.shape[-2:]
-        visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
-        s = s.masked_fill(~visible, float("-inf"))
+        s = _causal_mask(s, rows)
     lse = torch.logsumexp(s.float() if compute_dtype != torch.float64 else s, dim=-1)
     p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key
@@ -51,31 +71,45 @@ def _attention(q, k, v, causal, scale, compute_dtype):
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    softmax_scale: float | None = None, return_lse: bool = False):
-    """Attention in float64 on whole tensors; differentiable; returns float64."""
+                    softmax_scale: float | None = None, return_lse: bool = False, rows=None):
+    """Attention in float64 on whole tensors; differentiable; returns float64. With `rows`
+    (query indices), only those query rows: out (b, len(rows), h, d), lse (b, h, len(rows))."""
     _check(q, k, v)
-    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), torch.float64)
+    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), torch.float64,
+                          _check_rows(rows, q))
     return (out, lse) if return_lse else out
 
 
 def peer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   softmax_scale: float | None = None, return_lse: bool = False):
+                   softmax_scale: float | None = None, return_lse: bool = False, rows=None):
     """The same-dtype peer: naive attention with every matmul and the softmax in the input
     dtype (lse from the input-dtype scores, in float32). Differentiable (autograd in the
-    input dtype), so its gradients are the peer's gradients too."""
+    input dtype), so its gradients are the peer's gradients too. `rows` as in dense_attention."""
     _check(q, k, v)
-    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), q.dtype)
+    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), q.dtype,
+                          _check_rows(rows, q))
     return (out, lse) if return_lse else out
 
 
 def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
-                causal: bool = False, softmax_scale: float | None = None):
+                causal: bool = False, softmax_scale: float | None = None, rows=None):
     """Analytic float64 forward and backward: returns (out, lse, dq, dk, dv), all float64.
 
     dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D), dQ = scale dS K,
     dK = scale dS^T Q; dK and dV are summed over each K/V head's group of query heads.
+    dP - D is formed relative to each row's most probable key (see below), which keeps dq and
+    dk exact to ~1e-15 under a dominant sink key (the naive form loses ~1e-16 e^gap).
+
+    With `rows` (query indices) only those query rows take part: out, lse and dq are for
+    those rows, and dk, dv (all keys) are the gradients when dout is zero on every other row
+    (`dout` may be given whole, (b, seq, h, d), or for the rows only). O(len(rows) x seq).
     """
     _check(q, k, v)
+    rows = _check_rows(rows, q)
+    if rows is not None:
+        if dout.shape == q.shape:
+            dout = dout[:, rows]
+        q = q[:, rows]
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
     scale = _scale(softmax_scale, q.shape[-1])
@@ -88,15 +122,18 @@ def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
         doh = dout.transpose(1, 2).to(f64)
         s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
         if causal:
-            sk = s.shape[-1]
-            visible = torch.ones(n, sk, dtype=torch.bool, device=s.device).tril(sk - n)
-            s = s.masked_fill(~visible, float("-inf"))
+            s = _causal_mask(s, rows)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
         out = torch.matmul(p, vh)
-        delta = (doh * out).sum(-1, keepdim=True)
         dv = torch.matmul(p.transpose(-1, -2), doh)
-        ds = p * (torch.matmul(doh, vh.transpose(-1, -2)) - delta)
+        # dS = P (dP - D) with D = rowsum(dO * O) = sum_k P_k dP_k. Formed naively, dP - D
+        # cancels catastrophically in a dominant (sink) column, where P ~ 1 and the true value
+        # is O(e^-gap); relative to the row's most probable column m it does not:
+        # dP_j - D = x_j - sum_k P_k x_k with x_j = dP_j - dP_m, and x_m = 0 exactly.
+        dp = torch.matmul(doh, vh.transpose(-1, -2))
+        x = dp - dp.gather(-1, p.argmax(-1, keepdim=True))
+        ds = p * (x - (p * x).sum(-1, keepdim=True))
         dq = torch.matmul(ds, kh) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qh) * scale
         group = h // kvh

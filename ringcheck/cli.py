@@ -1,83 +1,345 @@
-"""The `ringcheck` command line. The environment is read here and nowhere deeper."""
+"""The `ringcheck` command line. The environment is read here and nowhere deeper.
+
+Exit codes: 0 every check passed; 1 a check failed (a verdict); 2 no verdict could be reached
+(bad flags or config, an implementation that breaks the contract, raises, hangs or dies).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Something the user must fix; printed without a traceback, exit code 2."""
 
 
 def _console():
     from rich.console import Console
 
     # a pipe or a CI log gets a wide table instead of rich's 80-column default
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
-def _open_ring(args: argparse.Namespace):
-    """(ring, world size): the torchrun world when launched by torchrun, else a local gloo
-    ring started here; (None, size) with --simulated."""
-    from .launch import LocalRings, TorchrunWorld, from_torchrun_env
+# ---------------------------------------------------------------------------- validate
 
-    env = None if args.simulated else from_torchrun_env(os.environ)
-    world_size = args.world_size or (env.world_size if env is not None else 4)
-    if args.simulated:
-        return None, world_size
-    ring = TorchrunWorld(env, timeout=args.timeout) if env is not None else LocalRings(timeout=args.timeout)
-    return ring, world_size
+_TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
+                 "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows")
+
+
+def _target_from_args(args: argparse.Namespace):
+    from .validate import Target
+
+    values: dict = {}
+    if args.config:
+        import tomllib
+
+        path = Path(args.config)
+        if not path.is_file():
+            raise UsageError(f"--config {args.config}: no such file")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"--config {args.config} is not valid TOML: {exc}") from exc
+        values = values.get("validate", values)  # a [validate] table, or top-level keys
+    for name in _TARGET_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            values[name] = value
+    if args.quick:
+        values.setdefault("local_lengths", [2, 6])
+    try:
+        return Target.from_mapping(values, source=args.config or "flags")
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _short_failures(exc) -> str:
+    """One line per failing rank (the exception's last line), not whole tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return str(exc)
+    lines = []
+    for rank, text in sorted(failures.items()):
+        last = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+        lines.append(f"  rank {rank}: {last[-1].strip() if last else text}")
+    head = str(exc).strip().splitlines()[0]
+    return head + "\n" + "\n".join(lines)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from .report import print_verdicts
-    from .validate import default_cases, validate
+    from . import __version__
+    from .adapters import load_impl
+    from .launch import RingError, open_ring
+    from .report import print_check_rows
+    from .validate import markdown, report_dict, validate_task
 
-    ring, world_size = _open_ring(args)
-    main_rank = ring is None or ring.is_main  # under torchrun only rank 0 prints
+    target = _target_from_args(args)
+    try:  # fail fast, before any process starts, on an unknown or malformed --impl
+        load_impl(target.impl, layout=target.layout, backend=target.backend).check_layout(target.layout, target.causal)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    console = _console()
+    ring = open_ring(timeout=args.timeout, environ=os.environ)
     try:
-        cases = default_cases(world_size, backend=args.backend)
-        console = _console()
-        if main_rank:
-            with console.status("validating") as status:
-                verdicts = validate(cases, ring=ring,
-                                    progress=lambda c: status.update(f"validating {c.describe()}"))
-        else:
-            verdicts = validate(cases, ring=ring)
+        if ring.size is not None and getattr(ring, "is_torchrun", False) and ring.size != target.world_size:
+            if args.world_size is not None or args.config:
+                raise UsageError(f"the torchrun world has {ring.size} ranks but the target says world_size="
+                                 f"{target.world_size}; launch with torchrun --nproc-per-node={target.world_size}")
+            target = type(target).from_mapping({**target.to_dict(), "world_size": ring.size})
+        main = getattr(ring, "is_main", True)
+        if main:
+            console.print(f"ringcheck validate {target.describe()}")
+        with console.status("validating", spinner="dots") if main else _nullcontext():
+            try:
+                rows = ring.run(target.world_size, validate_task, target)[0]
+            except RingError as exc:
+                raise UsageError("the implementation did not complete on every rank:\n" + _short_failures(exc)) from exc
     finally:
-        if ring is not None:
-            ring.close()
-    if main_rank:
-        where = ("simulated in this process" if ring is None else
-                 f"on a local gloo ring of {world_size} processes" if ring.size is None else
-                 f"on {world_size} of the {ring.size} ranks of the torchrun world")
-        console.print(f"our ring, {where}, P={world_size}", highlight=False)
-        print_verdicts(verdicts, console)
-    return EXIT_OK if all(v.passed for v in verdicts) else EXIT_FAILED
+        ring.close()
+    if not main:
+        return EXIT_OK if all(r.passed for r in rows) else EXIT_FAILED
+    import platform
+    import torch
+
+    report = report_dict(target, rows, meta={"ringcheck": __version__, "torch": torch.__version__,
+                                             "python": platform.python_version(), "host": platform.node()})
+    print_check_rows(rows, report["passed"], console)
+    if args.report:
+        out = Path(args.report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validate.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "validate.md").write_text(markdown(report))
+        console.print(f"report written to {out / 'validate.json'} and {out / 'validate.md'}")
+    return EXIT_OK if report["passed"] else EXIT_FAILED
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _add_validate(sub) -> None:
+    p = sub.add_parser("validate", help="judge a ring attention implementation against the references",
+                       description="Judge a ring attention (ours by default, or --impl) against float64 and "
+                                   "the same-dtype peer; exit 0 if every check passes, 1 if one fails, 2 if no "
+                                   "verdict could be reached.")
+    p.add_argument("--impl", help="implementation: ringcheck (default), ring_attention_pytorch, torch_cp, "
+                                  "ring_flash_attn:zigzag, or package.module:function")
+    p.add_argument("--config", help="TOML file with the target (keys as the flags, e.g. seq_len = 4096)")
+    p.add_argument("--seq-len", dest="seq_len", type=int, help="full target sequence length (default 2048)")
+    p.add_argument("--batch", type=int, help="batch (default 1)")
+    p.add_argument("--heads", type=int, help="query heads (default 4)")
+    p.add_argument("--kv-heads", dest="kv_heads", type=int, help="K/V heads (default 2)")
+    p.add_argument("--head-dim", dest="head_dim", type=int, help="head dim (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="input dtype (default bfloat16)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal attention (default: causal)")
+    p.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], help="sequence layout (default zigzag)")
+    p.add_argument("--softmax-scale", dest="softmax_scale", type=float, help="default 1/sqrt(head_dim)")
+    p.add_argument("--world-size", dest="world_size", type=int,
+                   help="ranks of the local gloo ring (default 4; under torchrun: the world)")
+    p.add_argument("--backend", help="block backend of our ring: torch (default), triton, flash_attn")
+    p.add_argument("--seed", type=int, help="seed of every input (default 0)")
+    p.add_argument("--sample-rows", dest="sample_rows", type=int, help="query rows checked at full length (default 16)")
+    p.add_argument("--quick", action="store_true", help="fewer ring-local lengths (2 and 6 tokens per rank)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank may wait on another (default 60)")
+    p.add_argument("--report", metavar="DIR", help="write validate.json and validate.md to DIR")
+    p.set_defaults(func=_cmd_validate)
+
+
+def _list(kind):
+    """An argparse type: a comma-separated list of `kind` (str or int)."""
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        try:
+            return tuple(kind(x) for x in items)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+    return parse
+
+
+def _drift_spec(args: argparse.Namespace):
+    from .distributions import DISTRIBUTIONS
+    from .drift import DriftSpec
+    from .spec import Budget
+
+    distributions = tuple(DISTRIBUTIONS) if args.distributions == ("all",) else args.distributions
+    return DriftSpec(dtypes=args.dtypes, ring_sizes=args.ring_sizes, distributions=distributions,
+                     modes=args.modes, backends=args.backends, accumulations=args.accumulate,
+                     seeds=args.seeds, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, tokens_per_rank=args.tokens_per_rank, seq_len=args.seq_len,
+                     softmax_scale=args.softmax_scale,
+                     budget=Budget(k_forward=args.k_forward, k_backward=args.k_backward))
+
+
+def _cmd_drift(args: argparse.Namespace) -> int:
+    import datetime
+    import platform
+    import shlex
+    import time
+
+    import torch
+
+    from . import __version__
+    from .drift import IMPLEMENTATIONS, count_runs, run_drift
+    from .report import drift_progress, print_drift_summary, write_drift_reports
+
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)  # fixed, so a rerun gives the same bits
+    spec = _drift_spec(args)
+    implementation = IMPLEMENTATIONS[args.impl]
+    console = _console()
+    start = time.perf_counter()
+    with drift_progress(count_runs(spec, implementation), console) as progress:
+        doc = run_drift(spec, implementation=implementation, progress=progress)
+    elapsed = time.perf_counter() - start
+    doc["meta"] = {
+        "command": "ringcheck " + shlex.join(args.argv),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "ringcheck": __version__, "threads": args.threads,
+        "elapsed_s": round(elapsed, 1),
+    }
+    paths = write_drift_reports(doc, args.out)
+    print_drift_summary(doc, console)
+    console.print(f"wrote {', '.join(str(p) for p in paths.values())} in {elapsed:.0f} s", highlight=False)
+    return EXIT_OK if doc["summary"]["passed"] else EXIT_FAILED
+
+
+def _cmd_report_diff(args: argparse.Namespace) -> int:
+    from .drift_report import diff_documents, exact_differences, load
+    from .report import print_drift_diff
+
+    a, b = load(args.a), load(args.b)
+    console = _console()
+    if args.exact:
+        found = exact_differences(a, b)
+        if not found:
+            console.print("[bold green]identical[/]: the two reports agree bit for bit on everything but meta")
+            return EXIT_OK
+        console.print(f"[bold red]different[/]: first {len(found)} differences", highlight=False)
+        for line in found:
+            console.print("  " + line, markup=False, highlight=False)
+        return EXIT_FAILED
+    diff = diff_documents(a, b, threshold=args.threshold, slope_rise=args.slope_rise)
+    print_drift_diff(diff, console)
+    return EXIT_FAILED if diff.got_worse else EXIT_OK
+
+
+def _cmd_report_render(args: argparse.Namespace) -> int:
+    from .drift_report import load
+    from .report import print_drift_summary, write_drift_reports
+
+    doc = load(args.json)
+    paths = write_drift_reports(doc, args.out)
+    console = _console()
+    print_drift_summary(doc, console)
+    console.print(f"wrote {', '.join(str(p) for p in paths.values())}", highlight=False)
+    return EXIT_OK
+
+
+def _add_drift(sub) -> None:
+    from .drift import (DEFAULT_ACCUMULATIONS, DEFAULT_BACKENDS, DEFAULT_DISTRIBUTIONS, DEFAULT_DTYPES,
+                        DEFAULT_MODES, DEFAULT_RING_SIZES, IMPLEMENTATIONS)
+
+    join = lambda xs: ",".join(map(str, xs))  # noqa: E731
+    p = sub.add_parser(
+        "drift", help="sweep dtypes x ring sizes x distributions x modes: error against ring size",
+        description="Precision drift: error of every tensor against ring size, per dtype, logit distribution, "
+                    "mode, backend and accumulation, with a fitted slope per group and flags. Writes "
+                    "drift.json, drift.md and drift.html to --out. Exit code 1 when the ring under test "
+                    "(the float32 merge) is flagged.")
+    p.add_argument("--dtypes", type=_list(str), default=DEFAULT_DTYPES, help=f"default {join(DEFAULT_DTYPES)}")
+    p.add_argument("--ring-sizes", type=_list(int), default=DEFAULT_RING_SIZES,
+                   help=f"simulated ring sizes P (default {join(DEFAULT_RING_SIZES)})")
+    p.add_argument("--distributions", type=_list(str), default=DEFAULT_DISTRIBUTIONS,
+                   help="logit distributions, or 'all' for every registered one "
+                        f"(default {join(DEFAULT_DISTRIBUTIONS)})")
+    p.add_argument("--modes", type=_list(str), default=DEFAULT_MODES, help=f"default {join(DEFAULT_MODES)}")
+    p.add_argument("--backends", type=_list(str), default=DEFAULT_BACKENDS,
+                   help=f"block backends (default {join(DEFAULT_BACKENDS)})")
+    p.add_argument("--accumulate", type=_list(str), default=DEFAULT_ACCUMULATIONS,
+                   help="running output of our ring: float32 (the default merge, under test) and/or input "
+                        "(rounded to the input dtype at every hop: the control) "
+                        f"(default {join(DEFAULT_ACCUMULATIONS)})")
+    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per case (default 2)")
+    p.add_argument("--impl", choices=sorted(IMPLEMENTATIONS), default="simulated",
+                   help="ring implementation driven by the sweep (default simulated)")
+    shape = p.add_argument_group("shape")
+    shape.add_argument("--batch", type=int, default=1, help="default 1")
+    shape.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    shape.add_argument("--kv-heads", type=int, default=2, help="K/V heads (default 2: grouped-query)")
+    shape.add_argument("--head-dim", type=int, default=32, help="default 32")
+    length = shape.add_mutually_exclusive_group()
+    length.add_argument("--tokens-per-rank", type=int, default=None,
+                        help="weak scaling: seq_len = P x this for every ring size P (default 8; even for zigzag)")
+    length.add_argument("--seq-len", type=int, default=None,
+                        help="strong scaling instead: this total length for every P "
+                             "(a multiple of P, of 2P for zigzag)")
+    shape.add_argument("--softmax-scale", type=float, default=None, help="default 1/sqrt(head_dim)")
+    p.add_argument("--k-forward", type=float, default=2.0, help="budget factor for out, lse (default 2)")
+    p.add_argument("--k-backward", type=float, default=3.0, help="budget factor for dq, dk, dv (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: reproducible bits)")
+    p.add_argument("--out", default="drift-report", help="output directory (default ./drift-report)")
+    p.set_defaults(func=_cmd_drift)
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="work with saved reports: diff two drift reports, render one again")
+    rsub = p.add_subparsers(dest="report_command", required=True)
+    d = rsub.add_parser("diff", help="what got worse from drift report A to B (exit 1 if anything did)",
+                        description="Compare two drift.json files by their stable keys (meta is ignored). "
+                                    "Exit 0: nothing got worse; 1: something did; 2: bad input.")
+    d.add_argument("a", help="the earlier drift.json (the baseline)")
+    d.add_argument("b", help="the later drift.json")
+    d.add_argument("--threshold", type=float, default=1.5,
+                   help="an error (max abs or normwise relative) larger by this factor is worse (default 1.5)")
+    d.add_argument("--slope-rise", type=float, default=0.25,
+                   help="a fitted slope up by more than this is worse (default 0.25)")
+    d.add_argument("--exact", action="store_true", help="reproducibility check: any difference but meta counts")
+    d.set_defaults(func=_cmd_report_diff)
+    r = rsub.add_parser("render", help="write drift.md and drift.html again from a drift.json")
+    r.add_argument("json", help="a drift.json")
+    r.add_argument("--out", required=True, help="output directory")
+    r.set_defaults(func=_cmd_report_render)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringcheck", description="Verify ring attention against exact references.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("validate", help="judge a ring attention implementation against the references")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ring size (default: the torchrun world under torchrun, else 4 local gloo processes)")
-    p.add_argument("--backend", default="torch", help="block backend of our ring: torch, triton, flash_attn")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="bound on every ring wait and collective (default 60)")
-    p.add_argument("--simulated", action="store_true",
-                   help="run the ring simulated in this process instead of on processes")
-    p.set_defaults(func=_cmd_validate)
+    _add_validate(sub)
+    _add_drift(sub)
+    _add_report(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
-    except (ValueError, TypeError, RuntimeError) as exc:
+    except UsageError as exc:
         print(f"ringcheck {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"ringcheck {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"ringcheck {args.command}: interrupted", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -81,3 +81,49 @@ def rounding_floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
     output_floor = 2.0 * float(((ref + 0.3 - 0.3) - ref).abs().max())
     accumulation_floor = 2.0 * torch.finfo(torch.float32).eps * float(t.abs().max())
     return output_floor + accumulation_floor
+
+
+# --- precision in units of a dtype (drift reports) -------------------------------------------
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps / 2 of `dtype`: the largest relative error of rounding one real number to it."""
+    return torch.finfo(dtype).eps / 2.0
+
+
+def ulp(truth: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each (exact, float64) value of `truth`, in float64.
+
+    For |t| in [2^e, 2^(e+1)) that is eps x 2^e; below the smallest normal number the
+    spacing is the subnormal one, eps x tiny. Non-finite entries get an infinite spacing.
+    """
+    info = torch.finfo(dtype)
+    t = truth.detach().double().abs()
+    _, exponent = torch.frexp(t)  # t = mantissa x 2^exponent, mantissa in [0.5, 1)
+    binade = torch.ldexp(torch.ones_like(t), exponent - 1).masked_fill(t == 0, 0.0)
+    spacing = info.eps * torch.clamp(binade, min=info.tiny)
+    return spacing.masked_fill(~torch.isfinite(t), float("inf"))
+
+
+def max_ulp_error(got: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, *,
+                  floor: float = 0.0) -> float:
+    """max |got - truth| / ulp(max(|truth|, floor)) in `dtype`: 0.5 is a correctly rounded
+    result.
+
+    With floor = 0 every element is measured at its own magnitude; near a zero of the truth
+    (an exactly cancelling gradient) the ULP is tiny and any algorithm that does not compute
+    that zero exactly is billions of ULPs off. A floor (e.g. a small fraction of max |truth|)
+    measures such elements at the tensor's scale instead. Elements where both are the same
+    infinity count 0; a wrong non-finite counts inf."""
+    diff, bad = abs_error(got, truth)
+    if diff.numel() == 0:
+        return 0.0
+    units = diff / ulp(truth.detach().double().abs().clamp(min=floor), dtype)
+    units = units.masked_fill(diff == 0, 0.0).masked_fill(bad, float("inf"))
+    return float(units.max())
+
+
+def relative_to_roundoff(stats: ErrorStats, dtype: torch.dtype) -> float:
+    """The normwise relative error in units of u of `dtype` (one rounding of a vector: about
+    0.3 to 0.6)."""
+    return stats.rel_norm / unit_roundoff(dtype)

@@ -1,46 +1,389 @@
-"""`ringcheck validate`: judge a ring implementation on a set of cases."""
+"""`ringcheck validate`: is this ring attention exact, on this ring, at this configuration?
+
+The target (`Target`) names the implementation (`--impl`), the attention shape at its full
+length, the dtype, the layout and the ring size. `validate_on_rank` runs on every rank of a
+process group (a torchrun world, or a local gloo ring the CLI starts) and returns the same
+list of `CheckRow` s on every rank:
+
+- forward and backward of the implementation against float64 and the same-dtype peer, at
+  scaled-down shapes of the target's family (same heads, kv_heads, head_dim, dtype, layout,
+  causal) for every named logit distribution and several ring-local lengths;
+- at the full target length, sampled query rows against the row-sampled reference (never an
+  N x N matrix): dout is zero except on those rows, so dq of the rows and dk, dv of every key
+  have an exact O(rows x N) reference too;
+- NaN/Inf anywhere; determinism (two runs, same bits); output shape and dtype; the layout's
+  per-rank work balance (information, not a gate).
+
+Verdicts are computed on the group's rank 0 and broadcast, so every rank reports the same.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from typing import Callable, Iterable
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from .check import MODES, Case, run_case
-from .spec import AttentionSpec, Budget, RingSpec
-from .verdict import Verdict
+import torch
+
+from .adapters import Impl, load_impl
+from .check import Case, Results, judge_results, peer, truth
+from .distributions import DISTRIBUTIONS
+from .inputs import Inputs, make_inputs
+from .layouts import positions, shard, unshard, work_counts
+from .spec import DTYPES, LAYOUTS, AttentionSpec, Budget, RingSpec
+from .verdict import TENSORS, Verdict, judge
+
+SCHEMA_VERSION = 1
 
 
-def default_cases(world_size: int = 4, *, backend: str = "torch") -> list[Case]:
-    """The built-in default: every mode, float32 and bfloat16, MHA and GQA, at small shapes."""
-    RingSpec(world_size)  # a bad world size is reported as such, before any shape built from it
+@dataclass(frozen=True)
+class Target:
+    """What to validate. Defaults: our ring on a CPU-sized causal zig-zag bf16 problem."""
+
+    seq_len: int = 2048
+    batch: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    causal: bool = True
+    layout: str = "zigzag"
+    softmax_scale: float | None = None
+    world_size: int = 4
+    impl: str = "ringcheck"
+    backend: str = "torch"
+    seed: int = 0
+    sample_rows: int = 16
+    local_lengths: tuple[int, ...] = (2, 6, 16)
+    distributions: tuple[str, ...] | None = None  # None: every registered distribution
+
+    def __post_init__(self) -> None:
+        self.full_spec()  # validates shape, dtype, heads / kv_heads
+        ring = RingSpec(self.world_size, self.layout)
+        ring.check_seq_len(self.seq_len)
+        if self.sample_rows < 1:
+            raise ValueError(f"sample_rows must be >= 1, got {self.sample_rows}")
+        for n in self.local_lengths:
+            if n < 1 or (self.layout == "zigzag" and n % 2):
+                raise ValueError(f"local length {n} does not fit the {self.layout} layout "
+                                 f"(zigzag needs an even number of tokens per rank)")
+        for name in self.distributions or ():
+            if name not in DISTRIBUTIONS:
+                raise ValueError(f"distribution {name!r} is unknown; choose from {sorted(DISTRIBUTIONS)}")
+
+    def full_spec(self) -> AttentionSpec:
+        return self.spec(self.seq_len, self.batch)
+
+    def spec(self, seq_len: int, batch: int = 1) -> AttentionSpec:
+        return AttentionSpec(batch=batch, heads=self.heads, kv_heads=self.kv_heads, seq_len=seq_len,
+                             head_dim=self.head_dim, dtype=self.dtype, causal=self.causal,
+                             softmax_scale=self.softmax_scale)
+
+    @property
+    def ring(self) -> RingSpec:
+        return RingSpec(self.world_size, self.layout)
+
+    def describe(self) -> str:
+        return (f"--impl {self.impl} --world-size {self.world_size} --layout {self.layout} "
+                f"--seq-len {self.seq_len} --batch {self.batch} --heads {self.heads} "
+                f"--kv-heads {self.kv_heads} --head-dim {self.head_dim} --dtype {self.dtype}"
+                + (" --causal" if self.causal else "")
+                + (f" --softmax-scale {self.softmax_scale}" if self.softmax_scale is not None else ""))
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], *, source: str = "config") -> "Target":
+        names = {f.name for f in dataclasses.fields(cls)}
+        normalised = {key.replace("-", "_"): value for key, value in values.items()}
+        unknown = sorted(set(normalised) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}; known: {sorted(names)}")
+        for key in ("local_lengths", "distributions"):
+            if isinstance(normalised.get(key), list):
+                normalised[key] = tuple(normalised[key])
+        return cls(**normalised)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CheckRow:
+    """One row of the verdict table. status: "pass", "fail" or "info" (never gates)."""
+
+    check: str
+    status: str
+    error: float | None = None
+    budget: float | None = None
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+
+class ContractError(ValueError):
+    """The implementation broke the --impl contract (shape, dtype, gradients): a usage error."""
+
+
+# ------------------------------------------------------------------------------ rank side
+
+def _rank_info(group) -> tuple[int, int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
+
+
+def _unpack(result: Any, q: torch.Tensor, impl: Impl) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(result, torch.Tensor):
+        out, lse = result, None
+    elif isinstance(result, (tuple, list)) and len(result) >= 1 and isinstance(result[0], torch.Tensor):
+        out = result[0]
+        lse = result[1] if len(result) > 1 and isinstance(result[1], torch.Tensor) else None
+    else:
+        raise ContractError(f"--impl {impl.name} returned {type(result).__name__}; the contract is "
+                            f"out or (out, lse) tensors")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ContractError(f"--impl {impl.name} returned out of shape {tuple(out.shape)} and dtype "
+                            f"{out.dtype}; the contract is q's shape {tuple(q.shape)} and dtype {q.dtype}")
+    if lse is not None:
+        want = (q.shape[0], q.shape[2], q.shape[1])
+        if tuple(lse.shape) != want:
+            raise ContractError(f"--impl {impl.name} returned lse of shape {tuple(lse.shape)}; the contract "
+                                f"is (batch, heads, local_seq) = {want}, float32")
+        lse = lse.float()
+    return out, lse
+
+
+def _run_shards(impl: Impl, inputs: Inputs, spec: AttentionSpec, ring: RingSpec, rank: int, group,
+                device: torch.device) -> dict[str, torch.Tensor | None]:
+    """This rank's forward and backward; returns its shards of out, lse, dq, dk, dv on the CPU."""
+    def mine(t):
+        return shard(t, layout=ring.layout, rank=rank, world_size=ring.world_size).to(device)
+
+    q, k, v = (mine(t).detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    result = impl.fn(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group)
+    out, lse = _unpack(result, q, impl)
+    grads = torch.autograd.grad(out, (q, k, v), mine(inputs.dout), allow_unused=True)
+    for name, g in zip("qkv", grads):
+        if g is None:
+            raise ContractError(f"--impl {impl.name}: no gradient flows to {name} (it must be differentiable "
+                                f"in q, k and v)")
+    return {"out": out.detach().cpu(), "lse": None if lse is None else lse.detach().cpu(),
+            "dq": grads[0].cpu(), "dk": grads[1].cpu(), "dv": grads[2].cpu()}
+
+
+def _gather(local: dict, group, world_size: int) -> list[dict]:
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, local, group=group)
+    return everyone
+
+
+def _whole(parts: list[dict], layout: str) -> Results | None:
+    """Unshard every rank's shards into whole tensors (lse may be missing: then zeros, unjudged)."""
+    def cat(name, dim):
+        return unshard([p[name] for p in parts], layout=layout, dim=dim)
+    lse = cat("lse", 2) if parts[0]["lse"] is not None else None
+    out = cat("out", 1)
+    return Results(out, lse if lse is not None else torch.zeros(out.shape[0], out.shape[2], out.shape[1]),
+                   cat("dq", 1), cat("dk", 1), cat("dv", 1))
+
+
+def scaled_cases(target: Target) -> list[Case]:
+    dists = target.distributions or tuple(DISTRIBUTIONS)
     cases = []
-    for mode, dtype, (heads, kv_heads) in itertools.product(
-            ("bidirectional", "causal", "zigzag", "striped"), ("float32", "bfloat16", "float16"),
-            ((4, 4), (4, 2))):
-        causal, layout = MODES[mode]
-        spec = AttentionSpec(batch=2, heads=heads, kv_heads=kv_heads, seq_len=16 * world_size,
-                             head_dim=32, dtype=dtype, causal=causal)
-        cases.append(Case(spec, RingSpec(world_size, layout), seed=len(cases), backend=backend))
+    for i, (dist_name, n) in enumerate(itertools.product(dists, target.local_lengths)):
+        spec = target.spec(n * target.world_size)
+        cases.append(Case(spec, target.ring, seed=target.seed + i, distribution=dist_name, backend=target.backend))
     return cases
 
 
-def validate(cases: Iterable[Case], *, budget: Budget = Budget(),
-             progress: Callable[[Case], None] | None = None, ring=None) -> list[Verdict]:
-    """Judge our ring on every case: distributed on `ring` (local gloo rings or the torchrun
-    world, see `ringcheck.launch`) when given, else simulated in this process."""
-    if ring is not None:
-        from .distributed import judge_case, run_cases_on_ring
+def sample_rows(seq_len: int, count: int, seed: int) -> torch.Tensor:
+    """First and last row plus random others, sorted, without repeats."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    count = min(count, seq_len)
+    picked = {0, seq_len - 1} if count >= 2 else {seq_len - 1}
+    for idx in torch.randperm(seq_len, generator=g).tolist():
+        if len(picked) >= count:
+            break
+        picked.add(idx)
+    return torch.tensor(sorted(picked), dtype=torch.int64)
 
-        cases = list(cases)
-        verdicts = []
-        for case, got in zip(cases, run_cases_on_ring(cases, ring)):
-            if progress is not None:
-                progress(case)
-            verdicts.append(judge_case(case, got, budget=budget))
-        return verdicts
-    verdicts = []
-    for case in cases:
-        if progress is not None:
-            progress(case)
-        verdicts.append(run_case(case, budget=budget))
-    return verdicts
+
+def _row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low: bool) -> Results:
+    """Reference on sampled rows: float64 truth (low=False) or the same-dtype peer (low=True)."""
+    from reference import dense_grads, peer_attention
+
+    if not low:
+        return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
+                                    softmax_scale=spec.scale, rows=rows))
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = peer_attention(q, k, v, causal=spec.causal, softmax_scale=spec.scale, rows=rows, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout[:, rows])
+    return Results(out.detach(), lse.detach(), dq[:, rows], dk, dv)
+
+
+def _judge_rows(spec: AttentionSpec, got: Results, true: Results, peer_r: Results, rows: torch.Tensor,
+                tensors, budget: Budget) -> Verdict:
+    verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
+    for name in tensors:
+        dtype = torch.float32 if name == "lse" else spec.torch_dtype
+        seq_dim = 2 if name == "lse" else 1
+
+        def locate(index, name=name, seq_dim=seq_dim):
+            i = index[seq_dim]
+            return f"key {i}" if name in ("dk", "dv") else f"sampled row {int(rows[i])}"
+        verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_r.get(name),
+                                     k=budget.k_for(name), dtype=dtype, locate=locate))
+    return verdict
+
+
+def _summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
+    worst, ratio = None, -1.0
+    failing = []
+    for v in verdicts:
+        for t in v.tensors:
+            if t.tensor not in tensors:
+                continue
+            r = t.error / t.budget if t.budget > 0 else (math.inf if t.error > 0 else 0.0)
+            if not t.passed:
+                failing.append((v, t))
+            if r > ratio:
+                worst, ratio = (v, t), r
+    if worst is None:
+        return CheckRow(label, "info", detail="not checked (no lse returned)")
+    v, t = failing[0] if failing else worst
+    detail = t.describe() + f" [{v.case}]"
+    if failing:
+        detail = f"{len(failing)} tensor check(s) over budget; first: " + detail
+    return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail)
+
+
+def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
+                     progress: Callable[[str], None] | None = None) -> list[CheckRow]:
+    """Run every check of `target` on this rank (a collective over `group`)."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    rank, world, root = _rank_info(group)
+    if world != target.world_size:
+        raise ValueError(f"the ring has {world} ranks but the target says world_size={target.world_size}; "
+                         f"launch with torchrun --nproc-per-node={target.world_size} or pass --world-size {world}")
+    impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
+    impl.check_layout(target.layout, target.causal)
+    device = torch.device("cpu")
+    rows_out: list[CheckRow] = []
+
+    def note(text: str) -> None:
+        if progress is not None and rank == 0:
+            progress(text)
+
+    def on_root(compute):
+        payload = [compute() if rank == 0 else None]
+        dist.broadcast_object_list(payload, src=root, group=group)
+        return payload[0]
+
+    # scaled-down shapes, every distribution, several local lengths
+    by_dist: dict[str, list[Verdict]] = {}
+    returns_lse = True
+    first_parts = None
+    for case in scaled_cases(target):
+        note(f"{case.distribution}, {case.spec.seq_len // world} tokens per rank")
+        inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution)
+        parts = _gather(_run_shards(impl, inputs, case.spec, case.ring, rank, group, device), group, world)
+        returns_lse = parts[0]["lse"] is not None
+        first_parts = first_parts or (case, inputs, parts)
+        tensors = TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
+        verdict = on_root(lambda: judge_results(case, _whole(parts, case.ring.layout), truth(case.spec, inputs),
+                                                peer(case.spec, inputs), budget=budget, tensors=tensors))
+        by_dist.setdefault(case.distribution, []).append(verdict)
+    lengths = ",".join(str(n) for n in target.local_lengths)
+    for name, verdicts in by_dist.items():
+        rows_out.append(_summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
+        rows_out.append(_summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv")))
+
+    # the full target length, sampled rows
+    spec = target.full_spec()
+    note(f"full length {spec.seq_len}")
+    full = make_inputs(spec, seed=target.seed + 100003, distribution="normal")
+    rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
+    keep = torch.zeros(spec.seq_len, dtype=full.dout.dtype)
+    keep[rows] = 1
+    sparse = Inputs(full.q, full.k, full.v, full.dout * keep[None, :, None, None])
+    parts = _gather(_run_shards(impl, sparse, spec, target.ring, rank, group, device), group, world)
+
+    def full_verdict():
+        whole = _whole(parts, target.layout)
+        got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
+        tensors = TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
+        return _judge_rows(spec, got, _row_results(spec, sparse, rows, low=False),
+                           _row_results(spec, sparse, rows, low=True), rows, tensors, budget)
+    full_v = on_root(full_verdict)
+    rows_out.append(_summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [full_v], ("out", "lse")))
+    rows_out.append(_summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [full_v],
+                               ("dq", "dk", "dv")))
+
+    # NaN / Inf anywhere
+    all_verdicts = [v for vs in by_dist.values() for v in vs] + [full_v]
+    bad = [(v.case, t.tensor, t.stats.nonfinite) for v in all_verdicts for t in v.tensors if t.stats.nonfinite]
+    rows_out.append(CheckRow("no NaN/Inf", "fail" if bad else "pass", detail=(
+        "; ".join(f"{n} non-finite in {t} [{c}]" for c, t, n in bad[:3]) if bad else
+        f"{len(all_verdicts)} runs, every output and gradient finite")))
+
+    # determinism: the first case again, same bits
+    case, inputs, parts = first_parts
+    note("determinism")
+    again = _gather(_run_shards(impl, inputs, case.spec, case.ring, rank, group, device), group, world)
+    same = all(
+        (a[t] is None and b[t] is None) or (a[t] is not None and b[t] is not None and torch.equal(a[t], b[t]))
+        for a, b in zip(parts, again) for t in TENSORS)
+    rows_out.append(CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
+                             detail=f"[{case.describe()}]"))
+
+    # shape and dtype (a violation raised ContractError already)
+    rows_out.append(CheckRow("output shape and dtype", "pass",
+                             detail="out like q" + ("; lse (batch, heads, local_seq) float32" if returns_lse
+                                                    else "; no lse returned (lse not checked)")))
+
+    # work balance of the layout (information)
+    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal)
+    mean = sum(counts) / len(counts)
+    rows_out.append(CheckRow("per-rank work balance (max / mean)", "info", max(counts) / mean, None,
+                             f"{target.layout}{' causal' if spec.causal else ''}: unmasked scores per rank "
+                             f"{counts}"))
+    return rows_out
+
+
+# ------------------------------------------------------------------------------- reports
+
+def report_dict(target: Target, rows: list[CheckRow], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "passed": all(r.passed for r in rows),
+        "target": target.to_dict(),
+        "command": f"ringcheck validate {target.describe()}",
+        "checks": [dataclasses.asdict(r) for r in rows],
+        "meta": meta or {},
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
+             f"`{report['command']}`", "", "| check | status | error | budget | detail |",
+             "|---|---|---|---|---|"]
+    for row in report["checks"]:
+        err = "" if row["error"] is None else f"{row['error']:.3g}"
+        bud = "" if row["budget"] is None else f"{row['budget']:.3g}"
+        detail = row["detail"].replace("|", "\\|")
+        lines.append(f"| {row['check']} | {row['status']} | {err} | {bud} | {detail} |")
+    if report.get("meta"):
+        lines += ["", "Run: " + ", ".join(f"{k}={v}" for k, v in report["meta"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def validate_task(member, target: Target) -> list[CheckRow]:
+    """`validate_on_rank` as a ring task (`ringcheck.launch`): member carries the group."""
+    return validate_on_rank(target, member.group)

@@ -8,6 +8,7 @@ import torch
 import ringcheck
 from ringcheck.backends import get_backend, row_delta
 from ringcheck.check import MODES, Case, run_case
+from ringcheck.metrics import abs_error
 from ringcheck.spec import AttentionSpec, RingSpec
 
 SIZES = [1, 2, 3, 4, 8, 16]
@@ -15,12 +16,13 @@ DTYPES = ["float32", "bfloat16", "float16"]
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 
 
-def _case(world_size, dtype, mode, heads, *, seed=0, tokens=4, head_dim=16, distribution="normal"):
+def _case(world_size, dtype, mode, heads, *, seed=0, tokens=4, head_dim=16, distribution="normal",
+          backend="torch"):
     causal, layout = MODES[mode]
     h, kvh = HEADS[heads]
     spec = AttentionSpec(batch=1, heads=h, kv_heads=kvh, seq_len=2 * world_size * tokens,
                          head_dim=head_dim, dtype=dtype, causal=causal)
-    return Case(spec, RingSpec(world_size, layout), seed=seed, distribution=distribution)
+    return Case(spec, RingSpec(world_size, layout), seed=seed, distribution=distribution, backend=backend)
 
 
 @pytest.mark.parametrize("heads", list(HEADS))
@@ -31,6 +33,35 @@ def test_ring_within_budget_of_float64(world_size, dtype, mode, heads):
     case = _case(world_size, dtype, mode, heads, seed=world_size)
     verdict = run_case(case)
     assert verdict.passed, verdict.message()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+def test_plain_matmul_backend_within_budget(world_size, dtype, mode):
+    verdict = run_case(_case(world_size, dtype, mode, "gqa", seed=world_size, backend="torch_plain"))
+    assert verdict.passed, verdict.message()
+
+
+@pytest.mark.parametrize("mask, sq, sk, diagonal", [("full", 8, 4, 0), ("causal", 8, 8, 0), ("causal", 8, 8, -1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_and_plain_paths_agree_to_float32_rounding(dtype, mask, sq, sk, diagonal):
+    g = torch.Generator().manual_seed(7)
+    dt = getattr(torch, dtype)
+    q, dout = (torch.randn(2, sq, 4, 16, generator=g).to(dt) for _ in range(2))
+    k, v = (torch.randn(2, sk, 2, 16, generator=g).to(dt) for _ in range(2))
+    fast, plain = get_backend("torch"), get_backend("torch_plain")
+    out, lse = plain.forward(q, k, v, scale=0.25, mask=mask, diagonal=diagonal)
+    out_f, lse_f = fast.forward(q, k, v, scale=0.25, mask=mask, diagonal=diagonal)
+    delta = row_delta(out, dout)
+    grads = plain.backward(q, k, v, dout, lse, delta, scale=0.25, mask=mask, diagonal=diagonal)
+    grads_f = fast.backward(q, k, v, dout, lse, delta, scale=0.25, mask=mask, diagonal=diagonal)
+    for a, b in zip((out, lse, *grads), (out_f, lse_f, *grads_f)):
+        assert a.dtype == b.dtype == torch.float32
+        diff, bad = abs_error(b, a)  # the striped diagonal -1 leaves row 0 empty: lse -inf on both
+        assert not bad.any()
+        scale = float(a[torch.isfinite(a)].abs().max())
+        assert diff.max() <= 8 * torch.finfo(torch.float32).eps * max(1.0, scale)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

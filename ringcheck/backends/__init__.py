@@ -35,16 +35,16 @@ class BlockBackend(Protocol):
                  diagonal: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-BACKENDS = ("torch", "triton", "flash_attn")
+BACKENDS = ("torch", "torch_plain", "triton", "flash_attn")
 
 
 def get_backend(name: str) -> BlockBackend:
     """The block backend called `name`; an unavailable one raises, it is never replaced."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a name (one of {list(BACKENDS)}), got {type(name).__name__}")
-    if name == "torch":
+    if name in ("torch", "torch_plain"):
         from .torch_backend import TorchBackend
-        return TorchBackend()
+        return TorchBackend(fast=(name == "torch"))
     if name == "triton":
         from .triton_backend import TritonBackend
         return TritonBackend()

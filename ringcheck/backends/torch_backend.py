@@ -1,6 +1,16 @@
-"""The plain PyTorch block backend: readable float32 matmuls, the backend every other is
-compared with. Inputs are upcast to float32 once per block; grouped-query attention is
-computed by broadcasting each K/V head over its group of query heads (K/V are not copied)."""
+"""The PyTorch block backend, with two paths behind one contract.
+
+- The plain path (`TorchBackend(fast=False)`, backend name ``torch_plain``): readable float32
+  matmuls, the path every other backend is compared with. Inputs are upcast to float32 once
+  per block; grouped-query attention broadcasts each K/V head over its group of query heads
+  (K/V are not copied). Handles every mask, including the striped layout's diagonal -1.
+- The fast path (the default ``torch`` backend): PyTorch's fused CPU flash-attention kernels
+  (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which take the merged
+  out and lse exactly as the ring's backward needs), on inputs upcast to float32 so that no
+  block output is rounded to a low dtype before the merge. Used on CPU tensors for the full
+  mask and the square causal diagonal; anything else takes the plain path. GQA expands K/V
+  to the query heads there (the kernel wants equal head counts) and sums dK/dV back.
+"""
 
 from __future__ import annotations
 
@@ -41,10 +51,63 @@ def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - safe.unsqueeze(-1))
 
 
+def _flash_ok(q: torch.Tensor, k: torch.Tensor, mask: str, diagonal: int) -> bool:
+    if q.device.type != "cpu" or q.shape[1] == 0 or k.shape[1] == 0:
+        return False
+    return mask == "full" or (mask == "causal" and diagonal == 0 and q.shape[1] == k.shape[1])
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, s, kvh, d) -> (b, heads, s, d) float32, each K/V head repeated over its group."""
+    x = x.float().transpose(1, 2)
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, heads, s, d) gradients of repeated K/V heads -> (b, s, kv_heads, d)."""
+    b, h, s, d = x.shape
+    return x.view(b, kv_heads, h // kv_heads, s, d).sum(2).transpose(1, 2)
+
+
+_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
 class TorchBackend:
-    name = "torch"
+    def __init__(self, fast: bool = True):
+        self.fast = fast
+        self.name = "torch" if fast else "torch_plain"
 
     def forward(self, q, k, v, *, scale, mask, diagonal=0):
+        if self.fast and _flash_ok(q, k, mask, diagonal):
+            h = q.shape[2]
+            out, lse = _FLASH_FWD(q.float().transpose(1, 2), _heads_first(k, h), _heads_first(v, h),
+                                  0.0, mask == "causal", scale=scale)
+            return out.transpose(1, 2), lse
+        return self._plain_forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal)
+
+    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
+        if self.fast and _flash_ok(q, k, mask, diagonal) and not self._zero_rows_with_delta(dout, delta):
+            # the kernel derives delta = rowsum(dout * out) itself from the out it is given; an
+            # out whose rowsum with dout is `delta` is out* = delta / |dout|^2 dout (any out with
+            # that rowsum gives the same gradients), built here so the merged statistic is used
+            h, kvh = q.shape[2], k.shape[2]
+            do = dout.float().transpose(1, 2).contiguous()
+            norm = (do * do).sum(-1, keepdim=True)
+            out = torch.where(norm > 0, do * (delta.unsqueeze(-1) / norm.clamp_min(1e-30)), do)
+            dq, dk, dv = _FLASH_BWD(do, q.float().transpose(1, 2), _heads_first(k, h), _heads_first(v, h),
+                                    out, lse.contiguous(), 0.0, mask == "causal", scale=scale)
+            return dq.transpose(1, 2), _group_sum(dk, kvh), _group_sum(dv, kvh)
+        return self._plain_backward(q, k, v, dout, lse, delta, scale=scale, mask=mask, diagonal=diagonal)
+
+    @staticmethod
+    def _zero_rows_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> bool:
+        """A row whose dout is all zero but whose delta is not (a gradient through lse only)
+        cannot be expressed as an out for the fused kernel: such blocks take the plain path."""
+        zero = (dout == 0).all(-1).transpose(1, 2)  # (b, h, s)
+        return bool((zero & (delta != 0)).any())
+
+    def _plain_forward(self, q, k, v, *, scale, mask, diagonal=0):
         kvh = k.shape[2]
         s = _scores(_grouped(q, kvh), _kv(k), scale, mask, diagonal)   # (b, kvh, g, sq, sk)
         lse = torch.logsumexp(s, dim=-1)                                  # (b, kvh, g, sq)
@@ -52,7 +115,7 @@ class TorchBackend:
         b, _, _, sq = lse.shape
         return _ungroup(out), lse.reshape(b, -1, sq)
 
-    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
+    def _plain_backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
         kvh = k.shape[2]
         qg, kg, vg, dog = _grouped(q, kvh), _kv(k), _kv(v), _grouped(dout, kvh)
         b, h, sq = lse.shape

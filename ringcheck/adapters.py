@@ -1,0 +1,222 @@
+"""Implementations under test: load `package.module:function`, or a built-in adapter by name.
+
+The contract every implementation keeps (what `ringcheck validate --impl` calls on each rank):
+
+    fn(q, k, v, *, causal: bool, softmax_scale: float, group) -> out  or  (out, lse)
+
+q is this rank's shard (batch, local_seq, heads, head_dim); k and v are (batch, local_seq,
+kv_heads, head_dim), laid out as `--layout` says; out has q's shape and dtype; lse, if
+returned, is (batch, heads, local_seq) float32; gradients flow to q, k and v.
+
+Built-in adapters (`--impl NAME` or `--impl NAME:VARIANT`):
+
+- ``ringcheck`` - our ring (`ringcheck.ring_attention`), any layout.
+- ``ring_attention_pytorch`` - lucidrains' ring-attention-pytorch `ring_flash_attn`
+  (pure PyTorch, CPU and GPU); layouts contiguous and striped.
+- ``ring_flash_attn:zigzag|basic|stripe`` - zhuzilin's ring-flash-attention (CUDA only).
+- ``torch_cp`` - PyTorch's own context-parallel ring (the private
+  `_templated_ring_attention`, with the CPU flash kernels on CPU); layouts contiguous
+  (bidirectional) and zigzag (causal, its head-tail load balancing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+ImplFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A loaded implementation: the callable plus what it can run."""
+
+    name: str
+    fn: ImplFn
+    layouts: tuple[str, ...] | None = None   # None: whatever layout it is given
+    note: str = ""
+    modes: dict = field(default_factory=dict)
+
+    def check_layout(self, layout: str, causal: bool) -> None:
+        if self.layouts is not None and layout not in self.layouts:
+            raise ValueError(f"--impl {self.name} runs the layouts {list(self.layouts)}, not {layout!r}; "
+                             f"pass --layout {self.layouts[0]}")
+        if self.name.startswith("torch_cp"):
+            if causal != (layout == "zigzag"):
+                raise ValueError("--impl torch_cp balances causal work with its head-tail (zigzag) layout "
+                                 "and runs bidirectional attention contiguous: use --layout zigzag --causal "
+                                 "or --layout contiguous without --causal")
+
+
+# ------------------------------------------------------------------------------------ ours
+
+def _ours(layout: str, backend: str) -> ImplFn:
+    def ringcheck_ring(q, k, v, *, causal, softmax_scale, group=None):
+        from . import ring_attention
+        return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
+                              layout=layout, backend=backend, return_lse=True)
+    return ringcheck_ring
+
+
+# ------------------------------------------------------------------ ring-attention-pytorch
+
+def _ring_attention_pytorch(layout: str) -> ImplFn:
+    try:
+        from ring_attention_pytorch import ring_flash_attn
+    except ImportError as exc:
+        raise RuntimeError("--impl ring_attention_pytorch needs the package: "
+                           "pip install ring-attention-pytorch==0.5.20") from exc
+    import torch.distributed as dist
+
+    def ring_attention_pytorch(q, k, v, *, causal, softmax_scale, group=None):
+        if group is not None and group != dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError("ring_attention_pytorch rings over the default world group only; "
+                             "run it with --world-size equal to the torchrun world")
+        d = q.shape[-1]
+        # it always scales by head_dim ** -0.5: fold the requested scale into q
+        q = q * (softmax_scale * d ** 0.5) if softmax_scale is not None else q
+        return ring_flash_attn(q, k, v, causal=causal, bucket_size=q.shape[1], ring_reduce_col=True,
+                               striped_ring_attn=(layout == "striped"))
+    return ring_attention_pytorch
+
+
+# ------------------------------------------------------------------------ ring-flash-attn
+
+def _ring_flash_attn(variant: str) -> ImplFn:
+    try:
+        import ring_flash_attn as rfa
+    except ImportError as exc:
+        raise RuntimeError("--impl ring_flash_attn needs the ring-flash-attn package and CUDA "
+                           "(pip install ring-flash-attn flash-attn on a GPU machine)") from exc
+    functions = {"zigzag": "zigzag_ring_flash_attn_func", "basic": "ring_flash_attn_func",
+                 "stripe": "stripe_flash_attn_func"}
+    fn = getattr(rfa, functions[variant])
+
+    def ring_flash_attn(q, k, v, *, causal, softmax_scale, group=None):
+        out, lse, _ = fn(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
+                         return_attn_probs=True)
+        return out, lse.float()
+    return ring_flash_attn
+
+
+# ---------------------------------------------------------------------- PyTorch's own CP
+
+class _TorchCPRing(torch.autograd.Function):
+    """PyTorch's `_templated_ring_attention` forward and its backward, on (b, h, n, d)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group):
+        from torch.distributed.tensor.experimental._attention import _cp_options
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention)
+
+        old = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = causal
+        try:
+            out, lse = _templated_ring_attention(
+                group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                q, k, v, is_causal=causal, dropout_p=0.0, scale=scale)[:2]
+        finally:
+            _cp_options.enable_load_balance = old
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from torch.distributed.tensor.experimental._attention import _cp_options
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention_backward)
+
+        q, k, v, out, lse = ctx.saved_tensors
+        old = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = ctx.causal
+        try:
+            dq, dk, dv = _templated_ring_attention_backward(
+                ctx.group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                grad_out=dout.contiguous(), grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+                logsumexp=lse, is_causal=ctx.causal, dropout_p=0.0, scale=ctx.scale)[:3]
+        finally:
+            _cp_options.enable_load_balance = old
+        return dq, dk, dv, None, None, None
+
+
+def _torch_cp() -> ImplFn:
+    import torch.distributed as dist
+
+    def torch_cp(q, k, v, *, causal, softmax_scale, group=None):
+        group = group if group is not None else dist.group.WORLD
+        if q.device.type == "cuda":
+            raise RuntimeError("--impl torch_cp is wired to the CPU flash kernels; on CUDA use "
+                               "torch.distributed.tensor.experimental.context_parallel directly")
+        heads, kv_heads = q.shape[2], k.shape[2]
+        # (b, n, h, d) -> (b, h, n, d); the CPU flash kernel wants as many K/V heads as q heads
+        qt = q.transpose(1, 2)
+        kt = k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+        vt = v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+        out, lse = _TorchCPRing.apply(qt, kt, vt, causal, softmax_scale, group)
+        return out.transpose(1, 2), lse.float()
+    return torch_cp
+
+
+# --------------------------------------------------------------------------------- loading
+
+BUILTIN = ("ringcheck", "ring_attention_pytorch", "ring_flash_attn", "torch_cp")
+
+
+def _check_signature(fn: ImplFn, name: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"--impl {name} is not callable (it is a {type(fn).__name__})")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and C functions: trust them
+    params = sig.parameters
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_var_pos = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+    missing = [kw for kw in ("causal", "softmax_scale", "group") if kw not in params and not has_var_kw]
+    if (len(positional) < 3 and not has_var_pos) or missing:
+        raise TypeError(
+            f"--impl {name} has the signature {name.split(':')[-1]}{sig}; the contract is "
+            f"fn(q, k, v, *, causal, softmax_scale, group) -> out or (out, lse)"
+            + (f" (missing keyword(s): {', '.join(missing)})" if missing else ""))
+
+
+def load_impl(spec: str, *, layout: str, backend: str = "torch") -> Impl:
+    """Resolve `--impl`: a built-in adapter (`NAME` or `NAME:VARIANT`) or `module:function`."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"--impl must be a name like 'ringcheck' or 'package.module:function', got {spec!r}")
+    head, _, tail = spec.partition(":")
+    if head == "ringcheck" and not tail:
+        return Impl("ringcheck", _ours(layout, backend))
+    if head == "ring_attention_pytorch" and not tail:
+        return Impl(spec, _ring_attention_pytorch(layout), layouts=("contiguous", "striped"))
+    if head == "ring_flash_attn":
+        variant = tail or "zigzag"
+        layouts = {"zigzag": "zigzag", "basic": "contiguous", "stripe": "striped"}
+        if variant not in layouts:
+            raise ValueError(f"--impl ring_flash_attn:{variant} is unknown; choose one of "
+                             f"{[f'ring_flash_attn:{v}' for v in layouts]}")
+        return Impl(f"ring_flash_attn:{variant}", _ring_flash_attn(variant), layouts=(layouts[variant],))
+    if head == "torch_cp" and not tail:
+        return Impl("torch_cp", _torch_cp(), layouts=("contiguous", "zigzag"))
+    if not tail:
+        raise ValueError(f"--impl {spec!r} is neither a built-in adapter ({', '.join(BUILTIN)}) nor of the "
+                         f"form 'package.module:function'")
+    try:
+        module = importlib.import_module(head)
+    except ImportError as exc:
+        raise ValueError(f"--impl {spec}: cannot import module {head!r} ({exc}); is it installed, or is "
+                         f"its directory on PYTHONPATH?") from exc
+    fn = module
+    for part in tail.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"--impl {spec}: module {head!r} has no attribute {tail!r}")
+        fn = getattr(fn, part)
+    _check_signature(fn, spec)
+    return Impl(spec, fn)

@@ -1,0 +1,282 @@
+"""Drift reports: metrics in units of a dtype, the per-step truth, the slope model and its
+flags, the JSON schema, `report diff`, and the command line. Tiny sweeps only."""
+
+import copy
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from reference import dense_grads
+from ringcheck.check import MODES
+from ringcheck.cli import main
+from ringcheck.drift import (SCHEMA_VERSION, SIMULATED, DriftSpec, Implementation, _run_simulated,
+                             fit_group, fit_slope, run_drift, step_truths)
+from ringcheck.drift_report import diff_documents, dumps, exact_differences, load, loads, save
+from ringcheck.inputs import make_inputs
+from ringcheck.layouts import positions
+from ringcheck.metrics import max_ulp_error, ulp, unit_roundoff
+from ringcheck.spec import AttentionSpec, RingSpec
+
+# the setting where per-hop rounding is real: near-tied rows over V offset by +6 (see
+# ringcheck.distributions.near_uniform), bfloat16, bidirectional, up to 16 ranks
+SEPARATING = dict(dtypes=("bfloat16",), ring_sizes=(1, 2, 4, 8, 16), distributions=("near-uniform",),
+                  modes=("bidirectional",), seeds=1, tokens_per_rank=8, head_dim=32)
+TINY = dict(dtypes=("bfloat16",), ring_sizes=(1, 2, 4), distributions=("normal",), modes=("zigzag",),
+            seeds=1, tokens_per_rank=4, head_dim=8, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def separating_doc():
+    return run_drift(DriftSpec(**SEPARATING))
+
+
+@pytest.fixture(scope="module")
+def tiny_doc():
+    return run_drift(DriftSpec(**TINY))
+
+
+# --- metrics in units of a dtype -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_correct_rounding_is_at_most_half_an_ulp(dtype):
+    t = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    assert max_ulp_error(t.to(dtype), t, dtype) <= 0.5
+    one = torch.tensor([1.0], dtype=torch.float64)
+    assert float(ulp(one, dtype)) == torch.finfo(dtype).eps
+    zero = torch.tensor([0.0], dtype=torch.float64)
+    assert float(ulp(zero, dtype)) == torch.finfo(dtype).eps * torch.finfo(dtype).tiny
+    assert unit_roundoff(dtype) == torch.finfo(dtype).eps / 2
+
+
+def test_ulp_error_counts_a_wrong_nonfinite_as_infinite():
+    t = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert max_ulp_error(torch.tensor([1.0, float("nan")]), t, torch.float32) == math.inf
+
+
+# --- per-step truth ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_per_step_truth_ends_at_the_dense_truth_and_starts_at_the_own_shard(mode):
+    causal, layout = MODES[mode]
+    p = 4
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_len=8 * p, head_dim=8, causal=causal)
+    inputs = make_inputs(spec, seed=1)
+    out, lse = step_truths(spec, RingSpec(p, layout), inputs)
+    true_out, true_lse = dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=causal)[:2]
+    for r in range(p):
+        pos = positions(layout=layout, rank=r, world_size=p, seq_len=spec.seq_len)
+        assert torch.allclose(out[r, -1], true_out[:, pos], atol=1e-12, rtol=0)
+        assert torch.allclose(lse[r, -1], true_lse[:, :, pos], atol=1e-12, rtol=0)
+        # step 0: the rank's own shard only, under the global causal mask
+        own_out, own_lse = dense_grads(inputs.q[:, pos], inputs.k[:, pos], inputs.v[:, pos],
+                                       inputs.dout[:, pos], causal=causal)[:2]
+        assert torch.allclose(out[r, 0], own_out, atol=1e-12, rtol=0)
+        assert torch.allclose(lse[r, 0], own_lse, atol=1e-12, rtol=0)
+
+
+def test_per_step_drift_of_the_default_ring_stays_below_one_rounding(separating_doc):
+    """The float32 partial before the final cast is far more accurate than one bf16 rounding;
+    the per-hop round trip is at least half a rounding from the first hop and grows."""
+    u = unit_roundoff(torch.bfloat16)
+    default = separating_doc["cases"]["simulated/torch/bidirectional/bfloat16/near-uniform/acc=float32/P=16"]
+    control = separating_doc["cases"]["simulated/torch/bidirectional/bfloat16/near-uniform/acc=input/P=16"]
+    assert max(default["steps"]["out_rel_norm"]) < 1e-3 * u
+    steps = control["steps"]["out_rel_norm"]
+    assert min(steps) > 0.2 * u and steps[-1] > 1.5 * steps[0]
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slope", [-0.5, 0.0, 0.5, 1.0, 1.5])
+def test_slope_fit_recovers_known_slopes(slope):
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    exact = fit_slope(sizes, [3e-3 * p ** slope for p in sizes])
+    assert exact.slope == pytest.approx(slope, abs=1e-12) and exact.stderr == pytest.approx(0, abs=1e-12)
+    assert exact.points == 6  # P = 1 is not fitted
+    rng = random.Random(7)
+    noisy = fit_slope(sizes, [3e-3 * p ** slope * math.exp(rng.gauss(0, 0.1)) for p in sizes])
+    assert abs(noisy.slope - slope) < 3 * noisy.stderr + 0.02
+
+
+def test_slope_fit_leaves_out_points_without_a_logarithm():
+    fit = fit_slope([2, 4, 8, 16], [0.0, 4.0, math.inf, 16.0])
+    assert fit.points == 2 and fit.slope == pytest.approx(1.0) and fit.stderr is None
+    assert fit_slope([2, 4], [0.0, 1.0]).slope is None
+
+
+def _points(errors, *, signed=None, passed=None):
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    signed = signed or [0.0] * len(sizes)
+    passed = passed or [True] * len(sizes)
+    return {p: {"rel_norm": e, "max_abs": e, "rmse": e, "mean_signed": s, "peer_ratio": 1.0,
+                "budget_ratio": e / 1e-2, "passed": ok, "nonfinite": 0}
+            for p, e, s, ok in zip(sizes, errors, signed, passed)}
+
+
+def test_flags_follow_the_stated_rules():
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    flat = fit_group(_points([1e-3] * 7))
+    assert flat["flags"] == [] and flat["diagnosis"] == "flat"
+    sqrt = fit_group(_points([1e-3 * p ** 0.5 for p in sizes]))
+    assert sqrt["flags"] == [] and sqrt["diagnosis"] == "sqrt-like"
+    linear = fit_group(_points([1e-4 * p for p in sizes]))
+    assert linear["flags"] == ["slope"] and linear["diagnosis"] == "linear or worse"
+    over = fit_group(_points([1e-3] * 7, passed=[True] * 5 + [False] * 2))
+    assert over["flags"] == ["budget"] and over["over_budget_at"] == [32, 64]
+    biased = fit_group(_points([1e-3] * 7, signed=[-5e-6 * p ** 1.2 for p in sizes]))
+    assert biased["flags"] == ["bias"] and biased["bias_slope"] == pytest.approx(1.2)
+    # a mean that grows but stays a small part of the error is not a bias
+    noise = fit_group(_points([1e-3] * 7, signed=[1e-7 * p for p in sizes]))
+    assert "bias" not in noise["flags"]
+
+
+def test_the_round_trip_ring_is_flagged_and_the_default_is_not(separating_doc):
+    fits = separating_doc["fits"]
+    key = "simulated/torch/bidirectional/bfloat16/near-uniform/acc={}/{}"
+    for tensor in ("out", "lse", "dq", "dk", "dv"):
+        assert fits[key.format("float32", tensor)]["flags"] == [], fits[key.format("float32", tensor)]
+    default, control = fits[key.format("float32", "out")], fits[key.format("input", "out")]
+    assert "budget" in control["flags"] and 16 in control["over_budget_at"]
+    assert abs(default["slope"]) < 0.25 < control["slope"] < 0.8  # flat versus random walk
+    summary = separating_doc["summary"]
+    assert summary["passed"] and summary["accumulations"]["input"]["flagged"] >= 1
+    assert summary["settings"]["torch/bidirectional/bfloat16/near-uniform"]["separated"] is True
+
+
+# --- the JSON schema -----------------------------------------------------------------------------
+
+
+def test_json_schema_round_trips_with_stable_keys(tiny_doc, tmp_path):
+    text = dumps(tiny_doc)
+    back = loads(text)
+    assert back == tiny_doc and dumps(back) == text
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION
+    assert list(tiny_doc) == ["schema", "schema_version", "spec", "implementation", "rules", "cases",
+                              "fits", "summary"]
+    case = tiny_doc["cases"]["simulated/torch/zigzag/bfloat16/normal/acc=float32/P=4"]
+    assert list(case["tensors"]) == ["out", "lse", "dq", "dk", "dv"]
+    assert set(case["tensors"]["dq"]) == {"max_abs", "rel_norm", "rmse", "max_ulp", "rel_over_u", "mean_signed",
+                                          "peer_max_abs", "peer_rel_norm", "peer_ratio", "budget",
+                                          "budget_ratio", "over_budget", "passed", "nonfinite"}
+    assert set(case["steps"]) == {"out_max_abs", "out_rel_norm", "lse_max_abs"}
+    assert len(case["steps"]["out_rel_norm"]) == 4  # one per ring step
+    fit = tiny_doc["fits"]["simulated/torch/zigzag/bfloat16/normal/acc=input/dv"]
+    assert {"slope", "slope_stderr", "bias_slope", "max_budget_ratio", "over_budget_at", "flags",
+            "diagnosis", "projected_budget_P"} <= set(fit)
+    # non-finite numbers survive as strict JSON
+    odd = copy.deepcopy(tiny_doc)
+    odd["cases"][next(iter(odd["cases"]))]["tensors"]["out"]["max_abs"] = math.inf
+    path = save(odd, tmp_path / "odd.json")
+    assert "Infinity" not in path.read_text() and load(path)["cases"] == odd["cases"]
+
+
+def test_strong_scaling_keeps_one_problem_for_every_ring_size():
+    doc = run_drift(DriftSpec(**dict(TINY, tokens_per_rank=None, seq_len=16, accumulations=("float32",))))
+    cases = [doc["cases"][f"simulated/torch/zigzag/bfloat16/normal/acc=float32/P={p}"] for p in (1, 2, 4)]
+    assert {c["seq_len"] for c in cases} == {16}
+    # the same inputs at every P: the truth and the peer do not change, only the ring does
+    assert len({c["tensors"]["dq"]["peer_max_abs"] for c in cases}) == 1
+    with pytest.raises(ValueError, match="not both"):
+        DriftSpec(tokens_per_rank=8, seq_len=64)
+
+
+def test_same_seeds_give_the_same_json_bit_for_bit(tiny_doc):
+    again = run_drift(DriftSpec(**TINY))
+    assert dumps(again) == dumps(tiny_doc)
+    assert exact_differences(again, tiny_doc) == []
+
+
+def test_loading_rejects_other_schemas(tiny_doc):
+    with pytest.raises(ValueError, match="schema version 99"):
+        loads(dumps(dict(tiny_doc, schema_version=99)))
+    with pytest.raises(ValueError, match="not a ringcheck drift report"):
+        loads('{"schema": "something else"}')
+    with pytest.raises(ValueError, match="not JSON"):
+        loads("{")
+
+
+# --- report diff ---------------------------------------------------------------------------------
+
+
+def test_report_diff_shows_a_planted_regression(separating_doc):
+    # the regression: a ring that says "float32 merge" but rounds its partial output at every hop
+    regressed = Implementation("simulated",
+                               lambda case, inputs, acc, observer: _run_simulated(case, inputs, "input", observer))
+    after = run_drift(DriftSpec(**dict(SEPARATING, accumulations=("float32",), ring_sizes=(1, 4, 16))),
+                      implementation=regressed)
+    before = separating_doc
+    diff = diff_documents(before, after)
+    assert diff.got_worse and not diff.identical
+    where = {(c.kind, c.key) for c in diff.worse}
+    base = "simulated/torch/bidirectional/bfloat16/near-uniform/acc=float32"
+    assert ("budget", f"{base}/P=16/out") in where
+    assert ("error", f"{base}/P=16/out") in where
+    assert ("flag", f"{base}/out") in where
+    assert ("slope", f"{base}/out") in where
+    assert not any("acc=input" in c.key for c in diff.worse)  # not in B: listed, not judged
+    assert f"{base}/P=2" in diff.only_in_a and not diff.only_in_b
+    assert not diff_documents(before, before).got_worse and diff_documents(before, before).identical
+
+
+def test_report_diff_ignores_meta_and_lists_unmatched_keys(tiny_doc):
+    a = dict(tiny_doc, meta={"created": "yesterday"})
+    b = copy.deepcopy(dict(tiny_doc, meta={"created": "today"}))
+    assert diff_documents(a, b).identical
+    dropped = next(iter(b["cases"]))
+    del b["cases"][dropped]
+    diff = diff_documents(a, b)
+    assert diff.only_in_a == [dropped] and not diff.got_worse
+
+
+# --- command line --------------------------------------------------------------------------------
+
+TINY_ARGS = ["--dtypes", "bfloat16", "--ring-sizes", "1,2,4", "--distributions", "normal", "--modes", "zigzag",
+             "--seeds", "1", "--tokens-per-rank", "4", "--head-dim", "8", "--heads", "2", "--kv-heads", "1"]
+
+
+def test_drift_command_writes_json_markdown_and_html_and_diff_reads_them(tmp_path, capsys):
+    assert main(["drift", *TINY_ARGS, "--out", str(tmp_path / "a")]) == 0
+    doc = load(tmp_path / "a" / "drift.json")
+    assert doc["meta"]["command"].startswith("ringcheck drift --dtypes bfloat16")
+    md = (tmp_path / "a" / "drift.md").read_text()
+    assert "ringcheck drift --dtypes bfloat16" in md and "## Verdict" in md
+    page = (tmp_path / "a" / "drift.html").read_text()
+    assert page.count("data:image/png;base64,") >= 3
+    out = capsys.readouterr().out
+    assert out.index("PASS") < out.index("worst")  # verdict first
+    assert main(["report", "diff", str(tmp_path / "a" / "drift.json"), str(tmp_path / "a" / "drift.json")]) == 0
+    assert main(["report", "diff", "--exact", str(tmp_path / "a" / "drift.json"),
+                 str(tmp_path / "a" / "drift.json")]) == 0
+    worse = copy.deepcopy(doc)
+    key = "simulated/torch/zigzag/bfloat16/normal/acc=float32/P=4"
+    worse["cases"][key]["tensors"]["dk"]["max_abs"] *= 10
+    save(worse, tmp_path / "worse.json")
+    capsys.readouterr()
+    assert main(["report", "diff", str(tmp_path / "a" / "drift.json"), str(tmp_path / "worse.json")]) == 1
+    assert f"{key}/dk" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["drift", "--dtypes", "float64"], "dtypes: 'float64' is unknown"),
+    (["drift", "--distributions", "cauchy"], "distributions: 'cauchy' is unknown"),
+    (["drift", "--seq-len", "100", "--ring-sizes", "3"], "seq_len=100 is not divisible by world_size=3"),
+    (["drift", "--tokens-per-rank", "3", "--modes", "zigzag"], "2 x world_size"),
+    (["drift", "--seeds", "0"], "seeds must be a count >= 1"),
+    (["report", "diff", "/nonexistent/a.json", "/nonexistent/b.json"], "no drift report at"),
+])
+def test_bad_input_exits_2_with_a_message(argv, match, capsys):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_report_diff_of_another_schema_exits_2(tiny_doc, tmp_path, capsys):
+    save(tiny_doc, tmp_path / "a.json")
+    (tmp_path / "b.json").write_text(json.dumps({"schema": "ringcheck.drift", "schema_version": 0}))
+    assert main(["report", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 2
+    assert "schema version 0" in capsys.readouterr().err

@@ -1,0 +1,138 @@
+"""`ringcheck validate`: it passes correct rings, fails every mutant of the catalogue, and
+turns every way an implementation can break the contract into a clear usage error.
+
+The ring runs through the `run_on_ring` fixture (local gloo rings under plain pytest, the
+torchrun world under torchrun), so these tests run the real distributed validate.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from ringcheck.launch import RingError
+from ringcheck.validate import Target, validate_task
+from suites.mutants import MUTANTS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# a small target of the catalogue's family: causal zig-zag, GQA, bf16, 4 ranks
+SMALL = dict(seq_len=256, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16", causal=True,
+             layout="zigzag", world_size=4, local_lengths=(2, 6, 16), sample_rows=8,
+             distributions=("normal", "sink"))
+
+# what each mutant needs to show itself (everything else: SMALL)
+SPECIAL = {
+    # a bf16 round trip per hop stays within 2x the naive bf16 peer on causal rings of 4; it
+    # shows on bidirectional near-tied rows over same-sign V with long local blocks at 8 ranks
+    "low_precision_partial": dict(causal=False, world_size=8, local_lengths=(64,), seq_len=512,
+                                  distributions=("near-uniform",)),
+}
+
+
+def _rows(run_on_ring, **changes):
+    target = Target(**{**SMALL, **changes})
+    return run_on_ring(target.world_size, validate_task, target)[0]
+
+
+def _failed(rows):
+    return [r.check for r in rows if r.status == "fail"]
+
+
+@pytest.mark.parametrize("impl", ["ringcheck", "suites.mutants:textbook"])
+def test_correct_rings_pass(run_on_ring, impl):
+    rows = _rows(run_on_ring, impl=impl)
+    assert not _failed(rows), "\n".join(f"{r.check}: {r.detail}" for r in rows if r.status == "fail")
+    checks = [r.check for r in rows]
+    assert any(c.startswith("forward  full length 256") for c in checks)
+    assert "determinism (two runs, same bits)" in checks and "no NaN/Inf" in checks
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_every_mutant_fails(run_on_ring, mutant):
+    rows = _rows(run_on_ring, impl=f"suites.mutants:{mutant}", **SPECIAL.get(mutant, {}))
+    failed = _failed(rows)
+    assert failed, f"validate passed the mutant {mutant!r} ({MUTANTS[mutant]})"
+    if mutant in ("block_lse_backward", "stale_kv_backward", "dkdv_not_home", "scale_twice_backward"):
+        assert all(c.startswith("backward") for c in failed), f"{mutant}: the forward is right, got {failed}"
+
+
+def test_an_implementation_without_lse_is_checked_on_out_and_gradients(run_on_ring):
+    rows = _rows(run_on_ring, impl="suites.bad_impls:only_out", distributions=("normal",))
+    assert not _failed(rows)
+    shape_row = next(r for r in rows if r.check == "output shape and dtype")
+    assert "no lse returned" in shape_row.detail
+
+
+@pytest.mark.parametrize("impl, words", [
+    ("suites.bad_impls:wrong_shape", "returned out of shape"),
+    ("suites.bad_impls:wrong_dtype", "dtype torch.float64"),
+    ("suites.bad_impls:no_gradient_to_k", "no gradient flows to k"),
+    ("suites.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
+])
+def test_contract_breaches_are_reported_with_the_rank(run_on_ring, impl, words):
+    with pytest.raises(RingError) as info:
+        _rows(run_on_ring, impl=impl, distributions=("normal",), local_lengths=(2,))
+    assert words in str(info.value)
+
+
+def test_an_implementation_that_never_returns_times_out_naming_the_rank(ring_pool):
+    target = Target(**{**SMALL, "impl": "suites.bad_impls:never_returns_on_rank_zero",
+                       "distributions": ("normal",), "local_lengths": (2,)})
+    with pytest.raises(RingError) as info:
+        ring_pool(4, timeout=5).run(4, validate_task, target)
+    assert "rank 0" in str(info.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--impl", "no_such_module:fn"], "cannot import module 'no_such_module'"),
+    (["--impl", "suites.bad_impls:NOT_CALLABLE"], "is not callable"),
+    (["--impl", "suites.bad_impls:wrong_signature"], "the contract is fn(q, k, v, *, causal, softmax_scale, group)"),
+    (["--impl", "suites.bad_impls:missing"], "has no attribute 'missing'"),
+    (["--impl", "torch_cp", "--layout", "striped"], "runs the layouts"),
+    (["--seq-len", "1001"], "seq_len=1001 is not divisible by 2 x world_size=8"),
+    (["--heads", "4", "--kv-heads", "3"], "heads=4 is not divisible by kv_heads=3"),
+    (["--config", "/nonexistent.toml"], "no such file"),
+    (["--world-size", "0"], "world_size must be >= 1"),
+])
+def test_bad_input_exits_2_with_a_message_and_no_traceback(capsys, argv, words):
+    assert main(["validate", *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_config_file_holds_the_target(tmp_path, capsys):
+    config = tmp_path / "target.toml"
+    config.write_text('[validate]\nseq_len = 1000\nlayout = "zigzag"\nworld_size = 4\n')
+    assert main(["validate", "--config", str(config)]) == EXIT_USAGE
+    assert "seq_len=1000" in capsys.readouterr().err
+    config.write_text('[validate]\nsequence = 1000\n')
+    assert main(["validate", "--config", str(config)]) == EXIT_USAGE
+    assert "unknown key(s) ['sequence']" in capsys.readouterr().err
+
+
+def _cli(*argv, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ringcheck", "validate", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_exit_codes_and_report(tmp_path):
+    """End to end in a fresh process: a passing run writes its report; a mutant exits 1 and
+    names the failing check; a contract breach at run time exits 2 without a traceback."""
+    small = ["--seq-len", "256", "--head-dim", "32", "--sample-rows", "8", "--quick"]
+    done = _cli(*small, "--report", str(tmp_path))
+    assert done.returncode == EXIT_OK, done.stdout + done.stderr
+    report = json.loads((tmp_path / "validate.json").read_text())
+    assert report["passed"] and report["schema_version"] == 1
+    assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
+
+    done = _cli(*small, "--impl", "suites.mutants:diagonal_off_by_one")
+    assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
+    assert "FAIL" in done.stdout and "forward" in done.stdout
+
+    done = _cli(*small, "--impl", "suites.bad_impls:wrong_shape", "--timeout", "20")
+    assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
+    assert "returned out of shape" in done.stderr and "Traceback" not in done.stderr
