@@ -131,12 +131,18 @@ class TorchrunEnv:
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
+# set by the process that joins the world with these variables: its subprocesses inherit them
+# but are not ranks (a rank that runs `ringcheck validate` in a subprocess must not make that
+# subprocess join the world as a second copy of itself, which would hang)
+CLAIMED_BY = "RINGCHECK_TORCHRUN_RANK_PID"
+
 
 def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
-    """The torchrun environment, or None when this process was not started by a launcher."""
+    """The torchrun environment, or None when this process was not started by a launcher
+    (or inherited the variables from a process that is the rank)."""
     environ = os.environ if environ is None else environ
     present = [name for name in _TORCHRUN_VARS if name in environ]
-    if not present:
+    if not present or environ.get(CLAIMED_BY, str(os.getpid())) != str(os.getpid()):
         return None
     missing = [name for name in _TORCHRUN_VARS if name not in environ]
     if missing:
@@ -182,6 +188,7 @@ class TorchrunWorld:
                                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
         self.control = dist.new_group(backend="gloo", timeout=_td(control_timeout(self.timeout)))
         self._rings: dict[int, Any] = {}
+        os.environ[CLAIMED_BY] = str(os.getpid())  # this process is the rank (see CLAIMED_BY)
 
     @property
     def is_main(self) -> bool:

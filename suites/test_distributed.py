@@ -8,6 +8,9 @@ ring ranks differ from global ranks.
 """
 
 import itertools
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -178,6 +181,31 @@ def test_ring_attention_without_a_process_group_says_how_to_launch(torchrun_worl
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match=r"torchrun --nproc-per-node=<P>"):
         ring_attention(q, q, q)
+
+
+def test_the_torchrun_environment_is_read_and_checked():
+    from ringcheck.launch import CLAIMED_BY, from_torchrun_env
+
+    full = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    env = from_torchrun_env(full)
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (1, 4, 1, "10.0.0.1", 29500)
+    assert from_torchrun_env({}) is None
+    with pytest.raises(RuntimeError, match=r"incomplete: .* are not; launch with `torchrun"):
+        from_torchrun_env({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(RuntimeError, match="non-integer"):
+        from_torchrun_env({**full, "RANK": "one"})
+    with pytest.raises(RuntimeError, match="RANK=4 is outside WORLD_SIZE=4"):
+        from_torchrun_env({**full, "RANK": "4"})
+    # a subprocess of a rank inherits the variables, but the rank is its parent
+    assert from_torchrun_env({**full, CLAIMED_BY: str(os.getpid() + 1)}) is None
+    assert from_torchrun_env({**full, CLAIMED_BY: str(os.getpid())}) == env
+
+
+def test_a_subprocess_of_a_rank_is_not_a_rank():
+    code = "from ringcheck.launch import from_torchrun_env; print(from_torchrun_env())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
 
 
 # ------------------------------------------------------------------------ collective failures
