@@ -26,6 +26,7 @@ import torch
 from ..layouts import MASK_KINDS
 
 try:
+    from . import triton_bwd, triton_fwd
     from .triton_bwd import attention_backward, attention_row_delta
     from .triton_fwd import attention_forward, is_interpreted
 except ImportError as error:  # triton missing (not installable on this platform)
@@ -127,3 +128,83 @@ class TritonBackend:
         if not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"scale must be a positive number, got {scale!r}")
         self._check_device(q)
+
+
+# -- ahead-of-time compilation, without a GPU -------------------------------------------------
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _ast_source(kernel, args: dict, constexprs: dict):
+    """The kernel's source specialized as a launch with `args` would be: pointers (given as
+    torch dtypes) 16-byte aligned, ints equal to 1 made constants, ints divisible by 16 marked."""
+    from triton.compiler import ASTSource
+
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, torch.dtype):
+            signature[name] = "*" + _TRITON_TYPES[value]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return ASTSource(kernel, signature, constants, attrs)
+
+
+def compile_for_gpu(*, arch: int = 90, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                    causal: bool = True, dot_fp32: bool | None = None, seq: int = 4096,
+                    heads: int = 8, kv_heads: int = 2) -> dict[str, int]:
+    """Compile the four kernels for an NVIDIA GPU of compute capability `arch` on a machine
+    without one (Triton ships ptxas), as a launch on contiguous (1, seq, heads, head_dim)
+    tensors would; returns each kernel's shared memory in bytes. This catches on a CPU what
+    the interpreter lets through (types, constexpr scoping, shared-memory size). Needs the
+    compiled kernels: a process without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if is_interpreted():
+        raise RuntimeError("compile_for_gpu needs the compiled kernels; run it in a process without TRITON_INTERPRET")
+    flag = TritonBackend(dot_fp32=dot_fp32).dot_fp32(dtype)
+    pad = triton_fwd.head_dim_pad(head_dim)
+    target = GPUTarget("cuda", arch, 32)
+    group = heads // kv_heads
+
+    def strides(prefix, h, letters="bshd"):
+        shape = dict(b=1, s=seq, h=h, d=head_dim)
+        values, step = {}, 1
+        for letter in reversed(letters):  # contiguous, innermost last
+            values[f"stride_{prefix}{letter}"] = step
+            step *= shape[letter]
+        return values
+
+    ints = dict(heads=heads, kv_heads=kv_heads, group=group, sq=seq, sk=seq, seq=seq, diagonal=0, sm_scale=0.125)
+    for prefix, h in (("q", heads), ("o", heads), ("do", heads), ("dq", heads),
+                      ("k", kv_heads), ("v", kv_heads), ("dk", kv_heads), ("dv", kv_heads)):
+        ints |= strides(prefix, h)
+    for prefix in ("l", "d"):
+        ints |= strides(prefix, heads, "bhs")
+    pointers = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, Out=torch.float32, O=torch.float32, Lse=torch.float32,
+                    Delta=torch.float32, DQ=torch.float32, DK=torch.float32, DV=torch.float32)
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, CAUSAL=causal, DOT_FP32=flag)
+    dkdv_config, dq_config = triton_bwd.bwd_config(pad, flag)
+    jobs = [("forward", triton_fwd._attn_fwd, triton_fwd.fwd_config(pad, flag), common),
+            ("backward dK/dV", triton_bwd._attn_bwd_dkdv, dkdv_config, common),
+            ("backward dQ", triton_bwd._attn_bwd_dq, dq_config, common),
+            ("backward preprocess", triton_bwd._attn_bwd_preprocess, dict(BLOCK_M=64),
+             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad))]
+    shared = {}
+    for name, kernel, config, consts in jobs:
+        config = dict(config)
+        options = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
+        source = _ast_source(kernel, {**pointers, **ints}, {**consts, **config})
+        shared[name] = triton.compile(source, target=target, options=options).metadata.shared
+    return shared
