@@ -63,31 +63,33 @@ def _tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
-def benchmark(rep_ms: int) -> None:
+def benchmark(rep_ms: int, *, device: str = "cuda", bench=None, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS,
+              tokens: int = TOKENS, width: int = WIDTH) -> list[tuple]:
+    """Print (and return) the timing table. `bench(fn, grads) -> ms` defaults to
+    `triton.testing.do_bench`; the other arguments let a CPU test run the same code small."""
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
     from .backends import get_backend
 
     triton_backend = get_backend("triton")
-    if triton_backend.interpreted:
-        raise SystemExit("gpu_check: TRITON_INTERPRET=1 is set, so the Triton kernels are interpreted; "
-                         "unset it to benchmark the compiled kernels")
     try:
         from flash_attn import flash_attn_func
     except Exception:  # not installed, or its CUDA extension does not load
         flash_attn_func = None
+    if bench is None:
+        from triton.testing import do_bench
 
-    def bench(fn, grads=None):
-        return do_bench(fn, warmup=25, rep=rep_ms, grad_to_none=grads, return_mode="median")
+        def bench(fn, grads=None):
+            return do_bench(fn, warmup=25, rep=rep_ms, grad_to_none=grads, return_mode="median")
 
     header = (f"{'d':>4} {'N':>6} {'causal':>6}  {'impl':<10} {'fwd ms':>8} {'TFLOP/s':>8} "
               f"{'bwd ms':>8} {'TFLOP/s':>8}  {'max|out-sdpa|':>13}")
     print("\n" + header + "\n" + "-" * len(header), flush=True)
-    dev = torch.device("cuda")
-    for d in HEAD_DIMS:
-        for n in SEQ_LENS:
-            b, h = TOKENS // n, WIDTH // d
+    dev = torch.device(device)
+    table = []
+    for d in head_dims:
+        for n in seq_lens:
+            b, h = tokens // n, width // d
             scale = d ** -0.5
             gen = torch.Generator(device=dev).manual_seed(0)
             q, k, v, dout = (torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -127,13 +129,16 @@ def benchmark(rep_ms: int) -> None:
                     del ref, qf, kf, vf
 
                 for name, fwd, bwd, err in rows:
+                    table.append((d, n, causal, name, fwd, _tflops(fwd_flops, fwd), bwd, _tflops(bwd_flops, bwd), err))
                     print(f"{d:>4} {n:>6} {'yes' if causal else 'no':>6}  {name:<10} {fwd:>8.3f} "
                           f"{_tflops(fwd_flops, fwd):>8.1f} {bwd:>8.3f} {_tflops(bwd_flops, bwd):>8.1f}  "
                           f"{err:>13.2e}", flush=True)
             del q, k, v, dout
-            torch.cuda.empty_cache()
-    print(f"\n(bf16; batch x N = {TOKENS}, heads x d = {WIDTH}; median of do_bench, rep {rep_ms} ms; "
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\n(bf16; batch x N = {tokens}, heads x d = {width}; median of do_bench, rep {rep_ms} ms; "
           "Triton out is float32, compared with SDPA's bf16 out)")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_tests:
         status = run_suites(args.suites, args.tests_timeout)
     if not args.no_bench:
+        from .backends import get_backend
+
+        if get_backend("triton").interpreted:
+            print("gpu_check: TRITON_INTERPRET=1 is set, so the Triton kernels are interpreted; unset it "
+                  "to time the compiled kernels")
+            return 1
         benchmark(args.rep_ms)
     return 1 if status else 0
 

@@ -318,6 +318,25 @@ def test_invalid_blocks_raise(bad, error):
         BACKEND.forward(q, kv, kv, scale=1.0, mask=opts["mask"], diagonal=opts["diagonal"])
 
 
+# --- the GPU check script, as far as a CPU can run it -------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_check_skips_cleanly_without_cuda(capsys):
+    from ringcheck import gpu_check
+    assert gpu_check.main([]) == 0
+    assert "skipped, no CUDA device" in capsys.readouterr().out
+
+
+@interpreter_only
+def test_gpu_check_timing_table_runs_small_on_the_cpu(capsys):
+    from ringcheck import gpu_check
+    table = gpu_check.benchmark(1, device="cpu", bench=lambda fn, grads=None: (fn(), 1.0)[1],
+                                head_dims=(16,), seq_lens=(24,), tokens=24, width=32)
+    assert [(row[2], row[3]) for row in table] == [(False, "triton"), (False, "sdpa"), (True, "triton"), (True, "sdpa")]
+    assert all(row[-1] < 2e-2 for row in table), table  # the Triton forward agrees with SDPA
+    assert "TFLOP/s" in capsys.readouterr().out
+
+
 # --- GPU only: the compiled kernels at their own tile sizes ------------------------------------
 
 GPU_CASES = [make_case(world_size=p, mode=m, dtype=dt, heads=4, kv_heads=2, head_dim=d, per_chunk=n)
