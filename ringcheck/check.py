@@ -16,7 +16,7 @@ from reference import dense_grads, peer_attention
 from .inputs import Inputs, make_inputs
 from .layouts import positions
 from .spec import AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS, Verdict, judge
+from .verdict import TENSORS, Verdict, backward_floors, judge
 
 # what users call a "mode": (causal, layout)
 MODES = {
@@ -108,13 +108,16 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 
 
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
-                  budget: Budget = Budget(), tensors=TENSORS) -> Verdict:
+                  budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None) -> Verdict:
+    """Judge every tensor; with `inputs`, the backward floors of `backward_floors` apply."""
     verdict = Verdict(case.describe(), labels=case.labels())
+    floors = {} if inputs is None else backward_floors(inputs.q, inputs.k, inputs.dout, true.out,
+                                                       scale=case.spec.scale, causal=case.spec.causal)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),
                                      k=budget.k_for(name), dtype=dtype,
-                                     locate=locator(case.spec, case.ring, name)))
+                                     locate=locator(case.spec, case.ring, name), floor=floors.get(name, 0.0)))
     return verdict
 
 
@@ -133,4 +136,5 @@ def run_case(case: Case, *, budget: Budget = Budget(), impl: WholeImpl | None = 
     case.ring.check_seq_len(case.spec.seq_len)
     inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution)
     got = run_whole(impl or simulated_impl(case), inputs)
-    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget)
+    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget,
+                         inputs=inputs)

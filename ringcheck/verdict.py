@@ -57,23 +57,58 @@ class TensorVerdict:
 
 
 def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tensor, *,
-          k: float, dtype: torch.dtype, locate: Callable[[tuple[int, ...]], str] | None = None) -> TensorVerdict:
+          k: float, dtype: torch.dtype, locate: Callable[[tuple[int, ...]], str] | None = None,
+          floor: float = 0.0) -> TensorVerdict:
     """Judge `got` against `truth` with the budget set by `peer` (both compared to `truth`).
 
-    `dtype` is the dtype `got` is delivered in (its rounding floor is the slack); `locate`
-    turns an index into words (rank, local row) for the message.
+    `dtype` is the dtype `got` is delivered in (its rounding floor is the slack); `floor` is
+    an extra slack for float32 rounding the peer does not share (see `backward_floors`);
+    `locate` turns an index into words (rank, local row) for the message.
     """
     stats = error_stats(got, truth)
     # where the peer itself is NaN/Inf (fp16 overflow) it sets no budget: leave those out
     peer_diff, peer_bad = abs_error(peer, truth)
     peer_stats = error_stats(peer.masked_fill(peer_bad, 0.0), truth.masked_fill(peer_bad, 0.0))
-    slack = rounding_floor(truth, dtype)
+    slack = rounding_floor(truth, dtype) + floor
     diff, _ = abs_error(got, truth)
     budget = k * peer_stats.max_abs + slack
     over = int((diff > budget).sum())
     passed = over == 0 and stats.nonfinite == 0
     where = locate(stats.worst_index) if (locate is not None and stats.worst_index) else ""
     return TensorVerdict(tensor, passed, stats, peer_stats, k, slack, over, where)
+
+
+def backward_floors(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, *,
+                    scale: float, causal: bool, rows: torch.Tensor | None = None) -> dict[str, float]:
+    """float32 rounding floors of a flash-style backward that the naive peer does not share.
+
+    Every flash-style backward (ours, flash-attention's, PyTorch's) forms dS = P (dP - D) with
+    D = rowsum(dO * O) computed apart from dP = dO V^T. Both are float32 sums of terms of size
+    T_i = sum_d |dO_id O_id| (and |dO_i||v_j|), so dP - D carries ~2 eps T_i of rounding even
+    where the exact difference is 0 - a causal row with one key, or a near-tied row, where the
+    naive peer (whose softmax backward uses the same dP for both) is exact. Propagated:
+
+        dq floor = 2 eps scale max_i T_i max|k|
+        dk floor = 2 eps scale max_i T_i max|q| max_j sum_i P_ij        (dv has no D)
+
+    Negligible next to the peer's error for bf16/fp16; for float32 inputs it is what separates
+    a correct flash-style backward from the peer. q, k, dout, out are whole tensors (out the
+    float64 truth); with `rows`, dout and out are for those query rows only.
+    """
+    eps = torch.finfo(torch.float32).eps
+    qr = q if rows is None else q[:, rows]
+    t = (dout.double().abs() * out.double().abs()).sum(-1).max()
+    h = q.shape[2]
+    kh = k.double().transpose(1, 2).repeat_interleave(h // k.shape[2], dim=1)
+    s = torch.matmul(qr.double().transpose(1, 2), kh.transpose(-1, -2)) * scale
+    if causal:
+        n, sk = s.shape[-2:]
+        pos = torch.arange(n) if rows is None else rows
+        s = s.masked_fill(torch.arange(sk)[None, :] > pos[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    colsum = float(p.sum(-2).max())
+    base = 2 * eps * scale * float(t)
+    return {"dq": base * float(k.abs().max()), "dk": base * float(q.abs().max()) * colsum}
 
 
 @dataclass
