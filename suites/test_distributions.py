@@ -82,6 +82,7 @@ def test_generators_are_seeded_float32_cpu_tensors_of_the_spec_and_fit_fp16(data
               (spec.batch, spec.seq_len, spec.kv_heads, spec.head_dim)]
     for name, t, t2, shape in zip("q k v dout".split(), drawn, again, [shapes[0], shapes[1], shapes[1], shapes[0]]):
         assert t.shape == shape and t.dtype == torch.float32 and t.device.type == "cpu", name
+        assert t.is_contiguous(), f"{name} of {case.describe()} is not contiguous"
         assert torch.equal(t, t2), f"{name} differs between two draws of {case.describe()}"
         assert torch.isfinite(t).all() and t.abs().max() < 1e4, \
             f"{name} of {case.describe()} leaves the fp16-safe range: max |x| = {float(t.abs().max()):.3g}"
