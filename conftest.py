@@ -5,8 +5,9 @@
 # bounds of the drawn cases (ringcheck.strategies.PROFILES); `ci` is the default. Under
 # torchrun (RANK and WORLD_SIZE set) the derandomized, database-free variant of the profile is
 # loaded, so every rank draws the same examples in the same order. To merge with other
-# sections: call `_add_profile_option(parser)` from pytest_addoption and
-# `_load_hypothesis_profile(config)` from pytest_configure.
+# sections: call `_add_profile_option(parser)` from pytest_addoption,
+# `_load_hypothesis_profile(config)` from pytest_configure and return `_profile_header(config)`
+# from pytest_report_header.
 
 import os
 
@@ -47,8 +48,18 @@ def pytest_addoption(parser):
     _add_profile_option(parser)
 
 
+def _profile_header(config) -> str:
+    from hypothesis import settings
+
+    return f"ringcheck search profile: {settings.get_current_profile_name()} (--profile {{ci,nightly,deep}})"
+
+
 def pytest_configure(config):
     _load_hypothesis_profile(config)
+
+
+def pytest_report_header(config):
+    return _profile_header(config)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,9 @@ AssertionError with a message naming the case and a one-line reproduction; the t
 draw the cases (`ringcheck.strategies.cases`) within the bounds of the profile chosen with
 ``pytest --profile {ci,nightly,deep}``. `impl` is a factory ``Case -> WholeImpl`` (whole
 tensors in, (out, lse) out, differentiable): the simulated ring by default, so a distributed
-runner can reuse the bodies; each body is deterministic given its arguments.
+runner can reuse the bodies: each body is deterministic given its arguments and makes all
+its implementation calls before comparing whole (gathered) results, so under torchrun every
+rank makes the same collective calls and reaches the same verdict.
 
 Where a property holds exactly in our arithmetic it is checked bit for bit (causal prefix,
 batch and head independence, V -> -V, lse and dV independent of V, the layouts); where it
@@ -284,27 +286,27 @@ def _splice(x: Inputs, y: Inputs, *, batch=None, kv_head=None, q_head=None, grou
 
 def check_batch_and_head_independence(case: Case, impl=simulated_impl) -> None:
     """Replacing the inputs of the last batch element, of the last K/V head (with its query
-    heads), or of one query head changes nothing else, bit for bit."""
-    spec = case.spec
+    heads), or of one query head changes nothing else, bit for bit. (Every run comes before
+    any comparison, so under a collective implementation all ranks make the same calls.)"""
+    spec, g = case.spec, case.spec.group_size
     x, y = _inputs(case), _other_inputs(case)
     r = _run(case, x, impl)
+    rb = _run(case, _splice(x, y, batch=spec.batch - 1), impl) if spec.batch > 1 else None
+    rh = _run(case, _splice(x, y, kv_head=spec.kv_heads - 1, group=g), impl) if spec.kv_heads > 1 else None
+    rq = _run(case, _splice(x, y, q_head=spec.heads - 1), impl) if spec.heads > 1 else None
     check = "check_batch_and_head_independence"
-    if spec.batch > 1:
-        rb = _run(case, _splice(x, y, batch=spec.batch - 1), impl)
+    if rb is not None:
         for name in TENSORS:
             _expect_equal(check, case, f"{name} of batch elements before the replaced one",
                           r.get(name)[:-1], rb.get(name)[:-1])
-    if spec.kv_heads > 1:
-        g = spec.group_size
-        rh = _run(case, _splice(x, y, kv_head=spec.kv_heads - 1, group=g), impl)
+    if rh is not None:
         keep_q = slice(0, spec.heads - g)
         for name, part in (("out", lambda t: t[:, :, keep_q]), ("lse", lambda t: t[:, keep_q]),
                            ("dq", lambda t: t[:, :, keep_q]), ("dk", lambda t: t[:, :, :-1]),
                            ("dv", lambda t: t[:, :, :-1])):
             _expect_equal(check, case, f"{name} of the heads other than the replaced K/V head",
                           part(r.get(name)), part(rh.get(name)))
-    if spec.heads > 1:
-        rq = _run(case, _splice(x, y, q_head=spec.heads - 1), impl)
+    if rq is not None:
         for name, part in (("out", lambda t: t[:, :, :-1]), ("lse", lambda t: t[:, :-1]),
                            ("dq", lambda t: t[:, :, :-1])):
             _expect_equal(check, case, f"{name} of the query heads other than the replaced one",
@@ -434,3 +436,31 @@ def test_a_failure_message_names_the_case_and_reproduces_it():
     assert "check_causal_prefix(Case(spec=AttentionSpec(batch=1" in line and "cut=2)" in line
     namespace = {}
     exec(line.split('-c "', 1)[1].rstrip('"'), namespace)  # the reproduction runs (and passes)
+
+
+def test_torchrun_profiles_draw_the_same_examples_in_the_same_order_on_every_rank():
+    """Under torchrun each rank runs the property in its own process: the registered
+    `<profile>-torchrun` settings are derandomized and database-free, so two runs (two ranks)
+    draw identical example sequences."""
+    from hypothesis import settings
+
+    from ringcheck.strategies import PROFILES
+
+    for name, profile in PROFILES.items():
+        registered = settings.get_profile(f"{name}-torchrun")
+        assert registered.derandomize and registered.database is None
+        assert registered.max_examples == profile.max_examples
+
+    def one_rank():
+        seen = []
+
+        @settings(settings.get_profile("ci-torchrun"), max_examples=15)
+        @given(case=cases(PROFILES["ci"].bounds))
+        def record(case):
+            seen.append(case)
+
+        record()
+        return seen
+
+    first, second = one_rank(), one_rank()
+    assert len(first) > 1 and first == second
