@@ -80,7 +80,7 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     # ~1 minute for the property suites on a busy 2-core machine
-    "ci": Profile("ci", 20, Bounds(max_world_size=32, max_tokens_per_rank=8, max_batch=2,
+    "ci": Profile("ci", 40, Bounds(max_world_size=32, max_tokens_per_rank=8, max_batch=2,
                                    max_heads=4, max_head_dim=32)),
     "nightly": Profile("nightly", 200, Bounds(max_world_size=32, max_tokens_per_rank=32,
                                               max_batch=2, max_heads=8, max_head_dim=128)),
