@@ -45,6 +45,13 @@ class Case:
                 f"heads={s.heads}/{s.kv_heads} seq={s.seq_len} d={s.head_dim} "
                 f"dist={self.distribution} seed={self.seed} backend={self.backend}")
 
+    def repro(self) -> str:
+        """A one-line shell command (run from the repository root) that re-runs this case
+        against the simulated ring and prints its verdict."""
+        return ("python -c \"from ringcheck.check import Case, run_case; "
+                "from ringcheck.spec import AttentionSpec, RingSpec; "
+                f"print(run_case({self!r}).message())\"")
+
     def labels(self) -> dict[str, str]:
         s = self.spec
         mode = next((m for m, v in MODES.items() if v == (s.causal, self.ring.layout)),
@@ -134,7 +141,7 @@ def simulated_impl(case: Case, **ring_options) -> WholeImpl:
 def run_case(case: Case, *, budget: Budget = Budget(), impl: WholeImpl | None = None) -> Verdict:
     """Judge `impl` (default: our simulated ring) on `case` against float64 and the peer."""
     case.ring.check_seq_len(case.spec.seq_len)
-    inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution)
+    inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
     got = run_whole(impl or simulated_impl(case), inputs)
     return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget,
                          inputs=inputs)
