@@ -16,7 +16,7 @@ from reference import dense_grads, peer_attention
 from .inputs import Inputs, make_inputs
 from .layouts import positions
 from .spec import AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS, Verdict, backward_floors, judge
+from .verdict import TENSORS, Verdict, float32_floors, judge
 
 # what users call a "mode": (causal, layout)
 MODES = {
@@ -116,10 +116,10 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
                   budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None) -> Verdict:
-    """Judge every tensor; with `inputs`, the backward floors of `backward_floors` apply."""
+    """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply."""
     verdict = Verdict(case.describe(), labels=case.labels())
-    floors = {} if inputs is None else backward_floors(inputs.q, inputs.k, inputs.dout, true.out,
-                                                       scale=case.spec.scale, causal=case.spec.causal)
+    floors = {} if inputs is None else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
+                                                      scale=case.spec.scale, causal=case.spec.causal)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),

@@ -33,7 +33,7 @@ from .distributions import DISTRIBUTIONS
 from .inputs import Inputs, make_inputs
 from .layouts import positions, shard, unshard, work_counts
 from .spec import DTYPES, LAYOUTS, AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS, Verdict, backward_floors, judge
+from .verdict import TENSORS, Verdict, float32_floors, judge
 
 SCHEMA_VERSION = 1
 
@@ -229,8 +229,8 @@ def _row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low
 def _judge_rows(spec: AttentionSpec, got: Results, true: Results, peer_r: Results, rows: torch.Tensor,
                 tensors, budget: Budget, inputs: Inputs) -> Verdict:
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
-    floors = backward_floors(inputs.q, inputs.k, inputs.dout[:, rows], true.out, scale=spec.scale,
-                             causal=spec.causal, rows=rows)
+    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, scale=spec.scale,
+                            causal=spec.causal, rows=rows)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else spec.torch_dtype
         seq_dim = 2 if name == "lse" else 1

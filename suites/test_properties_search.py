@@ -16,7 +16,7 @@ from ringcheck.layouts import Block, block_plan
 from ringcheck.spec import AttentionSpec, RingSpec
 from ringcheck.strategies import Bounds, tokens_per_rank
 
-from test_properties import budget_cases, check_budget
+from suites.test_properties import budget_cases, check_budget
 
 SEARCH = settings(max_examples=400, derandomize=True, database=None, deadline=None,
                   suppress_health_check=[HealthCheck.too_slow])
