@@ -1,5 +1,73 @@
 """Root pytest configuration: options and fixtures shared by the suites."""
 
+import os
+import sys
+import traceback
+import zlib
+
+import pytest
+import torch
+
+# ---- Hypothesis profiles for the property suites (suites/test_properties*.py) --------------
+# `pytest --profile {ci,nightly,deep}` picks the example count per property and the size
+# bounds of the drawn cases (ringcheck.strategies.PROFILES); `ci` is the default. Under
+# torchrun (RANK and WORLD_SIZE set) the derandomized, database-free variant of the profile is
+# loaded, so every rank draws the same examples in the same order. To merge with other
+# sections: call `_add_profile_option(parser)` from pytest_addoption,
+# `_load_hypothesis_profile(config)` from pytest_configure and return `_profile_header(config)`
+# from pytest_report_header.
+
+PROFILE_NAMES = ("ci", "nightly", "deep")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _register_hypothesis_profiles() -> None:
+    from hypothesis import settings
+
+    from ringcheck.strategies import PROFILES
+
+    for name, profile in PROFILES.items():
+        settings.register_profile(name, profile.settings())
+        settings.register_profile(f"{name}-torchrun", profile.settings(torchrun=True))
+
+
+def _add_profile_option(parser) -> None:
+    parser.addoption("--profile", choices=PROFILE_NAMES, default="ci",
+                     help="depth of the property-based search: ci (default, minutes on 2 CPU "
+                          "cores), nightly or deep (more examples, larger shapes)")
+
+
+def _load_hypothesis_profile(config) -> None:
+    from hypothesis import settings
+
+    _register_hypothesis_profiles()
+    name = config.getoption("--profile")
+    settings.load_profile(f"{name}-torchrun" if _under_torchrun() else name)
+
+
+def _profile_header(config) -> str:
+    from hypothesis import settings
+
+    return f"ringcheck search profile: {settings.get_current_profile_name()} (--profile {{ci,nightly,deep}})"
+
+
+def pytest_report_header(config):
+    return _profile_header(config)
+
+
+@pytest.fixture(scope="session")
+def search_profile(pytestconfig):
+    """The `ringcheck.strategies.Profile` selected with --profile (its size bounds)."""
+    from ringcheck.strategies import PROFILES
+
+    return PROFILES[pytestconfig.getoption("--profile")]
+
+# ---- end of the Hypothesis profiles section -------------------------------------------------
+
+
 # --- distributed runs (ringcheck.launch) ------------------------------------------------------
 # Plain `pytest suites/`: tests that need ranks get local gloo rings (worker processes kept for
 # the session). `torchrun --nproc-per-node=P -m pytest suites/`: every rank runs the same tests
@@ -10,14 +78,6 @@
 # `_configure_ring(config)` first in a tryfirst pytest_configure (after loading any Hypothesis
 # profile: it derandomizes the loaded one under torchrun), `_unconfigure_ring(config)` from
 # pytest_unconfigure; the rest of the section (a pyfunc_call wrapper, fixtures) stands alone.
-
-import os
-import sys
-import traceback
-import zlib
-
-import pytest
-import torch
 
 _WORLD = pytest.StashKey()      # TorchrunWorld or None
 _RINGS = pytest.StashKey()      # {timeout: LocalRings}
@@ -75,19 +135,6 @@ def _unconfigure_ring(config) -> None:
         if sys.stdout is devnull:
             sys.stdout = real
         devnull.close()
-
-
-def pytest_addoption(parser):
-    _add_ring_options(parser)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    _configure_ring(config)
-
-
-def pytest_unconfigure(config):
-    _unconfigure_ring(config)
 
 
 class CollectiveFailure(AssertionError):
@@ -194,3 +241,20 @@ def run_on_ring(request):
     return run
 
 # ---- end of the distributed runs section ---------------------------------------------------
+
+
+# ---- the hooks of both sections ---------------------------------------------------------------
+
+def pytest_addoption(parser):
+    _add_profile_option(parser)
+    _add_ring_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)  # the ring section must act before the terminal reporter exists
+def pytest_configure(config):
+    _load_hypothesis_profile(config)
+    _configure_ring(config)  # after the profile: under torchrun it derandomizes the loaded one
+
+
+def pytest_unconfigure(config):
+    _unconfigure_ring(config)

@@ -16,7 +16,7 @@ from reference import dense_grads, peer_attention
 from .inputs import Inputs, make_inputs
 from .layouts import positions
 from .spec import AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS, Verdict, judge
+from .verdict import TENSORS, Verdict, float32_floors, judge
 
 # what users call a "mode": (causal, layout)
 MODES = {
@@ -44,6 +44,13 @@ class Case:
         return (f"P={self.ring.world_size} {self.ring.layout} {mode} {s.dtype} batch={s.batch} "
                 f"heads={s.heads}/{s.kv_heads} seq={s.seq_len} d={s.head_dim} "
                 f"dist={self.distribution} seed={self.seed} backend={self.backend}")
+
+    def repro(self) -> str:
+        """A one-line shell command (run from the repository root) that re-runs this case
+        against the simulated ring and prints its verdict."""
+        return ("python -c \"from ringcheck.check import Case, run_case; "
+                "from ringcheck.spec import AttentionSpec, RingSpec; "
+                f"print(run_case({self!r}).message())\"")
 
     def labels(self) -> dict[str, str]:
         s = self.spec
@@ -108,13 +115,16 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 
 
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
-                  budget: Budget = Budget(), tensors=TENSORS) -> Verdict:
+                  budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None) -> Verdict:
+    """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply."""
     verdict = Verdict(case.describe(), labels=case.labels())
+    floors = {} if inputs is None else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
+                                                      scale=case.spec.scale, causal=case.spec.causal)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),
                                      k=budget.k_for(name), dtype=dtype,
-                                     locate=locator(case.spec, case.ring, name)))
+                                     locate=locator(case.spec, case.ring, name), floor=floors.get(name, 0.0)))
     return verdict
 
 
@@ -131,6 +141,7 @@ def simulated_impl(case: Case, **ring_options) -> WholeImpl:
 def run_case(case: Case, *, budget: Budget = Budget(), impl: WholeImpl | None = None) -> Verdict:
     """Judge `impl` (default: our simulated ring) on `case` against float64 and the peer."""
     case.ring.check_seq_len(case.spec.seq_len)
-    inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution)
+    inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
     got = run_whole(impl or simulated_impl(case), inputs)
-    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget)
+    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget,
+                         inputs=inputs)

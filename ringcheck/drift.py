@@ -305,9 +305,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def tensor_metrics(case: Case, got: Results, true: Results, peer_results: Results,
-                   budget: Budget) -> dict[str, dict]:
+                   budget: Budget, inputs: Inputs | None = None) -> dict[str, dict]:
     """Every metric of every tensor of one run (one seed)."""
-    verdict = judge_results(case, got, true, peer_results, budget=budget)
+    verdict = judge_results(case, got, true, peer_results, budget=budget, inputs=inputs)
     metrics = {}
     for tv in verdict.tensors:
         dtype = torch.float32 if tv.tensor == "lse" else case.spec.torch_dtype
@@ -527,7 +527,7 @@ def run_drift(spec: DriftSpec, *, implementation: Implementation = SIMULATED,
             recorder = (StepRecorder(p, (att.batch, n, att.heads, att.head_dim), (att.batch, att.heads, n))
                         if stepped is not None else None)
             got = implementation.run(case, inputs, acc, recorder)
-            raw.setdefault(key, []).append(tensor_metrics(case, got, true, peer_results, spec.budget))
+            raw.setdefault(key, []).append(tensor_metrics(case, got, true, peer_results, spec.budget, inputs))
             if recorder is not None:
                 recorder.check_complete()
                 steps.setdefault(key, []).append(step_errors(recorder, *stepped))

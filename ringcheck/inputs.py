@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import AttentionSpec
+from .spec import AttentionSpec, RingSpec
 
 
 @dataclass(frozen=True)
@@ -18,12 +18,13 @@ class Inputs:
 
 
 def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
-                device: torch.device | str = "cpu") -> Inputs:
+                device: torch.device | str = "cpu", ring: RingSpec | None = None) -> Inputs:
     """Whole-sequence inputs for `spec` in its dtype, drawn on the CPU from `seed` (so every
-    rank and every device gets identical values) and then moved to `device`."""
+    rank and every device gets identical values) and then moved to `device`. `ring` is
+    needed by distributions that place values by ring step (``late-max``)."""
     from .distributions import generate
 
     gen = torch.Generator().manual_seed(int(seed))
-    q, k, v, dout = generate(distribution, spec, gen)
+    q, k, v, dout = generate(distribution, spec, gen, ring)
     dt = spec.torch_dtype
     return Inputs(*(t.to(dt).to(device) for t in (q, k, v, dout)))

@@ -33,7 +33,7 @@ from .distributions import DISTRIBUTIONS
 from .inputs import Inputs, make_inputs
 from .layouts import positions, shard, unshard, work_counts
 from .spec import DTYPES, LAYOUTS, AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS, Verdict, judge
+from .verdict import TENSORS, Verdict, float32_floors, judge
 
 SCHEMA_VERSION = 1
 
@@ -227,8 +227,10 @@ def _row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low
 
 
 def _judge_rows(spec: AttentionSpec, got: Results, true: Results, peer_r: Results, rows: torch.Tensor,
-                tensors, budget: Budget) -> Verdict:
+                tensors, budget: Budget, inputs: Inputs) -> Verdict:
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
+    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, scale=spec.scale,
+                            causal=spec.causal, rows=rows)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else spec.torch_dtype
         seq_dim = 2 if name == "lse" else 1
@@ -237,7 +239,8 @@ def _judge_rows(spec: AttentionSpec, got: Results, true: Results, peer_r: Result
             i = index[seq_dim]
             return f"key {i}" if name in ("dk", "dv") else f"sampled row {int(rows[i])}"
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_r.get(name),
-                                     k=budget.k_for(name), dtype=dtype, locate=locate))
+                                     k=budget.k_for(name), dtype=dtype, locate=locate,
+                                     floor=floors.get(name, 0.0)))
     return verdict
 
 
@@ -298,7 +301,8 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
         first_parts = first_parts or (case, inputs, parts)
         tensors = TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
         verdict = on_root(lambda: judge_results(case, _whole(parts, case.ring.layout), truth(case.spec, inputs),
-                                                peer(case.spec, inputs), budget=budget, tensors=tensors))
+                                                peer(case.spec, inputs), budget=budget, tensors=tensors,
+                                                inputs=inputs))
         by_dist.setdefault(case.distribution, []).append(verdict)
     lengths = ",".join(str(n) for n in target.local_lengths)
     for name, verdicts in by_dist.items():
@@ -320,7 +324,7 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
         got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
         tensors = TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
         return _judge_rows(spec, got, _row_results(spec, sparse, rows, low=False),
-                           _row_results(spec, sparse, rows, low=True), rows, tensors, budget)
+                           _row_results(spec, sparse, rows, low=True), rows, tensors, budget, sparse)
     full_v = on_root(full_verdict)
     rows_out.append(_summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [full_v], ("out", "lse")))
     rows_out.append(_summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [full_v],

@@ -8,6 +8,8 @@ Non-finite values never pass.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +23,11 @@ TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 @dataclass(frozen=True)
 class TensorVerdict:
+    """One tensor's verdict. `error` and `budget` are taken at the element with the largest
+    error / allowance ratio (with a per-element float32 floor that need not be the element of
+    largest error, `stats.max_abs`); `slack` is the output-dtype floor plus that element's
+    float32 floor."""
+
     tensor: str
     passed: bool
     stats: ErrorStats
@@ -29,10 +36,13 @@ class TensorVerdict:
     slack: float
     over_budget: int
     where: str = ""
+    worst_index: tuple[int, ...] = ()
+    worst_error: float | None = None
+    max_allowed: float | None = None  # the largest per-element allowance (a bound for every element)
 
     @property
     def error(self) -> float:
-        return self.stats.max_abs
+        return self.stats.max_abs if self.worst_error is None else self.worst_error
 
     @property
     def peer_error(self) -> float:
@@ -46,8 +56,10 @@ class TensorVerdict:
         s = self.stats
         loc = f" ({self.where})" if self.where else ""
         head = "ok" if self.passed else "FAILED"
-        text = (f"{self.tensor} {head}: max abs error {s.max_abs:.3e} at index {list(s.worst_index)}{loc}; "
-                f"budget {self.budget:.3e} = {self.k:g} x peer error {self.peer_error:.3e} + slack {self.slack:.3e}")
+        index = list(self.worst_index or s.worst_index)
+        text = (f"{self.tensor} {head}: error {self.error:.3e} at index {index}{loc}; "
+                f"budget there {self.budget:.3e} = {self.k:g} x peer error {self.peer_error:.3e} + slack "
+                f"{self.slack:.3e}; max abs error {s.max_abs:.3e}")
         if not self.passed:
             pct = 100.0 * self.over_budget / max(s.numel, 1)
             text += f"; {self.over_budget} of {s.numel} elements ({pct:.2f}%) over budget"
@@ -57,23 +69,92 @@ class TensorVerdict:
 
 
 def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tensor, *,
-          k: float, dtype: torch.dtype, locate: Callable[[tuple[int, ...]], str] | None = None) -> TensorVerdict:
+          k: float, dtype: torch.dtype, locate: Callable[[tuple[int, ...]], str] | None = None,
+          floor: float | torch.Tensor = 0.0) -> TensorVerdict:
     """Judge `got` against `truth` with the budget set by `peer` (both compared to `truth`).
 
-    `dtype` is the dtype `got` is delivered in (its rounding floor is the slack); `locate`
-    turns an index into words (rank, local row) for the message.
+    Allowed per element: k x peer error + the rounding floor of `dtype` (the dtype `got` is
+    delivered in) + `floor`, a float32 rounding bound the naive peer does not share (a number
+    or a tensor like `truth`, see `float32_floors`). `locate` turns an index into words.
     """
     stats = error_stats(got, truth)
     # where the peer itself is NaN/Inf (fp16 overflow) it sets no budget: leave those out
     peer_diff, peer_bad = abs_error(peer, truth)
     peer_stats = error_stats(peer.masked_fill(peer_bad, 0.0), truth.masked_fill(peer_bad, 0.0))
-    slack = rounding_floor(truth, dtype)
+    out_floor = rounding_floor(truth, dtype)
     diff, _ = abs_error(got, truth)
-    budget = k * peer_stats.max_abs + slack
-    over = int((diff > budget).sum())
+    floor_t = torch.as_tensor(floor, dtype=torch.float64).expand_as(diff) if not isinstance(floor, torch.Tensor) \
+        else floor.double().nan_to_num(0.0, posinf=0.0)
+    allowed = k * peer_stats.max_abs + out_floor + floor_t
+    over = int((diff > allowed).sum())
     passed = over == 0 and stats.nonfinite == 0
-    where = locate(stats.worst_index) if (locate is not None and stats.worst_index) else ""
-    return TensorVerdict(tensor, passed, stats, peer_stats, k, slack, over, where)
+    worst, worst_error, slack = stats.worst_index, None, out_floor
+    if diff.numel():
+        ratio = torch.where(allowed > 0, diff / allowed.clamp_min(1e-300), diff * math.inf).nan_to_num(0.0)
+        flat = int(ratio.flatten().argmax())
+        worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+        worst_error = float(diff.flatten()[flat])
+        slack = out_floor + float(floor_t.flatten()[flat])
+    where = locate(worst) if (locate is not None and worst) else ""
+    max_allowed = float(allowed.max()) if diff.numel() else k * peer_stats.max_abs + out_floor
+    return TensorVerdict(tensor, passed, stats, peer_stats, k, slack, over, where, worst, worst_error, max_allowed)
+
+
+# Higham-style a-priori bound for float32 rounding: C u A, u = 2^-24 the float32 unit roundoff
+FLOAT32_FLOOR_C = 8.0
+
+
+def float32_floors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                   scale: float, causal: bool, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-element float32 rounding bounds, C u A, that a ring (or any flash-style kernel)
+    may carry and the naive same-dtype peer need not.
+
+    The ring computes in float32 whatever the input dtype, and unlike the peer it stores lse
+    and recomputes P = exp(s - lse) in the backward, and forms dS = P (dP - D) with
+    D = rowsum(dO * O) apart from dP. A float32 computation of a sum of terms t_i errs by at
+    most ~n u sum |t_i|, and an error e in an exponent becomes a relative error e in exp, so
+    A is the float64 sum of the absolute terms of each result, weighted by the row's
+    condition c = 1 + |lse| + max|s| (the size of the exponents whose rounding P inherits):
+
+        out: c P|V|    lse: c    dv: (c P)^T |dO|
+        dq:  scale (c P (|dO||V|^T + rowsum(|dO||O|))) |K|      dk: the same with Q^T
+
+    With C = 8 this is negligible next to the peer's error for bf16/fp16; for float32 inputs,
+    or where the peer is exact by structure (a single visible key, an exactly one-hot row),
+    it is what a correct float32 ring needs. q, k, v, dout are whole tensors (b, s, h, d);
+    with `rows`, only those query rows (out, lse, dq for them; dk, dv from them alone).
+    """
+    f64 = torch.float64
+    h, kvh = q.shape[2], k.shape[2]
+    g = h // kvh
+    qr = q if rows is None else q[:, rows]
+    dor = dout if (rows is None or dout.shape[1] != q.shape[1]) else dout[:, rows]
+    qh = qr.to(f64).transpose(1, 2)
+    kh = k.to(f64).transpose(1, 2).repeat_interleave(g, 1)
+    vh = v.to(f64).transpose(1, 2).repeat_interleave(g, 1)
+    doh = dor.to(f64).transpose(1, 2)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        n, sk = s.shape[-2:]
+        pos = torch.arange(sk - n, sk) if rows is None else rows
+        s = s.masked_fill(torch.arange(sk)[None, :] > pos[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0))
+    out = torch.matmul(p, vh)
+    cond = 1 + lse.masked_fill(torch.isneginf(lse), 0.0).abs() + s.masked_fill(torch.isinf(s), 0.0).abs().amax(-1, keepdim=True)
+    pc = p * cond
+    ds = pc * (torch.matmul(doh.abs(), vh.abs().transpose(-1, -2)) + (doh.abs() * out.abs()).sum(-1, keepdim=True))
+    dk = scale * torch.matmul(ds.transpose(-1, -2), qh.abs())
+    dv = torch.matmul(pc.transpose(-1, -2), doh.abs())
+    b, _, sk, d = dk.shape
+
+    def group_sum(t):
+        return t.view(b, kvh, g, sk, d).sum(2).transpose(1, 2)
+
+    cu = FLOAT32_FLOOR_C * 2.0 ** -24
+    return {"out": cu * torch.matmul(pc, vh.abs()).transpose(1, 2), "lse": cu * cond[..., 0],
+            "dq": cu * scale * torch.matmul(ds, kh.abs()).transpose(1, 2),
+            "dk": cu * group_sum(dk), "dv": cu * group_sum(dv)}
 
 
 @dataclass

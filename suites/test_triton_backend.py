@@ -1,0 +1,363 @@
+"""The Triton block backend, judged like the PyTorch one: the simulated ring against float64
+with the budget rule (error <= k x same-dtype peer error + slack), per tensor.
+
+Where it runs:
+- without CUDA, under Triton's interpreter on CPU tensors. TRITON_INTERPRET=1 must be in the
+  environment when the kernels are *decorated* (first import of
+  `ringcheck.backends.triton_fwd`), so this module sets it before anything imports them;
+- with CUDA (and TRITON_INTERPRET unset), compiled on the GPU: the same cases run on CUDA
+  tensors, plus GPU-only cases (tile-spanning shapes, the tensor-core bf16 path, the torch
+  backend on CUDA). `python -m ringcheck.gpu_check` runs this file that way.
+
+Trimmed for a 2-core CPU (every kernel program runs in Python): ring sizes 1, 2, 4, 8 for
+bf16 with grouped-query heads (striped up to P=4); float32 and float16 at P=4; odd head dims
+and GQA groups at P=2; tile-spanning chunk lengths (several 16-row interpreter tiles, ragged
+tails) at P=1 and 2. Sequences are 2P x 4 tokens unless a case needs more.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # before the kernels are first imported (see the module docstring); a no-op if set already
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+import ringcheck.ring as ring_module
+from ringcheck.backends import get_backend, row_delta
+from ringcheck.backends.torch_backend import TorchBackend
+from ringcheck.backends.triton_backend import TritonBackend
+from ringcheck.check import MODES, Case, run_case
+from ringcheck.ring import simulate_ring
+from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.verdict import judge
+
+BACKEND = TritonBackend()
+if BACKEND.interpreted:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("the Triton kernels were compiled (TRITON_INTERPRET unset at their import) and there is "
+                "no CUDA device; run with TRITON_INTERPRET=1", allow_module_level=True)
+on_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs the kernels compiled on a CUDA device")
+interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="the defect exists only under Triton's interpreter")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_case(*, world_size, mode, dtype="bfloat16", heads=2, kv_heads=1, head_dim=16, per_chunk=4,
+              batch=1, seed=0, backend="triton") -> Case:
+    """A case whose sequence is 2 x world_size chunks of `per_chunk` tokens."""
+    causal, layout = MODES[mode]
+    spec = AttentionSpec(batch=batch, heads=heads, kv_heads=kv_heads, seq_len=2 * world_size * per_chunk,
+                         head_dim=head_dim, dtype=dtype, causal=causal)
+    return Case(spec, RingSpec(world_size, layout), seed=seed, backend=backend)
+
+
+def verdict_of(case: Case):
+    """`run_case`, with the ring run on DEVICE (inputs and results stay on the CPU)."""
+    if DEVICE == "cpu":
+        return run_case(case)
+
+    def impl(q, k, v):
+        out, lse = simulate_ring(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), world_size=case.ring.world_size,
+                                 causal=case.spec.causal, softmax_scale=case.spec.softmax_scale,
+                                 layout=case.ring.layout, backend=case.backend, return_lse=True)
+        return out.cpu(), lse.cpu()
+    return run_case(case, impl=impl)
+
+
+def case_id(case: Case) -> str:
+    s = case.spec
+    mode = next(m for m, v in MODES.items() if v == (s.causal, case.ring.layout))
+    return (f"P{case.ring.world_size}-{mode}-{s.dtype}-h{s.heads}/{s.kv_heads}-d{s.head_dim}"
+            f"-n{s.seq_len}-b{s.batch}")
+
+
+RING_SWEEP = [make_case(world_size=p, mode=m) for p in (1, 2, 4, 8)
+              for m in ("bidirectional", "causal", "zigzag", "striped") if not (m == "striped" and p == 8)]
+DTYPE_SWEEP = [make_case(world_size=4, mode=m, dtype=dt) for dt in ("float32", "float16")
+               for m in ("bidirectional", "causal", "zigzag", "striped")]
+SHAPE_SWEEP = [
+    make_case(world_size=2, mode="zigzag", head_dim=40, heads=4, kv_heads=2),
+    make_case(world_size=2, mode="causal", head_dim=59, heads=3, kv_heads=1, dtype="float16"),
+    make_case(world_size=2, mode="zigzag", head_dim=80, heads=2, kv_heads=2, batch=2),
+    make_case(world_size=2, mode="striped", head_dim=96, heads=4, kv_heads=1),
+    make_case(world_size=2, mode="bidirectional", head_dim=111, heads=2, kv_heads=1, dtype="float32"),
+    make_case(world_size=2, mode="zigzag", head_dim=256, heads=2, kv_heads=1, per_chunk=2),
+]
+TILE_SWEEP = [  # local chunks longer than one interpreter tile (16), with ragged tails
+    make_case(world_size=1, mode="causal", per_chunk=19, head_dim=24),          # 38 rows, 3 tiles
+    make_case(world_size=2, mode="zigzag", per_chunk=13, head_dim=16),          # 26 rows per rank
+    make_case(world_size=2, mode="striped", per_chunk=17, head_dim=16),         # diagonal -1 over 2+ tiles
+    make_case(world_size=2, mode="causal", per_chunk=9, dtype="float32", head_dim=16),
+]
+
+
+@pytest.mark.parametrize("case", RING_SWEEP + DTYPE_SWEEP + SHAPE_SWEEP + TILE_SWEEP, ids=case_id)
+def test_ring_with_triton_blocks_meets_budget(case):
+    verdict = verdict_of(case)
+    assert verdict.passed, verdict.message()
+
+
+# --- exactness where the math guarantees it --------------------------------------------------
+
+def test_ring_of_one_is_the_block_kernel_bit_for_bit():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 20, h, 40, generator=gen).to(torch.bfloat16).to(DEVICE) for h in (4, 2, 2))
+    out, lse = simulate_ring(q, k, v, world_size=1, causal=True, backend="triton", return_lse=True)
+    block_out, block_lse = BACKEND.forward(q, k, v, scale=40 ** -0.5, mask="causal", diagonal=0)
+    assert torch.equal(out, block_out.to(torch.bfloat16))
+    assert torch.equal(lse, block_lse)
+
+
+def test_kernels_are_deterministic():
+    gen = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(2, 21, 4, 24, generator=gen).to(torch.float16).to(DEVICE) for _ in range(2))
+    k, v = (torch.randn(2, 21, 2, 24, generator=gen).to(torch.float16).to(DEVICE) for _ in range(2))
+    runs = []
+    for _ in range(2):
+        out, lse = BACKEND.forward(q, k, v, scale=0.3, mask="causal", diagonal=-1)
+        runs.append((out, lse, *BACKEND.backward(q, k, v, dout, lse, row_delta(out, dout), scale=0.3,
+                                                 mask="causal", diagonal=-1)))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+# --- one block against float64, any geometry --------------------------------------------------
+
+def block_truth(q, k, v, dout, *, scale, mask, diagonal):
+    """float64 out, lse, dq, dk, dv of one block (its own lse and D: a ring of one block)."""
+    b, sq, h, d = q.shape
+    kvh = k.shape[2]
+    f = torch.float64
+    qh = q.transpose(1, 2).to(f)
+    kh, vh = (x.transpose(1, 2).repeat_interleave(h // kvh, dim=1).to(f) for x in (k, v))
+    s = qh @ kh.transpose(-1, -2) * scale
+    if mask == "causal":
+        visible = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).tril(diagonal)
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))
+    out = p @ vh
+    doh = dout.transpose(1, 2).to(f)
+    ds = p * (doh @ vh.transpose(-1, -2) - (doh * out).sum(-1, keepdim=True))
+    dq = ds @ kh * scale
+    dk = (ds.transpose(-1, -2) @ qh * scale).view(b, kvh, h // kvh, -1, d).sum(2)
+    dv = (p.transpose(-1, -2) @ doh).view(b, kvh, h // kvh, -1, d).sum(2)
+    return out.transpose(1, 2), lse, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def check_block(*, batch, sq, sk, heads, kv_heads, head_dim, dtype, mask, diagonal, seed=0):
+    """The Triton block results against float64, budgeted by the torch backend's error. Dots in
+    float32 (the default under the interpreter) so that the float32 torch backend is a fair
+    peer; the tensor-core path is judged against the same-dtype peer by the ring cases."""
+    backend = TritonBackend(dot_fp32=True)
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(batch, sq, heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(batch, sk, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    scale = head_dim ** -0.5
+    true = block_truth(q, k, v, dout, scale=scale, mask=mask, diagonal=diagonal)
+    lse, delta = true[1].float(), (dout.double() * true[0]).sum(-1).transpose(1, 2).float()
+    opts = dict(scale=scale, mask=mask, diagonal=diagonal)
+    peer = (*TorchBackend().forward(q, k, v, **opts), *TorchBackend().backward(q, k, v, dout, lse, delta, **opts))
+    qd, kd, vd, dod = (t.to(DEVICE) for t in (q, k, v, dout))
+    got = (*backend.forward(qd, kd, vd, **opts),
+           *backend.backward(qd, kd, vd, dod, lse.to(DEVICE), delta.to(DEVICE), **opts))
+    failures = []
+    for name, g, t, p, k_budget in zip(("out", "lse", "dq", "dk", "dv"), got, true, peer, (2, 2, 3, 3, 3)):
+        assert g.dtype == torch.float32, f"{name} is {g.dtype}; the contract says float32"
+        tv = judge(name, g.cpu(), t, p, k=k_budget, dtype=torch.float32)
+        if not tv.passed:
+            failures.append(tv.describe())
+    return failures
+
+
+BLOCKS = [  # (sq, sk, diagonal): square and not, ring diagonals 0/-1, rows with no visible key
+    (8, 8, 0), (8, 8, -1), (37, 45, 0), (45, 37, -1), (40, 33, -20), (20, 50, 17), (33, 33, -40),
+    (17, 17, 100),
+]
+
+
+@pytest.mark.parametrize("sq,sk,diagonal", BLOCKS, ids=[f"{a}x{b}-diag{c}" for a, b, c in BLOCKS])
+def test_causal_block_matches_float64(sq, sk, diagonal):
+    failures = check_block(batch=1, sq=sq, sk=sk, heads=4, kv_heads=2, head_dim=40,
+                           dtype=torch.bfloat16, mask="causal", diagonal=diagonal)
+    assert not failures, "\n".join(failures)
+
+
+def test_rows_without_keys_give_zero_and_minus_inf_without_nan():
+    q, k, v = (torch.randn(1, 20, 2, 16).to(DEVICE) for _ in range(3))
+    out, lse = BACKEND.forward(q, k, v, scale=0.25, mask="causal", diagonal=-5)   # rows 0..4 see nothing
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    assert (out[:, :5] == 0).all() and not out.isnan().any()
+    grads = BACKEND.backward(q, k, v, torch.randn_like(q), lse, torch.zeros_like(lse), scale=0.25,
+                             mask="causal", diagonal=-5)
+    assert not any(g.isnan().any() for g in grads)
+    assert (grads[0][:, :5] == 0).all()
+
+
+def test_preprocess_kernel_is_row_delta():
+    out, dout = (torch.randn(2, 23, 3, 59).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    torch.testing.assert_close(BACKEND.row_delta(out, dout), row_delta(out, dout), rtol=1e-6, atol=1e-5)
+
+
+# --- planted bugs: the verdict must catch them -------------------------------------------------
+
+class ShiftedDiagonal(TritonBackend):
+    """A planted bug: the causal offset off by one (forward, backward, or both)."""
+
+    def __init__(self, forward_shift: int, backward_shift: int):
+        super().__init__()
+        self.shifts = forward_shift, backward_shift
+
+    def forward(self, q, k, v, *, scale, mask, diagonal=0):
+        return super().forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal + self.shifts[0])
+
+    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
+        return super().backward(q, k, v, dout, lse, delta, scale=scale, mask=mask,
+                                diagonal=diagonal + self.shifts[1])
+
+
+def planted(monkeypatch, backend):
+    """Make the ring use `backend` when it asks for "triton"."""
+    monkeypatch.setattr(ring_module, "get_backend", lambda name: backend if name == "triton" else get_backend(name))
+
+
+@interpreter_only
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the garbage scores
+def test_verdict_catches_bf16_dot_without_upcast_under_the_interpreter(monkeypatch):
+    case = make_case(world_size=2, mode="causal", dtype="bfloat16")
+    planted(monkeypatch, TritonBackend(dot_fp32=False))
+    verdict = verdict_of(case)
+    assert not verdict.passed, "bf16 tl.dot without upcast under the interpreter went unnoticed"
+    assert {"out", "lse"} <= {t.tensor for t in verdict.failures}, verdict.message()
+    assert verdict["out"].error > 1e3, verdict.message()  # garbage, not a rounding difference
+    planted(monkeypatch, TritonBackend(dot_fp32=True))
+    assert verdict_of(case).passed
+
+
+@pytest.mark.parametrize("mode", ["causal", "striped"])
+def test_verdict_catches_a_wrong_causal_offset(monkeypatch, mode):
+    planted(monkeypatch, ShiftedDiagonal(1, 1))
+    verdict = verdict_of(make_case(world_size=2, mode=mode))
+    assert not verdict.passed and "out" in {t.tensor for t in verdict.failures}, verdict.message()
+
+
+def test_verdict_catches_a_wrong_causal_offset_in_the_backward_alone(monkeypatch):
+    planted(monkeypatch, ShiftedDiagonal(0, 1))
+    verdict = verdict_of(make_case(world_size=2, mode="zigzag"))
+    failed = {t.tensor for t in verdict.failures}
+    assert failed and failed <= {"dq", "dk", "dv"}, verdict.message()
+
+
+# --- errors, never silent fallbacks ------------------------------------------------------------
+
+def test_cpu_tensors_with_compiled_kernels_raise_with_the_fix():
+    """Without TRITON_INTERPRET the kernels compile for the GPU; CPU tensors must not run
+    silently anywhere else (a fresh process, since the choice is made at import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    code = ("import torch\nfrom ringcheck.backends import get_backend\nx = torch.zeros(1, 4, 1, 16)\n"
+            "get_backend('triton').forward(x, x, x, scale=1.0, mask='full', diagonal=0)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "RuntimeError" in done.stderr and "TRITON_INTERPRET=1" in done.stderr, done.stderr[-2000:]
+
+
+H100_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_90
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="this triton has no NVIDIA backend")
+def test_kernels_compile_for_an_h100_without_one():
+    """The interpreter is lax (types, constexpr scoping, memory): compile the tensor-core
+    variants for sm_90 ahead of time, in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    code = ("import torch\nfrom ringcheck.backends.triton_backend import compile_for_gpu\n"
+            "print(compile_for_gpu(arch=90, dtype=torch.bfloat16, head_dim=128, causal=True))\n"
+            "print(compile_for_gpu(arch=90, dtype=torch.float16, head_dim=59, causal=False, heads=3, kv_heads=1))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.strip().splitlines():
+        shared = eval(line, {})  # {kernel: bytes}
+        assert len(shared) == 4 and max(shared.values()) <= H100_SHARED_MEMORY, line
+
+
+def test_missing_triton_raises_runtime_error(monkeypatch):
+    import ringcheck.backends.triton_backend as glue
+    monkeypatch.setattr(glue, "_IMPORT_ERROR", ImportError("No module named 'triton'"))
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        get_backend("triton")
+
+
+@pytest.mark.parametrize("bad,error", [
+    (dict(mask="sliding"), ValueError),
+    (dict(diagonal=0.5), TypeError),
+    (dict(head_dim=320), ValueError),
+    (dict(kv_heads=3), ValueError),
+    (dict(dtype=torch.float64), TypeError),
+])
+def test_invalid_blocks_raise(bad, error):
+    opts = dict(mask="causal", diagonal=0, head_dim=16, kv_heads=1, dtype=torch.float32) | bad
+    q = torch.zeros(1, 4, 2, opts["head_dim"], dtype=opts["dtype"], device=DEVICE)
+    kv = torch.zeros(1, 4, opts["kv_heads"], opts["head_dim"], dtype=opts["dtype"], device=DEVICE)
+    with pytest.raises(error):
+        BACKEND.forward(q, kv, kv, scale=1.0, mask=opts["mask"], diagonal=opts["diagonal"])
+
+
+# --- the GPU check script, as far as a CPU can run it -------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_check_skips_cleanly_without_cuda(capsys):
+    from ringcheck import gpu_check
+    assert gpu_check.main([]) == 0
+    assert "skipped, no CUDA device" in capsys.readouterr().out
+
+
+@interpreter_only
+def test_gpu_check_timing_table_runs_small_on_the_cpu(capsys):
+    from ringcheck import gpu_check
+    table = gpu_check.benchmark(1, device="cpu", bench=lambda fn, grads=None: (fn(), 1.0)[1],
+                                head_dims=(16,), seq_lens=(24,), tokens=24, width=32)
+    assert [(row[2], row[3]) for row in table] == [(False, "triton"), (False, "sdpa"), (True, "triton"), (True, "sdpa")]
+    assert all(row[-1] < 2e-2 for row in table), table  # the Triton forward agrees with SDPA
+    assert "TFLOP/s" in capsys.readouterr().out
+
+
+# --- GPU only: the compiled kernels at their own tile sizes ------------------------------------
+
+GPU_CASES = [make_case(world_size=p, mode=m, dtype=dt, heads=4, kv_heads=2, head_dim=d, per_chunk=n)
+             for p, m, dt, d, n in [
+                 (1, "causal", "bfloat16", 128, 300), (2, "zigzag", "bfloat16", 64, 161),
+                 (4, "striped", "float16", 96, 100), (2, "causal", "float32", 59, 130),
+                 (2, "bidirectional", "bfloat16", 256, 70), (8, "zigzag", "bfloat16", 128, 64)]]
+
+
+@on_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_ring_meets_budget(case, backend):
+    verdict = verdict_of(Case(case.spec, case.ring, case.seed, case.distribution, backend))
+    assert verdict.passed, verdict.message()
+
+
+@on_gpu
+@pytest.mark.parametrize("sq,sk,diagonal", [(300, 300, 0), (257, 257, -1), (200, 333, 70), (333, 129, -100)])
+def test_gpu_causal_block_matches_float64(sq, sk, diagonal):
+    """Masks at the GPU tile sizes."""
+    failures = check_block(batch=2, sq=sq, sk=sk, heads=4, kv_heads=1,
+                           head_dim=48, dtype=torch.bfloat16, mask="causal", diagonal=diagonal)
+    assert not failures, "\n".join(failures)
