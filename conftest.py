@@ -8,6 +8,12 @@ import zlib
 import pytest
 import torch
 
+# ---- Triton: interpreter on CPU-only machines ---------------------------------------------------
+# Triton chooses interpreter or compiler when a kernel is decorated (the first import of
+# ringcheck.backends.triton_fwd), so this must come before any test imports the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # ---- Hypothesis profiles for the property suites (suites/test_properties*.py) --------------
 # `pytest --profile {ci,nightly,deep}` picks the example count per property and the size
 # bounds of the drawn cases (ringcheck.strategies.PROFILES); `ci` is the default. Under

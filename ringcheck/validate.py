@@ -295,7 +295,7 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
     first_parts = None
     for case in scaled_cases(target):
         note(f"{case.distribution}, {case.spec.seq_len // world} tokens per rank")
-        inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution)
+        inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
         parts = _gather(_run_shards(impl, inputs, case.spec, case.ring, rank, group, device), group, world)
         returns_lse = parts[0]["lse"] is not None
         first_parts = first_parts or (case, inputs, parts)

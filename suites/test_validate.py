@@ -106,9 +106,9 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(capsys, argv, words):
 
 def test_config_file_holds_the_target(tmp_path, capsys):
     config = tmp_path / "target.toml"
-    config.write_text('[validate]\nseq_len = 1000\nlayout = "zigzag"\nworld_size = 4\n')
+    config.write_text('[validate]\nseq_len = 1004\nlayout = "zigzag"\nworld_size = 4\n')
     assert main(["validate", "--config", str(config)]) == EXIT_USAGE
-    assert "seq_len=1000" in capsys.readouterr().err
+    assert "seq_len=1004" in capsys.readouterr().err
     config.write_text('[validate]\nsequence = 1000\n')
     assert main(["validate", "--config", str(config)]) == EXIT_USAGE
     assert "unknown key(s) ['sequence']" in capsys.readouterr().err
