@@ -136,3 +136,23 @@ def test_cli_exit_codes_and_report(tmp_path):
     done = _cli(*small, "--impl", "suites.bad_impls:wrong_shape", "--timeout", "20")
     assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
     assert "returned out of shape" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_pytorch_context_parallel_ring_passes(run_on_ring):
+    rows = _rows(run_on_ring, impl="torch_cp", distributions=("normal",))
+    assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
+
+
+def test_ring_attention_pytorch_as_shipped(run_on_ring):
+    """What the README reports for ring-attention-pytorch 0.5.20 on CPU: bf16 does not run,
+    float32 has an exact forward and wrong dk/dv."""
+    pytest.importorskip("ring_attention_pytorch", reason="pip install ring-attention-pytorch==0.5.20")
+    with pytest.raises(RingError, match="expected scalar type Float but found BFloat16"):
+        _rows(run_on_ring, impl="ring_attention_pytorch", layout="contiguous", causal=False,
+              distributions=("normal",), local_lengths=(2,))
+    rows = _rows(run_on_ring, impl="ring_attention_pytorch", layout="contiguous", causal=False,
+                 dtype="float32", distributions=("normal",))
+    failed = _failed(rows)
+    assert failed and all(c.startswith("backward") for c in failed), failed
+    assert all(" dk " in r.detail or " dv " in r.detail or "dk FAILED" in r.detail or "dv FAILED" in r.detail
+               for r in rows if r.status == "fail")
