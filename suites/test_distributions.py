@@ -22,15 +22,6 @@ F16_EXP_OVERFLOW = math.log(torch.finfo(torch.float16).max)   # 11.09
 F32_EXP_OVERFLOW = math.log(torch.finfo(torch.float32).max)   # 88.72
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: one intra-op thread is 5-20x faster than two on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _inputs(case):
     return make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
 

@@ -71,15 +71,6 @@ def gamma(n: int) -> float:
     return n * U32 / (1 - n * U32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: one intra-op thread is 5-20x faster than two on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def repro(check: str, case: Case, **params) -> str:
     """A one-line shell command (from the repository root) that re-runs one property."""
     args = ", ".join([repr(case)] + [f"{k}={v!r}" for k, v in params.items()])

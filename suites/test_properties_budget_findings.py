@@ -42,14 +42,6 @@ FINDINGS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case, reason, failing", [
     pytest.param(case, reason, failing, id=f"{case.distribution}-{case.spec.dtype}-P{case.ring.world_size}")
     for case, reason, failing in FINDINGS])

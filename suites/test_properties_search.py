@@ -24,14 +24,6 @@ SEARCH = settings(max_examples=400, derandomize=True, database=None, deadline=No
 BOUNDS = Bounds(max_world_size=8, max_tokens_per_rank=8, max_batch=2, max_heads=4, max_head_dim=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _fails(check):
     def failing(case):
         try:
