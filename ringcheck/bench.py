@@ -148,11 +148,11 @@ def errors(ref: dict, out, dq=None, dk=None, dv=None, *, rows, positions=None) -
     found: dict[str, float] = {}
     for name, got in (("out", out), ("dq", dq)):
         if got is not None and bool(mine.any()):
-            diff = got[:, local[mine]].double() - ref[name][:, mine.nonzero().flatten()]
+            diff = got.detach()[:, local[mine]].double() - ref[name][:, mine.nonzero().flatten()]
             found[name] = float(diff.abs().max())
     for name, got in (("dk", dk), ("dv", dv)):
         if got is not None:
-            found[name] = float((got.double() - ref[name][:, positions]).abs().max())
+            found[name] = float((got.detach().double() - ref[name][:, positions]).abs().max())
     return found
 
 
