@@ -667,12 +667,15 @@ def print_bench(doc: dict, console: Console | None = None) -> None:
                 table.add_section()
             last = r["key"]
             ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+            if ratio and r.get("fastest_peer") not in ("torch_cp", "ring_attention_pytorch"):
+                ratio += "*"  # no peer ring ran this case: the ratio is to the fastest system
             if r.get("ratio") is not None and r["system"] == "ringcheck":
                 ratio = f"[{'green' if r['ratio'] <= 1.0 else 'red'}]{ratio}[/]"
             table.add_row(case, r["system"], str(r.get("layout")), str(r.get("threads", "")),
                           _bench_s(r.get("median_s")), ratio,
                           _bench_err(r.get("errors")) if r.get("median_s") is not None else f"n/a: {r.get('na')}")
         console.print(table)
+        console.print("* no peer ring ran this case: ratio to the fastest system of the case", highlight=False)
     if "overlap" in doc:
         table = Table(title="overlap: our ring distributed / the same loops without communication (1.0 = hidden)")
         for h in ("case", "K/V bytes per hop", "distributed", "no comm", "efficiency"):
