@@ -601,8 +601,12 @@ def run_harness(spec: BenchSpec, progress: Callable[[str], None] = lambda s: Non
         progress("harness " + name)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-        tail = (proc.stdout.strip().splitlines() or [""])[-1]
-        found[name] = {"wall_s": time.perf_counter() - t0, "exit": proc.returncode, "last_line": tail[:200]}
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        # the summary line, and what failed (pytest's FAILED lines, or the error a command printed)
+        failed = [ln for ln in lines if ln.startswith("FAILED") or ": error:" in ln]
+        found[name] = {"wall_s": time.perf_counter() - t0, "exit": proc.returncode,
+                       "last_line": (proc.stdout.strip().splitlines() or [""])[-1][:200],
+                       "failed": [ln[:300] for ln in failed[:5]]}
     progress("harness references")
     q, k, v, do, rows = make_inputs(4096, 4, 64, "float32", 16, spec.seed)
     t, _ = _times(lambda: dense_grads(q, k, v, do, rows=rows), 1, 3)

@@ -718,7 +718,8 @@ def print_bench(doc: dict, console: Console | None = None) -> None:
             table.add_column(h)
         for name, r in doc["harness"].items():
             if "wall_s" in r:
-                table.add_row(name, f"{r['wall_s']:.1f} s (exit {r['exit']}): {r['last_line']}")
+                table.add_row(name, f"{r['wall_s']:.1f} s (exit {r['exit']}): {r['last_line']}"
+                              + "".join(f"\n{line}" for line in r.get("failed", [])))
             else:
                 table.add_row(name, f"{r['rows_per_s']:.1f} rows/s ({r['median_s']:.2f} s)")
         console.print(table)
