@@ -1,0 +1,122 @@
+"""Smoke tests of `ringcheck bench` (ringcheck/bench.py): a tiny grid, the document's keys,
+ratios, errors beside the times, the no-comm driver, zig-zag balance. Never on timings."""
+
+import json
+
+import pytest
+import torch
+
+from ringcheck import bench
+from ringcheck.bench import BenchSpec, Case, NoCommDriver, add_ratios, run_balance, run_local
+from ringcheck.layouts import shard, work_counts
+from ringcheck.ring import make_config, run_ring
+
+
+def test_ratios_are_to_the_fastest_peer_ring():
+    rows = [{"key": "a", "system": "ringcheck", "median_s": 1.0},
+            {"key": "a", "system": "torch_cp", "median_s": 2.0},
+            {"key": "a", "system": "ring_attention_pytorch", "median_s": 4.0},
+            {"key": "a", "system": "sdpa", "median_s": 0.5},           # not a peer ring
+            {"key": "a", "system": "ringcheck:simulated", "median_s": 0.1},
+            {"key": "b", "system": "ringcheck", "median_s": 3.0},    # no peer ran: fastest overall
+            {"key": "b", "system": "torch_cp", "median_s": None}]
+    add_ratios(rows)
+    assert [r["ratio"] for r in rows[:5]] == [0.5, 1.0, 2.0, 0.25, 0.05]
+    assert rows[0]["fastest_peer"] == "torch_cp"
+    assert rows[5]["ratio"] == 1.0 and rows[6]["ratio"] is None
+
+
+@pytest.mark.parametrize("system", [bench.SDPA, bench.SIMULATED])
+def test_local_systems_report_errors_against_float64(system):
+    case = Case("float32", 2, 64, "causal_balanced", "fwd+bwd", 2, 16, 8, 0)
+    got = run_local(system, case, warmup=0, repeats=1)
+    assert set(got["errors"]) == {"out", "dq", "dk", "dv"}
+    assert all(0 <= e < 1e-4 for e in got["errors"].values()), got["errors"]
+    bf16 = run_local(system, Case("bfloat16", 2, 64, "bidirectional", "fwd", 2, 16, 8, 0), 0, 1)
+    assert set(bf16["errors"]) == {"out"} and 1e-5 < bf16["errors"]["out"] < 0.1  # rounding seen, not hidden
+
+
+def test_errors_of_a_shard_match_the_whole():
+    q, k, v, dout, rows = bench.make_inputs(32, 2, 8, "float32", 32, 0)
+    ref = bench.reference(q, k, v, dout, rows, causal=True)
+    from reference import dense_grads
+
+    out, _, dq, dk, dv = (t.float() for t in dense_grads(q, k, v, dout, causal=True))
+    whole = bench.errors(ref, out, dq, dk, dv, rows=rows)
+    from ringcheck.layouts import positions
+
+    parts = [bench.errors(ref, *(shard(t, layout="zigzag", rank=r, world_size=2, dim=1) for t in (out, dq, dk, dv)),
+                          rows=rows, positions=positions(layout="zigzag", rank=r, world_size=2, seq_len=32))
+             for r in range(2)]
+    assert bench._merge_errors(parts) == pytest.approx(whole, abs=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_no_comm_driver_runs_forward_and_backward(layout):
+    p, n = 4, 32
+    q, k, v, dout, _ = bench.make_inputs(p * n, 2, 8, "float32", 4, 0)
+    config = make_config(world_size=p, layout=layout, causal=True, softmax_scale=None, head_dim=8, backend="torch")
+    for r in range(p):
+        qs, ks, vs = (shard(t, layout=layout, rank=r, world_size=p, dim=1).detach().requires_grad_() for t in (q, k, v))
+        out = run_ring(config, NoCommDriver(r, p), [qs], [ks], [vs])[0][0]
+        out.backward(torch.ones_like(out))  # the dK/dV origin tags come home
+        assert torch.isfinite(qs.grad).all() and torch.isfinite(ks.grad).all()
+
+
+def test_zigzag_balance_within_five_percent():
+    for p in range(2, 17):
+        counts = work_counts(layout="zigzag", world_size=p, seq_len=2 * p * 64, causal=True)
+        assert max(counts) / (sum(counts) / p) <= 1.05, (p, counts)
+    spec = BenchSpec(balance_ring_sizes=(2, 16), balance_tokens=256, heads=1, head_dim=8, repeats=1, warmup=0)
+    rows = run_balance(spec)
+    zig = [r for r in rows if r["layout"] == "zigzag"]
+    assert [r["ring_size"] for r in zig] == [2, 16]
+    assert all(r["work_max_over_mean"] <= 1.05 for r in zig)
+    assert all(r["work_max_over_mean"] > 1.4 for r in rows if r["layout"] == "contiguous")
+
+
+def test_spec_rejects_bad_values():
+    with pytest.raises(ValueError, match="divisible"):
+        BenchSpec(ring_sizes=(4,), tokens=(100,))
+    with pytest.raises(ValueError, match="--modes"):
+        BenchSpec(modes=("sideways",))
+
+
+def test_bench_command_writes_json(tmp_path, ring_pool, monkeypatch):
+    from ringcheck import cli
+
+    pool = ring_pool(2)
+    monkeypatch.setattr("ringcheck.launch.LocalRings", lambda **kw: _Borrowed(pool))
+    path = tmp_path / "bench.json"
+    code = cli.main(["bench", "--impl", "ringcheck,torch_cp,sdpa", "--dtypes", "float32", "--ring-sizes", "2",
+                     "--tokens", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0",
+                     "--modes", "bidirectional,causal", "--sections", "speed,overlap", "--json", str(path)])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert {"spec", "meta", "speed", "overlap"} <= set(doc)
+    assert {"machine", "cpu", "torch", "load_1_5_15", "worker_threads", "parent_threads"} <= set(doc["meta"])
+    speed = {(r["mode"], r["passes"], r["system"]): r for r in doc["speed"]}
+    assert len(speed) == 2 * 2 * 3
+    ours = speed[("bidirectional", "fwd+bwd", "ringcheck")]
+    assert ours["median_s"] > 0 and ours["fastest_peer"] == "torch_cp"
+    assert ours["ratio"] == pytest.approx(ours["median_s"] / speed[("bidirectional", "fwd+bwd", "torch_cp")]["median_s"])
+    assert set(ours["errors"]) == {"out", "dq", "dk", "dv"} and max(ours["errors"].values()) < 1e-4
+    na = speed[("causal", "fwd", "torch_cp")]
+    assert na["median_s"] is None and "zigzag" in na["na"]
+    assert all(r["efficiency"] > 0 for r in doc["overlap"])
+
+
+class _Borrowed:
+    """The session's ring pool as a `LocalRings` that does not close it."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def run(self, ring_size, task, *args):
+        return self.pool.run(ring_size, task, *args)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
