@@ -5,7 +5,8 @@ receives from r-1), so at step s rank r holds the K/V of rank (r - s) mod P. Eac
 blocks (see `layouts.block_plan`) are merged into a float32 running (out, lse) and the output
 is cast to the input dtype once, at the end. In the backward, dK/dV accumulators (float32)
 travel with their K/V and take one more hop at the end to return home, where their origin tag
-is checked.
+is checked; each hop of the accumulators overlaps the next step's block computation (they
+are waited for only when that step's contributions are added).
 
 The per-rank loops are generators: they yield `Post` (start sending a payload to the next
 rank and receiving from the previous one, on a named channel) and `Wait` (the payload that
@@ -151,26 +152,33 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
     for step in range(config.world_size):
         last = step == config.world_size - 1
         src = shard.source(step)
-        if int(grads[2]) != src:
-            raise RuntimeError(
-                f"rank {shard.rank}, ring step {step}: expected the dK/dV accumulators of rank "
-                f"{src} with its K/V, received those of rank {int(grads[2])}")
         if not last:
             yield Post("kv", kv)
-        dk_acc, dv_acc, tag = grads
+        contributions = []
         for block in _plan(config, shard, src, n):
             dq_b, dk_b, dv_b = backend.backward(
                 q[:, block.q], kv[0][:, block.kv], kv[1][:, block.kv], dout[:, block.q],
                 lse[:, :, block.q].contiguous(), delta[:, :, block.q].contiguous(),
                 scale=config.scale, mask=block.mask, diagonal=block.diagonal)
             dq[:, block.q] += dq_b
-            dk_acc[:, block.kv] += dk_b
-            dv_acc[:, block.kv] += dv_b
+            contributions.append((block.kv, dk_b, dv_b))
+        if step > 0:
+            # the accumulators of `src` were posted by the previous rank a step ago: their
+            # transfer overlapped this step's compute, and only now are they needed
+            grads = yield Wait("grad")
+        if int(grads[2]) != src:
+            raise RuntimeError(
+                f"rank {shard.rank}, ring step {step}: expected the dK/dV accumulators of rank "
+                f"{src} with its K/V, received those of rank {int(grads[2])}")
+        dk_acc, dv_acc, tag = grads
+        for rows, dk_b, dv_b in contributions:
+            dk_acc[:, rows] += dk_b
+            dv_acc[:, rows] += dv_b
         # the accumulators move on with their K/V; after the last step they go home
         yield Post("grad", (dk_acc, dv_acc, tag))
         if not last:
             kv = yield Wait("kv")
-        grads = yield Wait("grad")
+    grads = yield Wait("grad")
     dk_acc, dv_acc, tag = grads
     if int(tag) != shard.rank:
         raise RuntimeError(
