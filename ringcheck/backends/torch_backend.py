@@ -8,7 +8,8 @@
   (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which take the merged
   out and lse exactly as the ring's backward needs), on inputs upcast to float32 so that no
   block output is rounded to a low dtype before the merge. Used on CPU tensors for the full
-  mask and the square causal diagonal; anything else takes the plain path. GQA expands K/V
+  mask and the square causal diagonal (the striped layout's strict diagonal -1 too, as the
+  ordinary causal mask on slices shifted by one); anything else takes the plain path. GQA expands K/V
   to the query heads there (the kernel wants equal head counts) and sums dK/dV back.
 """
 
@@ -78,7 +79,19 @@ class TorchBackend:
         self.fast = fast
         self.name = "torch" if fast else "torch_plain"
 
+    def _strict(self, q, k, mask, diagonal) -> bool:
+        """A square block with the striped layout's strict causal mask (diagonal -1): query i
+        sees keys j <= i - 1, i.e. queries 1.. against keys ..n-2 under the ordinary causal
+        mask, with query 0 seeing nothing - so the fused kernel runs it on shifted slices."""
+        return (self.fast and mask == "causal" and diagonal == -1 and q.shape[1] == k.shape[1] >= 2
+                and q.device.type == "cpu")
+
     def forward(self, q, k, v, *, scale, mask, diagonal=0):
+        if self._strict(q, k, mask, diagonal):
+            out, lse = self.forward(q[:, 1:], k[:, :-1], v[:, :-1], scale=scale, mask="causal", diagonal=0)
+            b, _, h, d = out.shape
+            return (torch.cat([out.new_zeros(b, 1, h, d), out], dim=1),
+                    torch.cat([lse.new_full((b, h, 1), float("-inf")), lse], dim=2))
         if self.fast and _flash_ok(q, k, mask, diagonal):
             h = q.shape[2]
             out, lse = _FLASH_FWD(q.float().transpose(1, 2), _heads_first(k, h), _heads_first(v, h),
@@ -87,6 +100,12 @@ class TorchBackend:
         return self._plain_forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal)
 
     def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
+        if self._strict(q, k, mask, diagonal):
+            dq, dk, dv = self.backward(q[:, 1:], k[:, :-1], v[:, :-1], dout[:, 1:], lse[:, :, 1:].contiguous(),
+                                       delta[:, :, 1:].contiguous(), scale=scale, mask="causal", diagonal=0)
+            return (torch.cat([dq.new_zeros(dq[:, :1].shape), dq], dim=1),
+                    torch.cat([dk, dk.new_zeros(dk[:, :1].shape)], dim=1),
+                    torch.cat([dv, dv.new_zeros(dv[:, :1].shape)], dim=1))
         if self.fast and _flash_ok(q, k, mask, diagonal) and not self._zero_rows_with_delta(dout, delta):
             # the kernel derives delta = rowsum(dout * out) itself from the out it is given; an
             # out whose rowsum with dout is `delta` is out* = delta / |dout|^2 dout (any out with
