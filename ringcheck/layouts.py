@@ -102,7 +102,6 @@ def unshard(shards, *, layout: str, dim: int = 1) -> torch.Tensor:
         raise ValueError("unshard needs the shards of every rank, got an empty list")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; choose one of {list(LAYOUTS)}")
-    world_size = len(shards)
     dim = dim % shards[0].dim()
     n = shards[0].shape[dim]
     if any(s.shape != shards[0].shape for s in shards):

@@ -75,7 +75,7 @@ def print_check_rows(rows, passed: bool, console: Console | None = None) -> None
     if failed:
         console.print(f"[bold red]FAILED[/]: {len(failed)} of {len(rows)} checks")
     else:
-        console.print(f"[bold green]PASSED[/]: every check within budget")
+        console.print("[bold green]PASSED[/]: every check within budget")
 
 # --- drift reports ---------------------------------------------------------------------------------
 # The drift document (`ringcheck.drift`) is rendered from one list of content blocks, so the

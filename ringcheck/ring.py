@@ -218,7 +218,7 @@ class SimulatedDriver:
                     f"{[r for r in range(self.world_size) if not done[r]]} still expect ring steps")
             kinds = {(type(m).__name__, m.channel) for m in messages}
             if len(kinds) != 1:
-                raise RuntimeError(f"ranks disagree on the next ring operation: "
+                raise RuntimeError("ranks disagree on the next ring operation: "
                                    + ", ".join(f"rank {r}: {m}" for r, m in enumerate(messages)))
             first = messages[0]
             if isinstance(first, Post):

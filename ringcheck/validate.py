@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,8 +31,8 @@ from .adapters import Impl, load_impl
 from .check import Case, Results, judge_results, peer, truth
 from .distributions import DISTRIBUTIONS
 from .inputs import Inputs, make_inputs
-from .layouts import positions, shard, unshard, work_counts
-from .spec import DTYPES, LAYOUTS, AttentionSpec, Budget, RingSpec
+from .layouts import shard, unshard, work_counts
+from .spec import AttentionSpec, Budget, RingSpec
 from .verdict import TENSORS, Verdict, float32_floors, judge
 
 SCHEMA_VERSION = 1

@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 
 from .metrics import ErrorStats, abs_error, error_stats, rounding_floor
-from .spec import Budget
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 

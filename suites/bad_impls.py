@@ -3,7 +3,6 @@ errors (exit code 2, a clear message, never a traceback or a hang)."""
 
 import time
 
-import torch
 import torch.distributed as dist
 
 from suites.mutants import textbook

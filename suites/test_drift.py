@@ -12,7 +12,7 @@ import torch
 from reference import dense_grads
 from ringcheck.check import MODES
 from ringcheck.cli import main
-from ringcheck.drift import (SCHEMA_VERSION, SIMULATED, DriftSpec, Implementation, _run_simulated,
+from ringcheck.drift import (SCHEMA_VERSION, DriftSpec, Implementation, _run_simulated,
                              fit_group, fit_slope, run_drift, step_truths)
 from ringcheck.drift_report import diff_documents, dumps, exact_differences, load, loads, save
 from ringcheck.inputs import make_inputs

@@ -10,7 +10,6 @@ import torch
 import ringcheck.ring as ring_module
 from ringcheck.check import MODES, Case, run_case, simulated_impl
 from ringcheck.layouts import Block, block_plan
-from ringcheck.merge import merge_into
 from ringcheck.spec import AttentionSpec, RingSpec
 
 

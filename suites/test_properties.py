@@ -19,7 +19,6 @@ runs' budgets, inside the budget rule's domain (`budget_tensors`).
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

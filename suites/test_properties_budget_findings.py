@@ -10,7 +10,6 @@ testing the floor).
 """
 
 import pytest
-import torch
 
 from ringcheck.check import Case, run_case
 from ringcheck.spec import AttentionSpec, RingSpec

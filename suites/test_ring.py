@@ -1,6 +1,5 @@
 """The simulated ring against float64: every tensor, every mode, ring sizes 1 to 16."""
 
-import itertools
 
 import pytest
 import torch
