@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -38,18 +38,15 @@ class Impl:
     name: str
     fn: ImplFn
     layouts: tuple[str, ...] | None = None   # None: whatever layout it is given
-    note: str = ""
-    modes: dict = field(default_factory=dict)
+    # extra rule of the implementation: (layout, causal) -> raises ValueError if it cannot run them
+    rule: Callable[[str, bool], None] | None = None
 
     def check_layout(self, layout: str, causal: bool) -> None:
         if self.layouts is not None and layout not in self.layouts:
             raise ValueError(f"--impl {self.name} runs the layouts {list(self.layouts)}, not {layout!r}; "
                              f"pass --layout {self.layouts[0]}")
-        if self.name.startswith("torch_cp"):
-            if causal != (layout == "zigzag"):
-                raise ValueError("--impl torch_cp balances causal work with its head-tail (zigzag) layout "
-                                 "and runs bidirectional attention contiguous: use --layout zigzag --causal "
-                                 "or --layout contiguous without --causal")
+        if self.rule is not None:
+            self.rule(layout, causal)
 
 
 # ------------------------------------------------------------------------------------ ours
@@ -152,6 +149,13 @@ class _TorchCPRing(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _torch_cp_rule(layout: str, causal: bool) -> None:
+    if causal != (layout == "zigzag"):
+        raise ValueError("--impl torch_cp balances causal work with its head-tail (zigzag) layout "
+                         "and runs bidirectional attention contiguous: use --layout zigzag --causal "
+                         "or --layout contiguous without --causal")
+
+
 def _torch_cp() -> ImplFn:
     import torch.distributed as dist
 
@@ -211,7 +215,7 @@ def load_impl(spec: str, *, layout: str, backend: str = "torch") -> Impl:
                              f"{[f'ring_flash_attn:{v}' for v in layouts]}")
         return Impl(f"ring_flash_attn:{variant}", _ring_flash_attn(variant), layouts=(layouts[variant],))
     if head == "torch_cp" and not tail:
-        return Impl("torch_cp", _torch_cp(), layouts=("contiguous", "zigzag"))
+        return Impl("torch_cp", _torch_cp(), layouts=("contiguous", "zigzag"), rule=_torch_cp_rule)
     if not tail:
         raise ValueError(f"--impl {spec!r} is neither a built-in adapter ({', '.join(BUILTIN)}) nor of the "
                          f"form 'package.module:function'")

@@ -52,13 +52,6 @@ class Case:
                 "from ringcheck.spec import AttentionSpec, RingSpec; "
                 f"print(run_case({self!r}).message())\"")
 
-    def labels(self) -> dict[str, str]:
-        s = self.spec
-        mode = next((m for m, v in MODES.items() if v == (s.causal, self.ring.layout)),
-                    f"{self.ring.layout} {'causal' if s.causal else 'bidirectional'}")
-        return {"P": str(self.ring.world_size), "mode": mode, "dtype": s.dtype,
-                "heads": f"{s.heads}/{s.kv_heads}", "b x n x d": f"{s.batch}x{s.seq_len}x{s.head_dim}",
-                "dist": self.distribution, "seed": str(self.seed)}
 
 
 @dataclass(frozen=True)
@@ -117,7 +110,7 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
                   budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None) -> Verdict:
     """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply."""
-    verdict = Verdict(case.describe(), labels=case.labels())
+    verdict = Verdict(case.describe())
     floors = {} if inputs is None else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
                                                       scale=case.spec.scale, causal=case.spec.causal)
     for name in tensors:

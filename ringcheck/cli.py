@@ -87,12 +87,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     console = _console()
     ring = open_ring(timeout=args.timeout, environ=os.environ)
     try:
-        if ring.size is not None and getattr(ring, "is_torchrun", False) and ring.size != target.world_size:
+        if ring.is_torchrun and ring.size != target.world_size:
             if args.world_size is not None or args.config:
                 raise UsageError(f"the torchrun world has {ring.size} ranks but the target says world_size="
                                  f"{target.world_size}; launch with torchrun --nproc-per-node={target.world_size}")
             target = type(target).from_mapping({**target.to_dict(), "world_size": ring.size})
-        main = getattr(ring, "is_main", True)
+        main = ring.is_main
         if main:
             console.print(f"ringcheck validate {target.describe()}")
         with console.status("validating", spinner="dots") if main else _nullcontext():

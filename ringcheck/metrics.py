@@ -41,8 +41,10 @@ def abs_error(got: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, tor
     return diff, bad
 
 
-def error_stats(got: torch.Tensor, truth: torch.Tensor) -> ErrorStats:
-    diff, bad = abs_error(got, truth)
+def error_stats(got: torch.Tensor, truth: torch.Tensor,
+                diff_bad: tuple[torch.Tensor, torch.Tensor] | None = None) -> ErrorStats:
+    """Statistics of got against truth (`diff_bad`: `abs_error(got, truth)` if already computed)."""
+    diff, bad = abs_error(got, truth) if diff_bad is None else diff_bad
     numel = diff.numel()
     if numel == 0:
         return ErrorStats(0.0, (), 0.0, 0.0, 0.0, 0, 0)

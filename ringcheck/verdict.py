@@ -76,12 +76,12 @@ def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tenso
     delivered in) + `floor`, a float32 rounding bound the naive peer does not share (a number
     or a tensor like `truth`, see `float32_floors`). `locate` turns an index into words.
     """
-    stats = error_stats(got, truth)
+    diff, bad = abs_error(got, truth)
+    stats = error_stats(got, truth, (diff, bad))
     # where the peer itself is NaN/Inf (fp16 overflow) it sets no budget: leave those out
-    peer_diff, peer_bad = abs_error(peer, truth)
+    _, peer_bad = abs_error(peer, truth)
     peer_stats = error_stats(peer.masked_fill(peer_bad, 0.0), truth.masked_fill(peer_bad, 0.0))
     out_floor = rounding_floor(truth, dtype)
-    diff, _ = abs_error(got, truth)
     floor_t = torch.as_tensor(floor, dtype=torch.float64).expand_as(diff) if not isinstance(floor, torch.Tensor) \
         else floor.double().nan_to_num(0.0, posinf=0.0)
     allowed = k * peer_stats.max_abs + out_floor + floor_t
@@ -162,7 +162,6 @@ class Verdict:
 
     case: str
     tensors: list[TensorVerdict] = field(default_factory=list)
-    labels: dict[str, str] = field(default_factory=dict)  # short columns for tables
 
     @property
     def passed(self) -> bool:
