@@ -16,8 +16,8 @@ import torch
 def profile_task(member, case, systems, rows):
     from torch.profiler import ProfilerActivity, profile
 
-    from ringcheck.bench import _call, _ring_fn, make_inputs, system_layout
-    from ringcheck.layouts import shard
+    from ringcheck.commands.bench import _call, _ring_fn, make_inputs, system_layout
+    from ringcheck.ring.layouts import shard
 
     torch.set_num_threads(1)
     q, k, v, dout, _ = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype, case.sample_rows, case.seed)
@@ -35,7 +35,7 @@ def profile_task(member, case, systems, rows):
 
 
 def main() -> None:
-    from ringcheck.bench import Case
+    from ringcheck.commands.bench import Case
     from ringcheck.launch import LocalRings
 
     p = argparse.ArgumentParser()

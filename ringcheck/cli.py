@@ -7,10 +7,56 @@ Exit codes: 0 every check passed; 1 a check failed (a verdict); 2 no verdict cou
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
+import shlex
 import sys
+import time
+import tomllib
 from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from . import __version__
+from .commands.adapters import load_impl
+from .commands.bench import (
+    DEFAULT_IMPLS,
+    DEFAULT_SECTIONS,
+    FULL,
+    MODES,
+    QUICK,
+    SECTIONS,
+    BenchSpec,
+    run_bench,
+)
+from .commands.drift import (
+    DEFAULT_ACCUMULATIONS,
+    DEFAULT_BACKENDS,
+    DEFAULT_DISTRIBUTIONS,
+    DEFAULT_DTYPES,
+    DEFAULT_MODES,
+    DEFAULT_RING_SIZES,
+    IMPLEMENTATIONS,
+    DriftSpec,
+    count_runs,
+    run_drift,
+)
+from .commands.validate import Target, markdown, report_dict, validate_task
+from .documents import diff_documents, exact_differences, load
+from .judge.distributions import DISTRIBUTIONS
+from .launch import LocalRings, RingError, open_ring
+from .render.terminal import (
+    drift_progress,
+    print_bench,
+    print_check_rows,
+    print_drift_diff,
+    print_drift_summary,
+    write_drift_reports,
+)
+from .spec import Budget
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -20,8 +66,6 @@ class UsageError(Exception):
 
 
 def _console():
-    from rich.console import Console
-
     # a pipe or a CI log gets a wide table instead of rich's 80-column default
     return Console() if sys.stdout.isatty() else Console(width=160)
 
@@ -33,12 +77,8 @@ _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "
 
 
 def _target_from_args(args: argparse.Namespace):
-    from .validate import Target
-
     values: dict = {}
     if args.config:
-        import tomllib
-
         path = Path(args.config)
         if not path.is_file():
             raise UsageError(f"--config {args.config}: no such file")
@@ -73,12 +113,6 @@ def _short_failures(exc) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from . import __version__
-    from .adapters import load_impl
-    from .launch import RingError, open_ring
-    from .report import print_check_rows
-    from .validate import markdown, report_dict, validate_task
-
     target = _target_from_args(args)
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
         load_impl(target.impl, layout=target.layout, backend=target.backend).check_layout(target.layout, target.causal)
@@ -104,9 +138,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         ring.close()
     if not main:
         return EXIT_OK if all(r.passed for r in rows) else EXIT_FAILED
-    import platform
-    import torch
-
     report = report_dict(target, rows, meta={"ringcheck": __version__, "torch": torch.__version__,
                                              "python": platform.python_version(), "host": platform.node()})
     print_check_rows(rows, report["passed"], console)
@@ -170,10 +201,6 @@ def _list(kind):
 
 
 def _drift_spec(args: argparse.Namespace):
-    from .distributions import DISTRIBUTIONS
-    from .drift import DriftSpec
-    from .spec import Budget
-
     distributions = tuple(DISTRIBUTIONS) if args.distributions == ("all",) else args.distributions
     return DriftSpec(dtypes=args.dtypes, ring_sizes=args.ring_sizes, distributions=distributions,
                      modes=args.modes, backends=args.backends, accumulations=args.accumulate,
@@ -184,17 +211,6 @@ def _drift_spec(args: argparse.Namespace):
 
 
 def _cmd_drift(args: argparse.Namespace) -> int:
-    import datetime
-    import platform
-    import shlex
-    import time
-
-    import torch
-
-    from . import __version__
-    from .drift import IMPLEMENTATIONS, count_runs, run_drift
-    from .report import drift_progress, print_drift_summary, write_drift_reports
-
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)  # fixed, so a rerun gives the same bits
@@ -219,9 +235,6 @@ def _cmd_drift(args: argparse.Namespace) -> int:
 
 
 def _cmd_report_diff(args: argparse.Namespace) -> int:
-    from .drift_report import diff_documents, exact_differences, load
-    from .report import print_drift_diff
-
     a, b = load(args.a), load(args.b)
     console = _console()
     if args.exact:
@@ -239,9 +252,6 @@ def _cmd_report_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_report_render(args: argparse.Namespace) -> int:
-    from .drift_report import load
-    from .report import print_drift_summary, write_drift_reports
-
     doc = load(args.json)
     paths = write_drift_reports(doc, args.out)
     console = _console()
@@ -251,9 +261,6 @@ def _cmd_report_render(args: argparse.Namespace) -> int:
 
 
 def _add_drift(sub) -> None:
-    from .drift import (DEFAULT_ACCUMULATIONS, DEFAULT_BACKENDS, DEFAULT_DISTRIBUTIONS, DEFAULT_DTYPES,
-                        DEFAULT_MODES, DEFAULT_RING_SIZES, IMPLEMENTATIONS)
-
     join = lambda xs: ",".join(map(str, xs))  # noqa: E731
     p = sub.add_parser(
         "drift", help="sweep dtypes x ring sizes x distributions x modes: error against ring size",
@@ -319,11 +326,7 @@ def _add_report(sub) -> None:
 # ------------------------------------------------------------------------------- bench
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmarks side by side (ringcheck.bench); never fails on speed: exit 0 once measured."""
-    from .bench import DEFAULT_IMPLS, FULL, QUICK, BenchSpec, run_bench
-    from .launch import LocalRings
-    from .report import print_bench
-
+    """Benchmarks side by side (ringcheck.commands.bench); never fails on speed: exit 0 once measured."""
     values: dict = {}
     if args.quick and args.full:
         raise UsageError("--quick and --full exclude each other")
@@ -341,7 +344,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     console = _console()
     with LocalRings(timeout=args.timeout) as rings, console.status("benchmarking", spinner="dots") as status:
         doc = run_bench(spec, rings, progress=lambda what: status.update(f"benchmarking {what}"))
-    import shlex
 
     doc["meta"]["command"] = "ringcheck " + shlex.join(args.argv)
     print_bench(doc, console)
@@ -353,8 +355,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from .bench import DEFAULT_IMPLS, DEFAULT_SECTIONS, MODES, SECTIONS
-
     p = sub.add_parser(
         "bench", help="benchmarks: our ring against peer rings and single-device attention",
         description="Speed of our ring (simulated and distributed) against PyTorch's context-parallel ring, "

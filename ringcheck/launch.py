@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .comm import DEFAULT_TIMEOUT, check_timeout
+from .spec import DEFAULT_TIMEOUT, check_timeout
 
 Task = Callable[..., Any]
 

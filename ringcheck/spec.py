@@ -1,4 +1,6 @@
-"""Frozen descriptions of an attention problem, a ring, and an error budget.
+"""Frozen descriptions of an attention problem, a ring, and an error budget, and the one
+argument-validation vocabulary (`check_*`): the same argument gets the same rule and the same
+message everywhere (the ring, the references, the commands).
 
 No I/O and no environment reads here: every other module receives these objects explicitly.
 """
@@ -9,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -30,11 +33,80 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     raise TypeError(f"dtype={dtype} is not supported; choose one of {sorted(DTYPES)}")
 
 
-def _positive_int(name: str, value: object) -> None:
+DEFAULT_TIMEOUT = 60.0  # seconds, for every wait of the ring and every collective we start
+
+_NOT_INITIALIZED = ("torch.distributed is not initialized: launch with `torchrun --nproc-per-node=<P> ...` "
+                    "or call torch.distributed.init_process_group(...) before {what}")
+
+
+# ------------------------------------------------------------------ the validation vocabulary
+
+def check_positive_int(name: str, value: object) -> int:
+    """An int >= 1 (bool refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_causal(causal: object) -> bool:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return causal
+
+
+def check_layout(layout: object) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; choose one of {list(LAYOUTS)}")
+    return layout  # type: ignore[return-value]
+
+
+def check_softmax_scale(softmax_scale: object, head_dim: int) -> float:
+    """The scale to use: `1/sqrt(head_dim)` for None, else a finite positive number."""
+    if softmax_scale is None:
+        return default_scale(head_dim)
+    if isinstance(softmax_scale, bool) or not (
+            isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_timeout(timeout: object) -> float:
+    """A timeout in seconds: a finite positive number, returned as float."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def check_qkv(q: object, k: object, v: object, *, what: str = "shard") -> None:
+    """Raise TypeError/ValueError unless q, k, v form one valid attention input
+    ((batch, seq, heads, head_dim) and (batch, seq, kv_heads, head_dim) twice)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES.values():
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {sorted(DTYPES)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, {what} length and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
+
+
+def require_distributed(what: str) -> None:
+    """RuntimeError with the fix unless torch.distributed is initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(_NOT_INITIALIZED.format(what=what))
+
 
 
 @dataclass(frozen=True)
@@ -53,7 +125,7 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "kv_heads", "seq_len", "head_dim"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.heads % self.kv_heads:
             raise ValueError(
@@ -61,11 +133,7 @@ class AttentionSpec:
                 f"attention needs heads to be a multiple of kv_heads (e.g. kv_heads="
                 f"{math.gcd(self.heads, self.kv_heads)})"
             )
-        if self.softmax_scale is not None and not (
-            isinstance(self.softmax_scale, (int, float)) and math.isfinite(self.softmax_scale)
-            and self.softmax_scale > 0
-        ):
-            raise ValueError(f"softmax_scale must be a finite positive number, got {self.softmax_scale!r}")
+        check_softmax_scale(self.softmax_scale, self.head_dim)
 
     @property
     def scale(self) -> float:
@@ -98,9 +166,8 @@ class RingSpec:
     layout: str = "contiguous"
 
     def __post_init__(self) -> None:
-        _positive_int("world_size", self.world_size)
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} is unknown; choose one of {list(LAYOUTS)}")
+        check_positive_int("world_size", self.world_size)
+        check_layout(self.layout)
 
     @property
     def chunks(self) -> int:

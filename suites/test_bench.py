@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from ringcheck import bench
-from ringcheck.bench import BenchSpec, Case, NoCommDriver, add_ratios, run_balance, run_local
-from ringcheck.layouts import shard, work_counts
-from ringcheck.ring import make_config, run_ring
+from ringcheck.commands import bench
+from ringcheck.commands.bench import BenchSpec, Case, add_ratios, run_balance, run_local
+from ringcheck.ring import NoCommDriver, make_config, run_ring
+from ringcheck.ring.layouts import shard, work_counts
 
 
 def test_ratios_are_to_the_fastest_peer_ring():
@@ -43,7 +43,7 @@ def test_errors_of_a_shard_match_the_whole():
 
     out, _, dq, dk, dv = (t.float() for t in dense_grads(q, k, v, dout, causal=True))
     whole = bench.errors(ref, out, dq, dk, dv, rows=rows)
-    from ringcheck.layouts import positions
+    from ringcheck.ring.layouts import positions
 
     parts = [bench.errors(ref, *(shard(t, layout="zigzag", rank=r, world_size=2, dim=1) for t in (out, dq, dk, dv)),
                           rows=rows, positions=positions(layout="zigzag", rank=r, world_size=2, seq_len=32))

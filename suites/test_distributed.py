@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 import ringcheck
-from ringcheck.check import MODES, Case, Results
-from ringcheck.comm import DistributedDriver, RingComm, ring_attention
-from ringcheck.inputs import make_inputs
+from ringcheck.judge.check import MODES, Case, Results
+from ringcheck.judge.inputs import make_inputs
 from ringcheck.launch import RingError
-from ringcheck.ring import Post
+from ringcheck.ring import DistributedDriver, Post, ring_attention
+from ringcheck.ring.comm import RingComm
 from ringcheck.spec import AttentionSpec, RingSpec
 
 SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones

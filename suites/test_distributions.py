@@ -12,11 +12,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ringcheck
-from ringcheck.distributions import (DISTRIBUTIONS, OUTLIER_RATE, OUTLIER_STD, WIDE_MAX_STD, directions,
-                                     generate, last_steps, arrival_steps, min_head_dim)
-from ringcheck.inputs import make_inputs
+from ringcheck.judge.distributions import (
+    DISTRIBUTIONS,
+    OUTLIER_RATE,
+    OUTLIER_STD,
+    WIDE_MAX_STD,
+    arrival_steps,
+    directions,
+    generate,
+    last_steps,
+    min_head_dim,
+)
+from ringcheck.judge.inputs import make_inputs
 from ringcheck.spec import AttentionSpec, RingSpec
-from ringcheck.strategies import cases
+from ringcheck.testing.strategies import cases
 
 F16_EXP_OVERFLOW = math.log(torch.finfo(torch.float16).max)   # 11.09
 F32_EXP_OVERFLOW = math.log(torch.finfo(torch.float32).max)   # 88.72
@@ -237,7 +246,7 @@ def test_late_max_running_lse_jumps_at_the_last_step_in_the_ring(data, search_pr
 
     ringcheck.simulate_ring(x.q, x.k, x.v, world_size=ring.world_size, causal=spec.causal,
                             layout=ring.layout, observer=observer)
-    from ringcheck.layouts import positions
+    from ringcheck.ring.layouts import positions
     for rank in range(ring.world_size):
         pos = positions(layout=ring.layout, rank=rank, world_size=ring.world_size, seq_len=spec.seq_len)
         last = want[0, 0, pos]

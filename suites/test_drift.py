@@ -10,18 +10,33 @@ import pytest
 import torch
 
 from reference import dense_grads
-from ringcheck.check import MODES
 from ringcheck.cli import main
-from ringcheck.drift import (SCHEMA_VERSION, DriftSpec, Implementation, _run_simulated,
-                             fit_group, fit_slope, run_drift, step_truths)
-from ringcheck.drift_report import diff_documents, dumps, exact_differences, load, loads, save
-from ringcheck.inputs import make_inputs
-from ringcheck.layouts import positions
-from ringcheck.metrics import max_ulp_error, ulp, unit_roundoff
+from ringcheck.commands.drift import (
+    SCHEMA_VERSION,
+    DriftSpec,
+    Implementation,
+    _run_simulated,
+    fit_group,
+    fit_slope,
+    run_drift,
+    step_truths,
+)
+from ringcheck.documents import (
+    diff_documents,
+    dumps,
+    exact_differences,
+    load,
+    loads,
+    save,
+)
+from ringcheck.judge.check import MODES
+from ringcheck.judge.inputs import make_inputs
+from ringcheck.judge.metrics import max_ulp_error, ulp, unit_roundoff
+from ringcheck.ring.layouts import positions
 from ringcheck.spec import AttentionSpec, RingSpec
 
 # the setting where per-hop rounding is real: near-tied rows over V offset by +6 (see
-# ringcheck.distributions.near_uniform), bfloat16, bidirectional, up to 16 ranks
+# ringcheck.judge.distributions.near_uniform), bfloat16, bidirectional, up to 16 ranks
 SEPARATING = dict(dtypes=("bfloat16",), ring_sizes=(1, 2, 4, 8, 16), distributions=("near-uniform",),
                   modes=("bidirectional",), seeds=1, tokens_per_rank=8, head_dim=32)
 TINY = dict(dtypes=("bfloat16",), ring_sizes=(1, 2, 4), distributions=("normal",), modes=("zigzag",),

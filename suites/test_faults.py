@@ -39,7 +39,8 @@ def _kill_at_step(rank: int, step: int):
 
 def ring_task(member, fault):
     """A forward and backward through ring_attention, with `fault` planted on VICTIM."""
-    from ringcheck.comm import DistributedDriver, RingComm
+    from ringcheck.ring import DistributedDriver
+    from ringcheck.ring.comm import RingComm
 
     q, k, v = (t.requires_grad_() for t in _shards(member))
     if member.rank == VICTIM and fault == "raise":

@@ -19,10 +19,10 @@ import types
 import pytest
 import torch
 
-from ringcheck.backends import get_backend
-from ringcheck.backends.flash_attn_backend import FlashAttnBackend, flash_geometry
-from ringcheck.check import MODES, Case, run_case
+from ringcheck.judge.check import MODES, Case, run_case
 from ringcheck.ring import simulate_ring
+from ringcheck.ring.backends import get_backend
+from ringcheck.ring.backends.flash_attn_backend import FlashAttnBackend, flash_geometry
 from ringcheck.spec import AttentionSpec, RingSpec
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ringcheck import shard, unshard
-from ringcheck.layouts import block_plan, positions, work_counts
+from ringcheck.ring.layouts import block_plan, positions, work_counts
 
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 SIZES = [1, 2, 3, 4, 8]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ringcheck.merge import finish, merge, merge_into, start_state
+from ringcheck.ring.merge import finish, merge, merge_into, start_state
 
 
 def _partial(s, v):

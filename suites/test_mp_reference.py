@@ -2,7 +2,7 @@
 reference's own contract: certification, row sampling, streaming, masking, cache.
 
 Inputs are built here from seeded generators (small local distributions, independent of
-ringcheck.distributions): every case is a few dozen tokens, so the file runs in well under a
+ringcheck.judge.distributions): every case is a few dozen tokens, so the file runs in well under a
 minute on two cores.
 """
 
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import reference.mp as mpmod
 from reference import UncertifiedError, dense_grads, mp_attention
 from reference.cache import ResultCache, cache_key
-from ringcheck.metrics import error_stats
+from ringcheck.judge.metrics import error_stats
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

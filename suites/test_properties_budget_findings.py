@@ -4,14 +4,14 @@ search, kept as regression tests.
 Each case below failed flash-attention's rule (error <= k x peer error + output rounding
 floor) with our unmodified ring, and so did the same case on a ring of size 1 (the plain
 block kernel): limits of the rule, not ring bugs. The rule now adds the per-element float32
-rounding bound of `ringcheck.verdict.float32_floors`; these tests assert that the correct
+rounding bound of `ringcheck.judge.verdict.float32_floors`; these tests assert that the correct
 ring passes every one of them, and that each still fails the bare rule (so each keeps
 testing the floor).
 """
 
 import pytest
 
-from ringcheck.check import Case, run_case
+from ringcheck.judge.check import Case, run_case
 from ringcheck.spec import AttentionSpec, RingSpec
 
 FLOAT32_PEER = ("float32 inputs: the peer computes in float32 too, as precisely as the ring; with "
@@ -52,9 +52,6 @@ def test_the_correct_ring_passes_where_the_bare_rule_failed(case, reason, failin
 @pytest.mark.parametrize("case, reason, failing", [
     pytest.param(case, reason, failing, id=f"{case.distribution}-{case.spec.dtype}-P{case.ring.world_size}")
     for case, reason, failing in FINDINGS])
-def test_without_the_float32_floor_the_finding_returns(case, reason, failing, monkeypatch):
-    import ringcheck.check as check_module
-
-    monkeypatch.setattr(check_module, "float32_floors", lambda *a, **k: {})
-    verdict = run_case(case)
+def test_without_the_float32_floor_the_finding_returns(case, reason, failing):
+    verdict = run_case(case, use_float32_floors=False)
     assert not verdict.passed, f"the bare rule now passes this case ({reason}); drop it"

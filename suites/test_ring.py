@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import ringcheck
-from ringcheck.backends import get_backend, row_delta
-from ringcheck.check import MODES, Case, run_case
-from ringcheck.metrics import abs_error
+from ringcheck.judge.check import MODES, Case, run_case
+from ringcheck.judge.metrics import abs_error
+from ringcheck.ring.backends import get_backend, row_delta
 from ringcheck.spec import AttentionSpec, RingSpec
 
 SIZES = [1, 2, 3, 4, 8, 16]

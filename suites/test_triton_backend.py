@@ -4,10 +4,10 @@ with the budget rule (error <= k x same-dtype peer error + slack), per tensor.
 Where it runs:
 - without CUDA, under Triton's interpreter on CPU tensors. TRITON_INTERPRET=1 must be in the
   environment when the kernels are *decorated* (first import of
-  `ringcheck.backends.triton_fwd`), so this module sets it before anything imports them;
+  `ringcheck.ring.backends.triton_fwd`), so this module sets it before anything imports them;
 - with CUDA (and TRITON_INTERPRET unset), compiled on the GPU: the same cases run on CUDA
   tensors, plus GPU-only cases (tile-spanning shapes, the tensor-core bf16 path, the torch
-  backend on CUDA). `python -m ringcheck.gpu_check` runs this file that way.
+  backend on CUDA). `python -m benchmarks.gpu_check` runs this file that way.
 
 Trimmed for a 2-core CPU (every kernel program runs in Python): ring sizes 1, 2, 4, 8 for
 bf16 with grouped-query heads (striped up to P=4); float32 and float16 at P=4; odd head dims
@@ -33,14 +33,15 @@ import pytest
 
 pytest.importorskip("triton")
 
-import ringcheck.ring as ring_module
-from ringcheck.backends import get_backend, row_delta
-from ringcheck.backends.torch_backend import TorchBackend
-from ringcheck.backends.triton_backend import TritonBackend
-from ringcheck.check import MODES, Case, run_case
+from ringcheck.judge.check import MODES, Case, run_case, simulated_impl
+from ringcheck.judge.verdict import judge
 from ringcheck.ring import simulate_ring
+from ringcheck.ring.backends import get_backend, row_delta
+from ringcheck.ring.backends.torch_backend import TorchBackend
+from ringcheck.ring.backends.triton_backend import TritonBackend
+from ringcheck.ring.loops import REAL_PARTS
 from ringcheck.spec import AttentionSpec, RingSpec
-from ringcheck.verdict import judge
+from ringcheck.testing.planted import with_backend
 
 BACKEND = TritonBackend()
 if BACKEND.interpreted:
@@ -65,15 +66,17 @@ def make_case(*, world_size, mode, dtype="bfloat16", heads=2, kv_heads=1, head_d
     return Case(spec, RingSpec(world_size, layout), seed=seed, backend=backend)
 
 
-def verdict_of(case: Case):
-    """`run_case`, with the ring run on DEVICE (inputs and results stay on the CPU)."""
+def verdict_of(case: Case, backend=None):
+    """`run_case`, with the ring run on DEVICE (inputs and results stay on the CPU); with
+    `backend` (a block backend instance: a planted bug) in place of the case's."""
+    parts = REAL_PARTS if backend is None else with_backend(backend)
     if DEVICE == "cpu":
-        return run_case(case)
+        return run_case(case, impl=simulated_impl(case, parts=parts))
 
     def impl(q, k, v):
         out, lse = simulate_ring(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), world_size=case.ring.world_size,
                                  causal=case.spec.causal, softmax_scale=case.spec.softmax_scale,
-                                 layout=case.ring.layout, backend=case.backend, return_lse=True)
+                                 layout=case.ring.layout, backend=case.backend, return_lse=True, parts=parts)
         return out.cpu(), lse.cpu()
     return run_case(case, impl=impl)
 
@@ -230,34 +233,25 @@ class ShiftedDiagonal(TritonBackend):
                                 diagonal=diagonal + self.shifts[1])
 
 
-def planted(monkeypatch, backend):
-    """Make the ring use `backend` when it asks for "triton"."""
-    monkeypatch.setattr(ring_module, "get_backend", lambda name: backend if name == "triton" else get_backend(name))
-
-
 @interpreter_only
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the garbage scores
-def test_verdict_catches_bf16_dot_without_upcast_under_the_interpreter(monkeypatch):
+def test_verdict_catches_bf16_dot_without_upcast_under_the_interpreter():
     case = make_case(world_size=2, mode="causal", dtype="bfloat16")
-    planted(monkeypatch, TritonBackend(dot_fp32=False))
-    verdict = verdict_of(case)
+    verdict = verdict_of(case, TritonBackend(dot_fp32=False))
     assert not verdict.passed, "bf16 tl.dot without upcast under the interpreter went unnoticed"
     assert {"out", "lse"} <= {t.tensor for t in verdict.failures}, verdict.message()
     assert verdict["out"].error > 1e3, verdict.message()  # garbage, not a rounding difference
-    planted(monkeypatch, TritonBackend(dot_fp32=True))
-    assert verdict_of(case).passed
+    assert verdict_of(case, TritonBackend(dot_fp32=True)).passed
 
 
 @pytest.mark.parametrize("mode", ["causal", "striped"])
-def test_verdict_catches_a_wrong_causal_offset(monkeypatch, mode):
-    planted(monkeypatch, ShiftedDiagonal(1, 1))
-    verdict = verdict_of(make_case(world_size=2, mode=mode))
+def test_verdict_catches_a_wrong_causal_offset(mode):
+    verdict = verdict_of(make_case(world_size=2, mode=mode), ShiftedDiagonal(1, 1))
     assert not verdict.passed and "out" in {t.tensor for t in verdict.failures}, verdict.message()
 
 
-def test_verdict_catches_a_wrong_causal_offset_in_the_backward_alone(monkeypatch):
-    planted(monkeypatch, ShiftedDiagonal(0, 1))
-    verdict = verdict_of(make_case(world_size=2, mode="zigzag"))
+def test_verdict_catches_a_wrong_causal_offset_in_the_backward_alone():
+    verdict = verdict_of(make_case(world_size=2, mode="zigzag"), ShiftedDiagonal(0, 1))
     failed = {t.tensor for t in verdict.failures}
     assert failed and failed <= {"dq", "dk", "dv"}, verdict.message()
 
@@ -269,7 +263,7 @@ def test_cpu_tensors_with_compiled_kernels_raise_with_the_fix():
     silently anywhere else (a fresh process, since the choice is made at import)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    code = ("import torch\nfrom ringcheck.backends import get_backend\nx = torch.zeros(1, 4, 1, 16)\n"
+    code = ("import torch\nfrom ringcheck.ring.backends import get_backend\nx = torch.zeros(1, 4, 1, 16)\n"
             "get_backend('triton').forward(x, x, x, scale=1.0, mask='full', diagonal=0)\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
@@ -286,7 +280,7 @@ def test_kernels_compile_for_an_h100_without_one():
     variants for sm_90 ahead of time, in a process without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    code = ("import torch\nfrom ringcheck.backends.triton_backend import compile_for_gpu\n"
+    code = ("import torch\nfrom ringcheck.ring.backends.triton_backend import compile_for_gpu\n"
             "print(compile_for_gpu(arch=90, dtype=torch.bfloat16, head_dim=128, causal=True))\n"
             "print(compile_for_gpu(arch=90, dtype=torch.float16, head_dim=59, causal=False, heads=3, kv_heads=1))\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -297,7 +291,7 @@ def test_kernels_compile_for_an_h100_without_one():
 
 
 def test_missing_triton_raises_runtime_error(monkeypatch):
-    import ringcheck.backends.triton_backend as glue
+    import ringcheck.ring.backends.triton_backend as glue
     monkeypatch.setattr(glue, "_IMPORT_ERROR", ImportError("No module named 'triton'"))
     with pytest.raises(RuntimeError, match="needs the triton package"):
         get_backend("triton")
@@ -322,14 +316,14 @@ def test_invalid_blocks_raise(bad, error):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_gpu_check_skips_cleanly_without_cuda(capsys):
-    from ringcheck import gpu_check
+    from benchmarks import gpu_check
     assert gpu_check.main([]) == 0
     assert "skipped, no CUDA device" in capsys.readouterr().out
 
 
 @interpreter_only
 def test_gpu_check_timing_table_runs_small_on_the_cpu(capsys):
-    from ringcheck import gpu_check
+    from benchmarks import gpu_check
     table = gpu_check.benchmark(1, device="cpu", bench=lambda fn, grads=None: (fn(), 1.0)[1],
                                 head_dims=(16,), seq_lens=(24,), tokens=24, width=32)
     assert [(row[2], row[3]) for row in table] == [(False, "triton"), (False, "sdpa"), (True, "triton"), (True, "sdpa")]

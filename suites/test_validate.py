@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from ringcheck.commands.validate import Target, validate_task
 from ringcheck.launch import RingError
-from ringcheck.validate import Target, validate_task
-from suites.mutants import MUTANTS
+from ringcheck.testing.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def _failed(rows):
     return [r.check for r in rows if r.status == "fail"]
 
 
-@pytest.mark.parametrize("impl", ["ringcheck", "suites.mutants:textbook"])
+@pytest.mark.parametrize("impl", ["ringcheck", "ringcheck.testing.mutants:textbook"])
 def test_correct_rings_pass(run_on_ring, impl):
     rows = _rows(run_on_ring, impl=impl)
     assert not _failed(rows), "\n".join(f"{r.check}: {r.detail}" for r in rows if r.status == "fail")
@@ -53,7 +53,7 @@ def test_correct_rings_pass(run_on_ring, impl):
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_every_mutant_fails(run_on_ring, mutant):
-    rows = _rows(run_on_ring, impl=f"suites.mutants:{mutant}", **SPECIAL.get(mutant, {}))
+    rows = _rows(run_on_ring, impl=f"ringcheck.testing.mutants:{mutant}", **SPECIAL.get(mutant, {}))
     failed = _failed(rows)
     assert failed, f"validate passed the mutant {mutant!r} ({MUTANTS[mutant]})"
     if mutant in ("block_lse_backward", "stale_kv_backward", "dkdv_not_home", "scale_twice_backward"):
@@ -61,17 +61,17 @@ def test_every_mutant_fails(run_on_ring, mutant):
 
 
 def test_an_implementation_without_lse_is_checked_on_out_and_gradients(run_on_ring):
-    rows = _rows(run_on_ring, impl="suites.bad_impls:only_out", distributions=("normal",))
+    rows = _rows(run_on_ring, impl="ringcheck.testing.bad_impls:only_out", distributions=("normal",))
     assert not _failed(rows)
     shape_row = next(r for r in rows if r.check == "output shape and dtype")
     assert "no lse returned" in shape_row.detail
 
 
 @pytest.mark.parametrize("impl, words", [
-    ("suites.bad_impls:wrong_shape", "returned out of shape"),
-    ("suites.bad_impls:wrong_dtype", "dtype torch.float64"),
-    ("suites.bad_impls:no_gradient_to_k", "no gradient flows to k"),
-    ("suites.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
+    ("ringcheck.testing.bad_impls:wrong_shape", "returned out of shape"),
+    ("ringcheck.testing.bad_impls:wrong_dtype", "dtype torch.float64"),
+    ("ringcheck.testing.bad_impls:no_gradient_to_k", "no gradient flows to k"),
+    ("ringcheck.testing.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
 ])
 def test_contract_breaches_are_reported_with_the_rank(run_on_ring, impl, words):
     with pytest.raises(RingError) as info:
@@ -80,7 +80,7 @@ def test_contract_breaches_are_reported_with_the_rank(run_on_ring, impl, words):
 
 
 def test_an_implementation_that_never_returns_times_out_naming_the_rank(ring_pool):
-    target = Target(**{**SMALL, "impl": "suites.bad_impls:never_returns_on_rank_zero",
+    target = Target(**{**SMALL, "impl": "ringcheck.testing.bad_impls:never_returns_on_rank_zero",
                        "distributions": ("normal",), "local_lengths": (2,)})
     with pytest.raises(RingError) as info:
         ring_pool(4, timeout=5).run(4, validate_task, target)
@@ -89,9 +89,9 @@ def test_an_implementation_that_never_returns_times_out_naming_the_rank(ring_poo
 
 @pytest.mark.parametrize("argv, words", [
     (["--impl", "no_such_module:fn"], "cannot import module 'no_such_module'"),
-    (["--impl", "suites.bad_impls:NOT_CALLABLE"], "is not callable"),
-    (["--impl", "suites.bad_impls:wrong_signature"], "the contract is fn(q, k, v, *, causal, softmax_scale, group)"),
-    (["--impl", "suites.bad_impls:missing"], "has no attribute 'missing'"),
+    (["--impl", "ringcheck.testing.bad_impls:NOT_CALLABLE"], "is not callable"),
+    (["--impl", "ringcheck.testing.bad_impls:wrong_signature"], "the contract is fn(q, k, v, *, causal, softmax_scale, group)"),
+    (["--impl", "ringcheck.testing.bad_impls:missing"], "has no attribute 'missing'"),
     (["--impl", "torch_cp", "--layout", "striped"], "runs the layouts"),
     (["--seq-len", "1001"], "seq_len=1001 is not divisible by 2 x world_size=8"),
     (["--heads", "4", "--kv-heads", "3"], "heads=4 is not divisible by kv_heads=3"),
@@ -129,11 +129,11 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert report["passed"] and report["schema_version"] == 1
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
 
-    done = _cli(*small, "--impl", "suites.mutants:diagonal_off_by_one")
+    done = _cli(*small, "--impl", "ringcheck.testing.mutants:diagonal_off_by_one")
     assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
     assert "FAIL" in done.stdout and "forward" in done.stdout
 
-    done = _cli(*small, "--impl", "suites.bad_impls:wrong_shape", "--timeout", "20")
+    done = _cli(*small, "--impl", "ringcheck.testing.bad_impls:wrong_shape", "--timeout", "20")
     assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
     assert "returned out of shape" in done.stderr and "Traceback" not in done.stderr
 

@@ -9,7 +9,6 @@ Non-finite values never pass.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -3,7 +3,7 @@
 Laid out like Triton's fused-attention tutorial (`python/tutorials/06-fused-attention.py`):
 small helpers, the inner loop over K/V tiles, the kernel, then the launcher.
 
-Numerics (the contract of `ringcheck.backends`):
+Numerics (the contract of `ringcheck.ring.backends`):
 
 - scores are scaled once into log2 units (`qk_scale = scale / ln 2`) so the softmax uses
   `exp2`; the lse leaves the kernel in natural-log units, float32;
@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 
 # ---------------------------------------------------------------------------------------------
 # helpers (shared with triton_bwd.py)

@@ -1,7 +1,7 @@
 """A catalogue of deliberately broken ring attentions, written against the `--impl` contract.
 
 Each public function here is an implementation a user could hand to
-``ringcheck validate --impl suites.mutants:<name>``:
+``ringcheck validate --impl ringcheck.testing.mutants:<name>``:
 
     fn(q, k, v, *, causal, softmax_scale, group) -> (out, lse)
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringcheck.layouts import positions
+from ringcheck.ring.layouts import positions
 
 LAYOUT = "zigzag"
 BUCKET = 8  # the `drops_remainder` bug works in buckets of this many tokens

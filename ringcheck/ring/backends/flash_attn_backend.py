@@ -1,4 +1,4 @@
-"""The flash-attn block backend: the contract of `ringcheck.backends` on flash-attention 2's
+"""The flash-attn block backend: the contract of `ringcheck.ring.backends` on flash-attention 2's
 CUDA kernels (`pip install flash-attn`, CUDA only, float16/bfloat16 only).
 
 Forward: `flash_attn_func(..., return_attn_probs=True)`, which also returns the block's lse.

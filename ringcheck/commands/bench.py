@@ -25,6 +25,8 @@ float64 reference of out, lse and dq for the rows, and of dk, dv for every key, 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import os
 import platform
@@ -36,6 +38,25 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reference import dense_grads
+from reference.mp import mp_attention
+
+from ..ring import (
+    DistributedDriver,
+    NoCommDriver,
+    RankShard,
+    make_config,
+    run_ring,
+    simulate_ring,
+)
+from ..ring.backends import get_backend
+from ..ring.comm import RingComm
+from ..ring.layouts import positions, shard, work_counts
+from ..ring.loops import forward_loop
+from .adapters import load_impl
 
 SECTIONS = ("speed", "overlap", "balance", "memory", "harness")
 DEFAULT_SECTIONS = ("speed", "overlap", "balance", "memory")
@@ -129,8 +150,6 @@ def make_inputs(n: int, heads: int, head_dim: int, dtype: str, sample_rows: int,
 
 def reference(q, k, v, dout, rows, causal: bool) -> dict[str, torch.Tensor]:
     """float64 out, dq on `rows`; dk, dv on every key (exact: dout is zero elsewhere)."""
-    from reference import dense_grads
-
     out, _, dq, dk, dv = dense_grads(q, k, v, dout, causal=causal, rows=rows)
     return {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
@@ -162,39 +181,6 @@ def _merge_errors(parts: list[dict]) -> dict[str, float]:
         for k, v in part.items():
             out[k] = max(out.get(k, 0.0), v)
     return out
-
-
-# --------------------------------------------------------------------------- no-comm driver
-
-class NoCommDriver:
-    """Answers one rank's `Post`/`Wait` with the rank's own payload: the same compute as the
-    distributed ring, with no transfer. The numbers it produces are not attention (every step
-    sees this rank's own K/V); only its time means something. The dK/dV origin tag is set to
-    the one the ring loop expects, so its bookkeeping check passes."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.world_size = world_size
-        self.local_ranks = [rank]
-
-    def run(self, loops: list) -> list[Any]:
-        from .ring import Post, Wait
-
-        (loop,) = loops
-        rank, posted, grad_waits, reply = self.local_ranks[0], {}, 0, None
-        while True:
-            try:
-                message = loop.send(reply)
-            except StopIteration as stop:
-                return [stop.value]
-            if isinstance(message, Post):
-                posted[message.channel], reply = message.payload, None
-            elif isinstance(message, Wait):
-                reply = posted.pop(message.channel)
-                if message.channel == "grad":
-                    reply = (*reply[:2], torch.tensor([(rank - 1 - grad_waits) % self.world_size]))
-                    grad_waits += 1
-            else:
-                raise TypeError(f"a ring loop yielded {message!r}; expected Post or Wait")
 
 
 # ------------------------------------------------------------------------------- systems
@@ -260,18 +246,12 @@ class Case:
 
 def _ring_fn(system: str, layout: str, causal: bool, scale: float, group):
     """A callable (q, k, v) -> out for a distributed system on this rank."""
-    from .adapters import load_impl
-
     impl = load_impl(system, layout=layout)
     return lambda q, k, v: impl.fn(q, k, v, causal=causal, softmax_scale=scale, group=group)
 
 
 def speed_task(member, case: Case, systems: tuple[str, ...], warmup: int, repeats: int) -> dict:
     """Ring task: time every distributed system on this rank for one case; errors per system."""
-    import torch.distributed as dist
-
-    from .layouts import positions, shard
-
     torch.set_num_threads(1)
     q, k, v, dout, rows = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype,
                                       case.sample_rows, case.seed)
@@ -296,12 +276,6 @@ def speed_task(member, case: Case, systems: tuple[str, ...], warmup: int, repeat
 
 def overlap_task(member, case: Case, warmup: int, repeats: int) -> dict:
     """Ring task: our ring distributed and through `NoCommDriver`, in the same ring."""
-    import torch.distributed as dist
-
-    from .comm import DistributedDriver, RingComm
-    from .layouts import shard
-    from .ring import make_config, run_ring
-
     torch.set_num_threads(1)
     q, k, v, dout, _ = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype, case.sample_rows, case.seed)
     layout, _ = system_layout(OURS, case.mode)
@@ -330,9 +304,6 @@ def _rss_kib(field_name: str) -> int:
 
 def peak_rss_growth(fn: Callable[[], Any]) -> float | None:
     """MiB the peak RSS rose above the RSS just before fn() (Linux; None elsewhere)."""
-    import ctypes
-    import gc
-
     if not os.path.exists("/proc/self/clear_refs"):
         return None
     gc.collect()
@@ -351,10 +322,6 @@ def peak_rss_growth(fn: Callable[[], Any]) -> float | None:
 
 def memory_task(member, case: Case, systems: tuple[str, ...]) -> dict:
     """Ring task: peak RSS growth of one call per system on this rank (after one warm-up call)."""
-    import torch.distributed as dist
-
-    from .layouts import shard
-
     torch.set_num_threads(1)
     q, k, v, dout, _ = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype, case.sample_rows, case.seed)
     scale = 1.0 / math.sqrt(case.head_dim)
@@ -378,10 +345,6 @@ def memory_task(member, case: Case, systems: tuple[str, ...]) -> dict:
 
 def _local_fn(system: str, case: Case):
     """(fn(q, k, v) -> out on whole tensors, torch threads) for a system run in the parent."""
-    import torch.nn.functional as F
-
-    from .ring import simulate_ring
-
     if system == SIMULATED:
         layout, _ = system_layout(OURS, case.mode)
         return (lambda q, k, v: simulate_ring(q, k, v, world_size=case.ring_size, causal=case.causal,
@@ -510,10 +473,6 @@ def _kv_bytes(case: Case) -> int:
 
 def run_balance(spec: BenchSpec, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Work counts and per-rank forward compute time (1 thread, `NoCommDriver`) per layout."""
-    from .backends import get_backend
-    from .layouts import shard, work_counts
-    from .ring import RankShard, forward_loop, make_config
-
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -590,9 +549,6 @@ def run_memory(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda 
 
 def run_harness(spec: BenchSpec, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Wall time of the test suites and `ringcheck validate`; the references' speed."""
-    from reference import dense_grads
-    from reference.mp import mp_attention
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     found: dict[str, Any] = {}

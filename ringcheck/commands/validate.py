@@ -26,14 +26,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from reference import dense_grads, mp_attention, peer_attention
+
+from ..judge.check import Case, Results, judge_results, peer, truth
+from ..judge.distributions import DISTRIBUTIONS
+from ..judge.inputs import Inputs, make_inputs
+from ..judge.verdict import TENSORS, Verdict, float32_floors, judge
+from ..ring.layouts import shard, unshard, work_counts
+from ..spec import AttentionSpec, Budget, RingSpec
 from .adapters import Impl, load_impl
-from .check import Case, Results, judge_results, peer, truth
-from .distributions import DISTRIBUTIONS
-from .inputs import Inputs, make_inputs
-from .layouts import shard, unshard, work_counts
-from .spec import AttentionSpec, Budget, RingSpec
-from .verdict import TENSORS, Verdict, float32_floors, judge
 
 SCHEMA_VERSION = 1
 
@@ -130,8 +133,6 @@ class ContractError(ValueError):
 # ------------------------------------------------------------------------------ rank side
 
 def _rank_info(group) -> tuple[int, int, int]:
-    import torch.distributed as dist
-
     return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
 
 
@@ -175,8 +176,6 @@ def _run_shards(impl: Impl, inputs: Inputs, spec: AttentionSpec, ring: RingSpec,
 
 
 def _gather(local: dict, group, world_size: int) -> list[dict]:
-    import torch.distributed as dist
-
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, local, group=group)
     return everyone
@@ -215,8 +214,6 @@ def sample_rows(seq_len: int, count: int, seed: int) -> torch.Tensor:
 
 def _row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low: bool) -> Results:
     """Reference on sampled rows: float64 truth (low=False) or the same-dtype peer (low=True)."""
-    from reference import dense_grads, peer_attention
-
     if not low:
         return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
                                     softmax_scale=spec.scale, rows=rows))
@@ -268,8 +265,6 @@ def _summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
 def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
                      progress: Callable[[str], None] | None = None) -> list[CheckRow]:
     """Run every check of `target` on this rank (a collective over `group`)."""
-    import torch.distributed as dist
-
     group = group if group is not None else dist.group.WORLD
     rank, world, root = _rank_info(group)
     if world != target.world_size:
@@ -329,7 +324,6 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
 
     def certify_reference() -> CheckRow:
         # the float64 row reference itself, against mpmath at 30 certified digits, on a few rows
-        from reference import mp_attention
 
         few = rows[torch.linspace(0, len(rows) - 1, min(4, len(rows))).round().long().unique()]
         true = _row_results(spec, sparse, few, low=False)

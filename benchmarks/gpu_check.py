@@ -1,4 +1,4 @@
-"""The GPU check, one command on a CUDA machine: ``python -m ringcheck.gpu_check`` (repo root).
+"""The GPU check, one command on a CUDA machine: ``python -m benchmarks.gpu_check`` (repo root).
 
 1. Runs the backend suites (`suites/test_triton_backend.py`, `suites/test_flash_attn_backend.py`)
    in a child pytest with the Triton kernels compiled for the GPU (TRITON_INTERPRET removed
@@ -69,7 +69,7 @@ def benchmark(rep_ms: int, *, device: str = "cuda", bench=None, head_dims=HEAD_D
     `triton.testing.do_bench`; the other arguments let a CPU test run the same code small."""
     import torch.nn.functional as F
 
-    from .backends import get_backend
+    from ringcheck.ring.backends import get_backend
 
     triton_backend = get_backend("triton")
     try:
@@ -142,7 +142,7 @@ def benchmark(rep_ms: int, *, device: str = "cuda", bench=None, head_dims=HEAD_D
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ringcheck.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-tests", action="store_true", help="skip the pytest suites")
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--suites", nargs="+", default=list(SUITES), help="pytest paths, relative to the repo")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_tests:
         status = run_suites(args.suites, args.tests_timeout)
     if not args.no_bench:
-        from .backends import get_backend
+        from ringcheck.ring.backends import get_backend
 
         if get_backend("triton").interpreted:
             print("gpu_check: TRITON_INTERPRET=1 is set, so the Triton kernels are interpreted; unset it "

@@ -2,7 +2,7 @@
 
 A drawn `Case` names a spec (batch, heads / kv_heads, seq_len, head_dim, dtype, causal), a
 ring (world size, layout), a logit distribution, a seed and a backend; the tensors are made
-from it by `ringcheck.inputs.make_inputs` with a seeded CPU generator, so every rank of a
+from it by `ringcheck.judge.inputs.make_inputs` with a seeded CPU generator, so every rank of a
 distributed run builds the same data and a failing case is reproduced by its repr alone.
 
 This module lives in the package (not in `suites/`) so that the test suite of another ring
@@ -19,16 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-try:
-    from hypothesis import HealthCheck, settings
-    from hypothesis import strategies as st
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ringcheck.strategies needs Hypothesis, a test dependency: "
-                      "pip install 'ringcheck[test]' (or pip install hypothesis)") from exc
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
-from .check import Case
-from .distributions import DISTRIBUTIONS, min_head_dim
-from .spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec
+from ..judge.check import Case
+from ..judge.distributions import DISTRIBUTIONS, min_head_dim
+from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec
 
 
 def _bound(name: str, value: object, low: int = 1) -> None:

@@ -1,6 +1,6 @@
 """Drift documents on disk, and what changed between two of them.
 
-A drift document (`ringcheck.drift.run_drift`) is written as JSON with a schema name and
+A drift document (`ringcheck.commands.drift.run_drift`) is written as JSON with a schema name and
 version. Everything but the `meta` key (date, host, versions, run time, the command) is a
 function of the command and its seeds, so two runs of one command on one machine write the
 same bytes there; `diff_documents` ignores `meta`. Non-finite numbers (an infinite error of
@@ -30,10 +30,10 @@ Schema (`schema` = "ringcheck.drift", `schema_version` = 1), top-level keys in t
   python, torch, ringcheck, threads, elapsed_s.
 
 Magnitudes are geometric means over seeds, the mean signed error a plain mean, the budget
-numbers the worst seed's (see `ringcheck.drift.aggregate_seeds`); measured numbers keep 6
+numbers the worst seed's (see `ringcheck.commands.drift.aggregate_seeds`); measured numbers keep 6
 significant digits. A change to any key or meaning bumps `schema_version`.
 
-No rich or plotting here; `ringcheck.report` renders both documents and diffs.
+No rich or plotting here; `ringcheck.render.terminal` renders both documents and diffs.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .drift import SCHEMA, SCHEMA_VERSION
+from .commands.drift import SCHEMA, SCHEMA_VERSION
 
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 # per case and tensor, the error measures whose growth counts as a regression

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from .torch_backend import TorchBackend
+
 
 class BlockBackend(Protocol):
     name: str
@@ -43,7 +45,6 @@ def get_backend(name: str) -> BlockBackend:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a name (one of {list(BACKENDS)}), got {type(name).__name__}")
     if name in ("torch", "torch_plain"):
-        from .torch_backend import TorchBackend
         return TorchBackend(fast=(name == "torch"))
     if name == "triton":
         from .triton_backend import TritonBackend

@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from .layouts import positions
-from .spec import AttentionSpec, RingSpec
+from ..ring.layouts import positions
+from ..spec import AttentionSpec, RingSpec
 
 Generator = Callable[..., tuple[torch.Tensor, ...]]  # (spec, gen, ring=None) -> (q, k, v, dout)
 

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+
+from .. import ring_attention
 
 ImplFn = Callable[..., Any]
 
@@ -53,7 +56,6 @@ class Impl:
 
 def _ours(layout: str, backend: str) -> ImplFn:
     def ringcheck_ring(q, k, v, *, causal, softmax_scale, group=None):
-        from . import ring_attention
         return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
                               layout=layout, backend=backend, return_lse=True)
     return ringcheck_ring
@@ -67,7 +69,6 @@ def _ring_attention_pytorch(layout: str) -> ImplFn:
     except ImportError as exc:
         raise RuntimeError("--impl ring_attention_pytorch needs the package: "
                            "pip install ring-attention-pytorch==0.5.20") from exc
-    import torch.distributed as dist
 
     def ring_attention_pytorch(q, k, v, *, causal, softmax_scale, group=None):
         if group is not None and group != dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
@@ -116,7 +117,8 @@ class _TorchCPRing(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, group):
         from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention)
+            _templated_ring_attention,
+        )
 
         old = _cp_options.enable_load_balance
         _cp_options.enable_load_balance = causal
@@ -134,7 +136,8 @@ class _TorchCPRing(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention_backward)
+            _templated_ring_attention_backward,
+        )
 
         q, k, v, out, lse = ctx.saved_tensors
         old = _cp_options.enable_load_balance
@@ -157,8 +160,6 @@ def _torch_cp_rule(layout: str, causal: bool) -> None:
 
 
 def _torch_cp() -> ImplFn:
-    import torch.distributed as dist
-
     def torch_cp(q, k, v, *, causal, softmax_scale, group=None):
         group = group if group is not None else dist.group.WORLD
         if q.device.type == "cuda":

@@ -28,7 +28,6 @@ import triton.language as tl
 
 from .triton_fwd import _load_tile, _mm, head_dim_pad, is_interpreted
 
-
 # ---------------------------------------------------------------------------------------------
 # preprocess: D = rowsum(dO * O)
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 `run_drift` sweeps dtypes x ring sizes x distributions x modes x backends x accumulations x
 seeds. For every case it runs the ring forward and backward and measures each tensor (out,
 lse, dq, dk, dv) against the float64 truth and against the same-dtype single-device peer
-(`ringcheck.verdict.judge`, the budget rule). During the forward an observer records the
+(`ringcheck.judge.verdict.judge`, the budget rule). During the forward an observer records the
 running float32 partial (out, lse) of every rank after every ring step, which is compared
 with the float64 attention of that rank's queries over the K/V shards it has seen so far
 (`step_truths`): the per-step drift.
@@ -20,8 +20,8 @@ walk of P roundings), and flags (`RULES`):
 - ``bias``: a mean signed error that grows with P (see `RULES["bias"]`);
 - ``nonfinite``: NaN/Inf where the truth is finite.
 
-The result is a plain JSON-ready document (`SCHEMA_VERSION`); `ringcheck.drift_report` saves,
-loads and diffs it, `ringcheck.report` renders it. No rich or plotting imports here.
+The result is a plain JSON-ready document (`SCHEMA_VERSION`); `ringcheck.documents` saves,
+loads and diffs it, `ringcheck.render.terminal` renders it. No rich or plotting imports here.
 """
 
 from __future__ import annotations
@@ -33,12 +33,23 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .check import MODES, Case, Results, judge_results, run_whole, simulated_impl, truth, peer
-from .inputs import Inputs, make_inputs
-from .layouts import positions
-from .metrics import abs_error, max_ulp_error, relative_to_roundoff
-from .ring import ACCUMULATIONS, StepObserver
-from .spec import DTYPES, AttentionSpec, Budget, RingSpec
+from ..judge.check import (
+    MODES,
+    Case,
+    Results,
+    judge_results,
+    peer,
+    run_whole,
+    simulated_impl,
+    truth,
+)
+from ..judge.distributions import DISTRIBUTIONS
+from ..judge.inputs import Inputs, make_inputs
+from ..judge.metrics import abs_error, max_ulp_error, relative_to_roundoff
+from ..ring.backends import BACKENDS
+from ..ring.layouts import positions
+from ..ring.loops import ACCUMULATIONS, StepObserver
+from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
 
 SCHEMA = "ringcheck.drift"
 SCHEMA_VERSION = 1
@@ -133,9 +144,6 @@ class DriftSpec:
     budget: Budget = field(default_factory=Budget)
 
     def __post_init__(self) -> None:
-        from .backends import BACKENDS
-        from .distributions import DISTRIBUTIONS
-
         object.__setattr__(self, "dtypes", _names("dtypes", self.dtypes, DTYPES))
         object.__setattr__(self, "distributions", _names("distributions", self.distributions, DISTRIBUTIONS))
         object.__setattr__(self, "modes", _names("modes", self.modes, MODES))

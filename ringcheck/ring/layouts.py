@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import LAYOUTS, RingSpec
+from ..spec import LAYOUTS, RingSpec
 
 MASK_KINDS = ("full", "causal")
 

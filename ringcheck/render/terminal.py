@@ -17,7 +17,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+
+from ..documents import save
 
 
 def check_rows_table(rows, *, title: str = "ringcheck validate") -> Table:
@@ -44,7 +54,7 @@ def print_check_rows(rows, passed: bool, console: Console | None = None) -> None
         console.print("[bold green]PASSED[/]: every check within budget")
 
 # --- drift reports ---------------------------------------------------------------------------------
-# The drift document (`ringcheck.drift`) is rendered from one list of content blocks, so the
+# The drift document (`ringcheck.commands.drift`) is rendered from one list of content blocks, so the
 # Markdown and the HTML say the same things; the HTML adds the plots, the terminal a summary.
 
 
@@ -522,9 +532,6 @@ def _legend(fig, colours: dict, accs: list[str], *, budget: bool) -> None:
 @contextmanager
 def drift_progress(total: int, console: Console | None = None):
     """A rich progress bar; yields the callback `run_drift` takes."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
     console = console or Console()
     with Progress(TextColumn("drift"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), TextColumn("{task.description}"), console=console) as bar:
@@ -590,8 +597,6 @@ def print_drift_diff(diff, console: Console | None = None, *, limit: int = 40) -
 
 def write_drift_reports(doc: dict, out_dir: str | Path) -> dict[str, Path]:
     """drift.json, drift.md and drift.html in `out_dir`; returns their paths."""
-    from .drift_report import save
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": save(doc, out / "drift.json"), "md": out / "drift.md", "html": out / "drift.html"}
@@ -601,7 +606,7 @@ def write_drift_reports(doc: dict, out_dir: str | Path) -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------ ringcheck bench
-# Presentation of `ringcheck.bench` documents (the measurement lives there).
+# Presentation of `ringcheck.commands.bench` documents (the measurement lives there).
 
 def _bench_s(x) -> str:
     return "n/a" if x is None else (f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.1f} s")

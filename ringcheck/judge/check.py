@@ -13,9 +13,10 @@ import torch
 
 from reference import dense_grads, peer_attention
 
+from ..ring import simulate_ring
+from ..ring.layouts import positions
+from ..spec import AttentionSpec, Budget, RingSpec
 from .inputs import Inputs, make_inputs
-from .layouts import positions
-from .spec import AttentionSpec, Budget, RingSpec
 from .verdict import TENSORS, Verdict, float32_floors, judge
 
 # what users call a "mode": (causal, layout)
@@ -48,7 +49,7 @@ class Case:
     def repro(self) -> str:
         """A one-line shell command (run from the repository root) that re-runs this case
         against the simulated ring and prints its verdict."""
-        return ("python -c \"from ringcheck.check import Case, run_case; "
+        return ("python -c \"from ringcheck.judge.check import Case, run_case; "
                 "from ringcheck.spec import AttentionSpec, RingSpec; "
                 f"print(run_case({self!r}).message())\"")
 
@@ -108,10 +109,12 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 
 
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
-                  budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None) -> Verdict:
-    """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply."""
+                  budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None,
+                  use_float32_floors: bool = True) -> Verdict:
+    """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply (unless
+    `use_float32_floors` is False: the bare flash-attention rule, for the suites' findings)."""
     verdict = Verdict(case.describe())
-    floors = {} if inputs is None else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
+    floors = {} if inputs is None or not use_float32_floors else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
                                                       scale=case.spec.scale, causal=case.spec.causal)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
@@ -122,8 +125,6 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
 
 
 def simulated_impl(case: Case, **ring_options) -> WholeImpl:
-    from .ring import simulate_ring
-
     def impl(q, k, v):
         return simulate_ring(q, k, v, world_size=case.ring.world_size, causal=case.spec.causal,
                              softmax_scale=case.spec.softmax_scale, layout=case.ring.layout,
@@ -131,10 +132,11 @@ def simulated_impl(case: Case, **ring_options) -> WholeImpl:
     return impl
 
 
-def run_case(case: Case, *, budget: Budget = Budget(), impl: WholeImpl | None = None) -> Verdict:
+def run_case(case: Case, *, budget: Budget = Budget(), impl: WholeImpl | None = None,
+             use_float32_floors: bool = True) -> Verdict:
     """Judge `impl` (default: our simulated ring) on `case` against float64 and the peer."""
     case.ring.check_seq_len(case.spec.seq_len)
     inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
     got = run_whole(impl or simulated_impl(case), inputs)
     return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), budget=budget,
-                         inputs=inputs)
+                         inputs=inputs, use_float32_floors=use_float32_floors)

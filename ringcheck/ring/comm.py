@@ -1,6 +1,6 @@
-"""The ring's point-to-point exchange over `torch.distributed`, and the public `ring_attention`.
+"""The ring's point-to-point exchange over `torch.distributed`.
 
-`RingComm` answers the per-rank loops of `ring.py` for one rank of a process group:
+`RingComm` is the transport that `DistributedDriver` (drivers.py) answers one rank's loop with:
 
 - ``post(channel, payload)`` starts, in one `batch_isend_irecv`, sending the payload (a tuple
   of tensors) to the next rank and receiving the previous rank's payload into freshly
@@ -29,29 +29,15 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .ring import Post, Wait, check_qkv, make_config, run_ring
-
-DEFAULT_TIMEOUT = 60.0  # seconds, for every wait of the ring and every collective we start
+from ..spec import DEFAULT_TIMEOUT, check_timeout, require_distributed
 
 # one tag per channel keeps the "kv" and "grad" streams apart on backends that match by tag
 # (gloo); NCCL ignores tags and matches in posting order, which every rank keeps identical
 _CHANNEL_TAGS = {"kv": 1, "grad": 2}
-
-_NOT_INITIALIZED = ("torch.distributed is not initialized: launch with `torchrun --nproc-per-node=<P> ...` "
-                    "or call torch.distributed.init_process_group(...) before {what}")
-
-
-def check_timeout(timeout: Any) -> float:
-    """A timeout in seconds: a finite positive number, returned as float."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
-
 
 @dataclass
 class _Exchange:
@@ -75,8 +61,7 @@ class RingComm:
     """
 
     def __init__(self, group=None, *, timeout: float = DEFAULT_TIMEOUT):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(_NOT_INITIALIZED.format(what="building a ring"))
+        require_distributed("building a ring")
         self.group = dist.group.WORLD if group is None else group
         self.timeout = check_timeout(timeout)
         self.rank = dist.get_rank(self.group)
@@ -92,7 +77,8 @@ class RingComm:
     def _name(self, ring_rank: int) -> str:
         return f"rank {ring_rank} (global rank {self.global_ranks[ring_rank]})"
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """This rank's place, for messages: "ring rank 1 (global rank 3) of 4"."""
         return f"ring {self._name(self.rank)} of {self.world_size}"
 
     @property
@@ -103,10 +89,10 @@ class RingComm:
     def post(self, channel: str, payload: tuple) -> None:
         """Start sending `payload` to the next rank and receiving the previous rank's."""
         if channel in self._in_flight:
-            raise RuntimeError(f"{self._where()}: two sends in flight on channel {channel!r}: "
+            raise RuntimeError(f"{self.where()}: two sends in flight on channel {channel!r}: "
                                f"wait for the first before posting again")
         if not isinstance(payload, tuple) or not all(isinstance(t, torch.Tensor) for t in payload):
-            raise TypeError(f"{self._where()}: a payload is a tuple of tensors, got {type(payload).__name__}")
+            raise TypeError(f"{self.where()}: a payload is a tuple of tensors, got {type(payload).__name__}")
         if self.world_size == 1:  # the ring of one: the payload comes straight back
             self._in_flight[channel] = payload
             return
@@ -121,7 +107,7 @@ class RingComm:
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
-            raise RuntimeError(f"{self._where()}: could not start the {channel!r} exchange with "
+            raise RuntimeError(f"{self.where()}: could not start the {channel!r} exchange with "
                                f"{self._name(self.next_rank)} and {self._name(self.prev_rank)}: {exc}") from exc
         if len(works) == len(ops):  # one request per operation (gloo)
             roles = [(w, "send") for w in works[:len(sends)]]
@@ -134,7 +120,7 @@ class RingComm:
         """The payload the previous rank posted on `channel`, once the exchange is complete."""
         exchange = self._in_flight.pop(channel, None)
         if exchange is None:
-            raise RuntimeError(f"{self._where()}: wait on channel {channel!r} before anything was posted on it")
+            raise RuntimeError(f"{self.where()}: wait on channel {channel!r} before anything was posted on it")
         if isinstance(exchange, tuple):
             return exchange
         start = time.monotonic()
@@ -155,77 +141,10 @@ class RingComm:
                 when = (f"within the timeout of {self.timeout:g} s" if waited >= self.timeout - 0.01 else
                         f"(the wait failed after {waited:.2f} s of at most {self.timeout:g} s)")
                 raise RuntimeError(
-                    f"{self._where()}: {what} {when}: {who} raised, died, or never reached this ring "
+                    f"{self.where()}: {what} {when}: {who} raised, died, or never reached this ring "
                     f"step ({type(exc).__name__}: {exc})") from exc
         return tuple(buf.view(dtype).view(shape) for buf, (dtype, shape) in zip(exchange.recvs, exchange.meta))
 
     def abandon(self) -> None:
         """Forget exchanges still in flight (after a failure; their peers will time out)."""
         self._in_flight.clear()
-
-
-class DistributedDriver:
-    """Runs this process's one per-rank loop, answering its Post/Wait through a `RingComm`.
-
-    The comm knows its rank and ring size, so they are not passed again (one source of truth).
-    """
-
-    def __init__(self, comm: RingComm):
-        self.comm = comm
-        self.world_size = comm.world_size
-        self.local_ranks = [comm.rank]
-
-    def run(self, loops: list) -> list[Any]:
-        if len(loops) != 1:
-            raise ValueError(f"a distributed driver runs this rank's one loop, got {len(loops)} loops")
-        loop, comm = loops[0], self.comm
-        reply = None
-        try:
-            while True:
-                try:
-                    message = loop.send(reply)
-                except StopIteration as stop:
-                    result = stop.value
-                    break
-                if isinstance(message, Post):
-                    comm.post(message.channel, message.payload)
-                    reply = None
-                elif isinstance(message, Wait):
-                    reply = comm.wait(message.channel)
-                else:
-                    raise TypeError(f"a ring loop yielded {message!r}; expected Post or Wait")
-        except BaseException:
-            comm.abandon()
-            loop.close()
-            raise
-        if comm.in_flight:
-            left = comm.in_flight
-            comm.abandon()
-            raise RuntimeError(f"ring {comm._name(comm.rank)} finished with exchanges still in flight on "
-                               f"channels {left}: every post needs its wait")
-        return [result]
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   softmax_scale: float | None = None, group=None, layout: str = "contiguous",
-                   backend: str = "torch", return_lse: bool = False, timeout: float = DEFAULT_TIMEOUT):
-    """Ring attention over the ranks of `group` (the default world group when None).
-
-    This rank's shard in, this rank's output out: q is (batch, local_seq, heads, head_dim), k
-    and v (batch, local_seq, kv_heads, head_dim), holding the tokens that `layout` gives this
-    rank's place in the group (see `ringcheck.shard`). Returns this rank's output (and its
-    lse, (batch, heads, local_seq) float32, with `return_lse`); differentiable in q, k and v.
-    Every rank of the group must call it (and its backward) with the same arguments besides
-    the tensors. `timeout` (seconds) bounds every wait on a peer.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(_NOT_INITIALIZED.format(what="calling ring_attention"))
-    check_qkv(q, k, v, what="shard")
-    comm = RingComm(group, timeout=timeout)
-    config = make_config(world_size=comm.world_size, layout=layout, causal=causal,
-                         softmax_scale=softmax_scale, head_dim=q.shape[-1], backend=backend)
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"a zigzag shard holds two equal chunks, but this shard has {q.shape[1]} tokens; "
-                         f"use a sequence length divisible by 2 x world_size={2 * comm.world_size}")
-    outs, lses = run_ring(config, DistributedDriver(comm), [q], [k], [v])
-    return (outs[0], lses[0]) if return_lse else outs[0]

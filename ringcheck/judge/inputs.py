@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import AttentionSpec, RingSpec
+from ..spec import AttentionSpec, RingSpec
+from .distributions import generate
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,6 @@ def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
     """Whole-sequence inputs for `spec` in its dtype, drawn on the CPU from `seed` (so every
     rank and every device gets identical values) and then moved to `device`. `ring` is
     needed by distributions that place values by ring step (``late-max``)."""
-    from .distributions import generate
-
     gen = torch.Generator().manual_seed(int(seed))
     q, k, v, dout = generate(distribution, spec, gen, ring)
     dt = spec.torch_dtype

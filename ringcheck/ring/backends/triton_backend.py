@@ -1,11 +1,11 @@
-"""The Triton block backend: the contract of `ringcheck.backends` on fused Triton kernels.
+"""The Triton block backend: the contract of `ringcheck.ring.backends` on fused Triton kernels.
 
 Thin glue: it validates the block, decides the one numerics switch (`dot_fp32`) and calls the
 launchers of `triton_fwd` (forward) and `triton_bwd` (preprocess, dK/dV, dQ).
 
 Compiled or interpreted. Triton 3.x decides when a kernel is *decorated*: `@triton.jit`
 returns an interpreted function if TRITON_INTERPRET=1 is set in the environment at that
-moment (when `ringcheck.backends.triton_fwd` is first imported), a GPU-compiled one otherwise;
+moment (when `ringcheck.ring.backends.triton_fwd` is first imported), a GPU-compiled one otherwise;
 a process has one or the other. This module never reads the environment; it asks the kernels
 what they are:
 
@@ -86,7 +86,7 @@ class TritonBackend:
 
     def row_delta(self, out, dout):
         """D = rowsum(dout * out), float32 (batch, heads, seq): the backward's preprocess kernel
-        (the ring computes D itself with `ringcheck.backends.row_delta`; this is its kernel twin)."""
+        (the ring computes D itself with `ringcheck.ring.backends.row_delta`; this is its kernel twin)."""
         if out.shape != dout.shape or out.dim() != 4:
             raise ValueError(f"out and dout must be one 4-D shape, got {tuple(out.shape)} and {tuple(dout.shape)}")
         self._check_device(out)

@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from suites.mutants import textbook
+from ringcheck.testing.mutants import textbook
 
 NOT_CALLABLE = 42
 

@@ -1,0 +1,86 @@
+"""The public entry points of the ring: `simulate_ring` (whole tensors, P virtual ranks in one
+process) and `ring_attention` (this rank's shard, over a `torch.distributed` group)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import (
+    DEFAULT_TIMEOUT,
+    RingSpec,
+    check_causal,
+    check_layout,
+    check_qkv,
+    check_softmax_scale,
+    require_distributed,
+)
+from .backends import get_backend
+from .comm import RingComm
+from .drivers import DistributedDriver, SimulatedDriver
+from .function import RingFunction, run_ring
+from .layouts import shard, unshard
+from .loops import REAL_PARTS, RingConfig, RingParts, StepObserver
+
+
+def make_config(*, world_size: int, layout: str, causal: bool, softmax_scale: float | None,
+                head_dim: int, backend: str, accumulate: str = "float32",
+                parts: RingParts = REAL_PARTS) -> RingConfig:
+    """A validated `RingConfig`; an unknown or unavailable backend fails here, before any work."""
+    check_layout(layout)
+    check_causal(causal)
+    get_backend(backend)
+    return RingConfig(world_size=world_size, layout=layout, causal=causal,
+                      scale=check_softmax_scale(softmax_scale, head_dim), backend=backend,
+                      accumulate=accumulate, parts=parts)
+
+
+def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int,
+                  causal: bool = False, softmax_scale: float | None = None,
+                  layout: str = "contiguous", backend: str = "torch", return_lse: bool = False,
+                  accumulate: str = "float32", observer: StepObserver | None = None,
+                  parts: RingParts = REAL_PARTS):
+    """Ring attention on whole tensors through P virtual ranks in one process.
+
+    q is (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim). Shards the
+    sequence with `layout`, runs every rank's loop, and returns the whole output (and lse,
+    (batch, heads, seq) float32, with `return_lse`); differentiable in q, k and v.
+    `accumulate` and `observer` are for drift studies (see `RingConfig`, `StepObserver`);
+    `parts` is the seam for planted bugs (see `RingParts`).
+    """
+    check_qkv(q, k, v, what="sequence")
+    ring = RingSpec(world_size, layout)
+    ring.check_seq_len(q.shape[1])
+    config = make_config(world_size=world_size, layout=layout, causal=causal,
+                         softmax_scale=softmax_scale, head_dim=q.shape[-1], backend=backend,
+                         accumulate=accumulate, parts=parts)
+    pieces = [shard(t, layout=layout, rank=r, world_size=world_size, dim=1)
+              for t in (q, k, v) for r in range(world_size)]
+    results = RingFunction.apply(config, SimulatedDriver(world_size), observer, *pieces)
+    out = unshard(results[:world_size], layout=layout, dim=1)
+    if not return_lse:
+        return out
+    return out, unshard(results[world_size:], layout=layout, dim=2)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   softmax_scale: float | None = None, group=None, layout: str = "contiguous",
+                   backend: str = "torch", return_lse: bool = False, timeout: float = DEFAULT_TIMEOUT):
+    """Ring attention over the ranks of `group` (the default world group when None).
+
+    This rank's shard in, this rank's output out: q is (batch, local_seq, heads, head_dim), k
+    and v (batch, local_seq, kv_heads, head_dim), holding the tokens that `layout` gives this
+    rank's place in the group (see `ringcheck.shard`). Returns this rank's output (and its
+    lse, (batch, heads, local_seq) float32, with `return_lse`); differentiable in q, k and v.
+    Every rank of the group must call it (and its backward) with the same arguments besides
+    the tensors. `timeout` (seconds) bounds every wait on a peer.
+    """
+    require_distributed("calling ring_attention")
+    check_qkv(q, k, v, what="shard")
+    comm = RingComm(group, timeout=timeout)
+    config = make_config(world_size=comm.world_size, layout=layout, causal=causal,
+                         softmax_scale=softmax_scale, head_dim=q.shape[-1], backend=backend)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"a zigzag shard holds two equal chunks, but this shard has {q.shape[1]} tokens; "
+                         f"use a sequence length divisible by 2 x world_size={2 * comm.world_size}")
+    outs, lses = run_ring(config, DistributedDriver(comm), [q], [k], [v])
+    return (outs[0], lses[0]) if return_lse else outs[0]

@@ -1,0 +1,216 @@
+"""One rank's ring attention, forward and backward, as generators.
+
+Every rank keeps its queries; the K/V shards travel around the ring (rank r sends to r+1 and
+receives from r-1), so at step s rank r holds the K/V of rank (r - s) mod P. Each step's
+blocks (see `layouts.block_plan`) are merged into a float32 running (out, lse) and the output
+is cast to the input dtype once, at the end. In the backward, dK/dV accumulators (float32)
+travel with their K/V and take one more hop at the end to return home, where their origin tag
+is checked; each hop of the accumulators overlaps the next step's block computation (they
+are waited for only when that step's contributions are added).
+
+The loops are generators: they yield `Post` (start sending a payload to the next rank and
+receiving from the previous one, on a named channel) and `Wait` (the payload that arrived on
+a channel). A driver (`drivers.py`) answers them, so the simulated and the distributed ring
+execute the same per-rank code, operation for operation, and must agree bit for bit.
+
+The pieces a loop is made of (the block plan, the merge, the loops themselves) are named in
+`RingParts`, carried by `RingConfig.parts`: that is the one seam through which tests plant a
+bug in an otherwise correct ring (see `ringcheck.testing.planted`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Generator
+
+import torch
+
+from ..spec import RingSpec
+from .backends import BlockBackend, row_delta
+from .layouts import block_plan
+from .merge import finish, merge_into, start_state
+
+ACCUMULATIONS = ("float32", "input")
+
+
+@dataclass(frozen=True)
+class Post:
+    """Start sending `payload` (a tuple of tensors) to the next rank on `channel`."""
+
+    channel: str
+    payload: tuple
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for the payload the previous rank posted on `channel`."""
+
+    channel: str
+
+
+RankLoop = Generator[Any, Any, Any]
+
+
+# observer(rank, step, src_rank, out, lse): called after every ring step of the forward with
+# the running partial (float32, this rank's rows), for per-step drift studies; None in normal use
+StepObserver = Callable[[int, int, int, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class RingParts:
+    """The replaceable pieces of the ring; the defaults are the real ones.
+
+    ``plan(**block_plan kwargs) -> tuple[Block]``, ``merge(acc, m, l, block_out, block_lse)
+    -> (acc, m, l)``, the per-rank loops (``forward_loop``/``backward_loop`` with this
+    module's signatures) and a block backend instance. A test that swaps one for a wrong one plants a bug through this
+    seam instead of patching module attributes.
+    """
+
+    plan: Callable[..., tuple] = block_plan
+    merge: Callable[..., tuple] = merge_into
+    forward_loop: Callable[..., Any] | None = None   # None: `forward_loop` below
+    backward_loop: Callable[..., Any] | None = None  # None: `backward_loop` below
+    backend: BlockBackend | None = None              # None: the backend `RingConfig.backend` names
+
+    def replace(self, **changes) -> "RingParts":
+        return replace(self, **changes)
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        return self.forward_loop or forward_loop
+
+    @property
+    def backward(self) -> Callable[..., Any]:
+        return self.backward_loop or backward_loop
+
+
+REAL_PARTS = RingParts()
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """Everything the per-rank loop needs besides the tensors."""
+
+    world_size: int
+    layout: str = "contiguous"
+    causal: bool = False
+    scale: float = 1.0
+    backend: str = "torch"
+    # "float32": the running output stays float32 (the default, exact up to one final cast);
+    # "input": it is rounded to the input dtype after every merge, as rings that keep their
+    # partial output in bf16 do. For drift studies only.
+    accumulate: str = "float32"
+    parts: RingParts = field(default=REAL_PARTS, compare=False)
+
+    def __post_init__(self) -> None:
+        RingSpec(self.world_size, self.layout)
+        if self.accumulate not in ACCUMULATIONS:
+            raise ValueError(f"accumulate={self.accumulate!r} is unknown; choose one of {list(ACCUMULATIONS)}")
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's place in the ring (after attention-gym's RingShard)."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.rank - 1) % self.world_size
+
+    def source(self, step: int) -> int:
+        """The rank whose K/V this rank holds at `step`."""
+        return (self.rank - step) % self.world_size
+
+
+def _plan(config: RingConfig, shard: RankShard, src: int, local_len: int):
+    return config.parts.plan(layout=config.layout, q_rank=shard.rank, kv_rank=src,
+                      world_size=config.world_size, local_len=local_len, causal=config.causal)
+
+
+def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, backend: BlockBackend, observer: StepObserver | None = None) -> RankLoop:
+    """One rank's forward; returns (out in q's dtype, lse float32, out float32)."""
+    b, n, h, d = q.shape
+    acc, m, l = start_state(b, n, h, d, device=q.device)
+    kv = (k, v)
+    for step in range(config.world_size):
+        last = step == config.world_size - 1
+        if not last:
+            yield Post("kv", kv)  # in flight while this step computes
+        for block in _plan(config, shard, shard.source(step), n):
+            block_out, block_lse = backend.forward(
+                q[:, block.q], kv[0][:, block.kv], kv[1][:, block.kv],
+                scale=config.scale, mask=block.mask, diagonal=block.diagonal)
+            rows = block.q
+            a, mm, ll = config.parts.merge(acc[:, rows], m[:, :, rows], l[:, :, rows], block_out, block_lse)
+            if config.accumulate == "input":  # the partial output takes a trip through q's dtype
+                out_rows, _ = finish(a, mm, ll)
+                a = out_rows.to(q.dtype).float() * ll.transpose(1, 2).unsqueeze(-1)
+            acc[:, rows], m[:, :, rows], l[:, :, rows] = a, mm, ll
+        if observer is not None:
+            observer(shard.rank, step, shard.source(step), *finish(acc, m, l))
+        if not last:
+            kv = yield Wait("kv")
+    out, lse = finish(acc, m, l)
+    return out.to(q.dtype), lse, out
+
+
+def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                  dlse: torch.Tensor | None, backend: BlockBackend) -> RankLoop:
+    """One rank's backward; returns (dq, dk, dv) in the input dtype.
+
+    `out` and `lse` are this rank's merged float32 results. A gradient flowing into lse
+    enters as dS = P (dP - delta + dlse), so it folds into delta.
+    """
+    n = q.shape[1]
+    delta = row_delta(out, dout)
+    if dlse is not None:
+        delta = delta - dlse
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    origin = torch.tensor([shard.rank], dtype=torch.int64, device=q.device)
+    kv = (k, v)
+    grads = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+             torch.zeros(v.shape, dtype=torch.float32, device=v.device), origin)
+    for step in range(config.world_size):
+        last = step == config.world_size - 1
+        src = shard.source(step)
+        if not last:
+            yield Post("kv", kv)
+        contributions = []
+        for block in _plan(config, shard, src, n):
+            dq_b, dk_b, dv_b = backend.backward(
+                q[:, block.q], kv[0][:, block.kv], kv[1][:, block.kv], dout[:, block.q],
+                lse[:, :, block.q].contiguous(), delta[:, :, block.q].contiguous(),
+                scale=config.scale, mask=block.mask, diagonal=block.diagonal)
+            dq[:, block.q] += dq_b
+            contributions.append((block.kv, dk_b, dv_b))
+        if step > 0:
+            # the accumulators of `src` were posted by the previous rank a step ago: their
+            # transfer overlapped this step's compute, and only now are they needed
+            grads = yield Wait("grad")
+        if int(grads[2]) != src:
+            raise RuntimeError(
+                f"rank {shard.rank}, ring step {step}: expected the dK/dV accumulators of rank "
+                f"{src} with its K/V, received those of rank {int(grads[2])}")
+        dk_acc, dv_acc, tag = grads
+        for rows, dk_b, dv_b in contributions:
+            dk_acc[:, rows] += dk_b
+            dv_acc[:, rows] += dv_b
+        # the accumulators move on with their K/V; after the last step they go home
+        yield Post("grad", (dk_acc, dv_acc, tag))
+        if not last:
+            kv = yield Wait("kv")
+    grads = yield Wait("grad")
+    dk_acc, dv_acc, tag = grads
+    if int(tag) != shard.rank:
+        raise RuntimeError(
+            f"gradients for rank {shard.rank} did not return home: after {config.world_size} "
+            f"steps it holds the dK/dV of rank {int(tag)}")
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

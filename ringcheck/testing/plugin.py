@@ -1,0 +1,242 @@
+"""The ringcheck pytest plugin: search profiles, distributed runs with collective verdicts,
+and the ring fixtures.
+
+Registered under the `pytest11` entry point, so an installed ringcheck brings it to every
+pytest run (nothing to copy into a conftest); this repository's root conftest names it in
+`pytest_plugins` too, for a checkout that is not installed. What it adds:
+
+- ``--profile {ci,nightly,deep}``: the Hypothesis profile of the property suites (example
+  count and the size bounds of drawn cases, `ringcheck.testing.strategies.PROFILES`);
+- ``--ring-timeout``: the bound on every ring wait and collective of distributed tests;
+- under torchrun (the launcher's environment is read here, once: the edge) every rank runs
+  the same tests in the same order, every test's verdict is collective (a failure on any rank
+  fails it on all, with every rank's error), only rank 0 prints, and Hypothesis draws the same
+  examples on every rank;
+- fixtures ``search_profile``, ``torchrun_world``, ``ring_pool`` and ``run_on_ring``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import pytest
+from hypothesis import settings
+
+from ..launch import LocalRings, TorchrunWorld, from_torchrun_env
+from .strategies import PROFILES
+
+# ---- Hypothesis profiles for the property suites (suites/test_properties*.py) --------------
+# `pytest --profile {ci,nightly,deep}` picks the example count per property and the size
+# bounds of the drawn cases (ringcheck.testing.strategies.PROFILES); `ci` is the default. Under
+# torchrun (RANK and WORLD_SIZE set) the derandomized, database-free variant of the profile is
+# loaded, so every rank draws the same examples in the same order.
+
+PROFILE_NAMES = ("ci", "nightly", "deep")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _register_hypothesis_profiles() -> None:
+    for name, profile in PROFILES.items():
+        settings.register_profile(name, profile.settings())
+        settings.register_profile(f"{name}-torchrun", profile.settings(torchrun=True))
+
+
+def _add_profile_option(parser) -> None:
+    parser.addoption("--profile", choices=PROFILE_NAMES, default="ci",
+                     help="depth of the property-based search: ci (default, minutes on 2 CPU "
+                          "cores), nightly or deep (more examples, larger shapes)")
+
+
+def _load_hypothesis_profile(config) -> None:
+    _register_hypothesis_profiles()
+    name = config.getoption("--profile")
+    settings.load_profile(f"{name}-torchrun" if _under_torchrun() else name)
+
+
+def _profile_header(config) -> str:
+    return f"ringcheck search profile: {settings.get_current_profile_name()} (--profile {{ci,nightly,deep}})"
+
+
+def pytest_report_header(config):
+    return _profile_header(config)
+
+
+@pytest.fixture(scope="session")
+def search_profile(pytestconfig):
+    """The `ringcheck.testing.strategies.Profile` selected with --profile (its size bounds)."""
+    return PROFILES[pytestconfig.getoption("--profile")]
+
+
+# --- distributed runs (ringcheck.launch) ------------------------------------------------------
+# Plain `pytest suites/`: tests that need ranks get local gloo rings (worker processes kept for
+# the session). `torchrun --nproc-per-node=P -m pytest suites/`: every rank runs the same tests
+# in the same order; ring tasks run in-process on the torchrun world; every test's verdict is
+# collective (a failure on any rank fails it on all, with every rank's error); only rank 0
+# prints. The launcher environment is read here, once (the edge).
+
+_WORLD = pytest.StashKey()      # TorchrunWorld or None
+_RINGS = pytest.StashKey()      # {timeout: LocalRings}
+_QUIET = pytest.StashKey()      # (real stdout, devnull) on ranks other than 0
+
+
+def _add_ring_options(parser) -> None:
+    group = parser.getgroup("ringcheck")
+    group.addoption("--ring-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="bound on every ring wait and collective of distributed tests (default 60)")
+    group.addoption("--ring-planted-failure", action="store_true", default=False,
+                    help="run the demonstration test that fails on purpose on one rank (it must fail on all)")
+
+
+def _derandomize_hypothesis() -> None:
+    """Every rank must draw the same examples: the current profile (whatever another section
+    loaded), derandomized, without a database or deadline."""
+    settings.register_profile("ringcheck-torchrun", parent=settings.default, derandomize=True,
+                              database=None, deadline=None)
+    settings.load_profile("ringcheck-torchrun")
+
+
+def _configure_ring(config) -> None:
+    """Call first in pytest_configure (tryfirst): a quiet rank must swap stdout before the
+    terminal reporter takes it."""
+    env = from_torchrun_env(os.environ)
+    config.stash[_WORLD] = None
+    config.stash[_RINGS] = {}
+    if env is None:
+        return
+    if getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("under torchrun every rank is already a process; drop pytest-xdist's -n")
+    if env.rank != 0:  # the terminal reporter writes to the stdout it finds, for good
+        config.stash[_QUIET] = (sys.stdout, open(os.devnull, "w"))
+        sys.stdout = config.stash[_QUIET][1]
+    _derandomize_hypothesis()
+    config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"))
+
+
+def _unconfigure_ring(config) -> None:
+    for rings in config.stash.get(_RINGS, {}).values():
+        rings.close()
+    world = config.stash.get(_WORLD, None)
+    if world is not None:
+        world.close()
+    quiet = config.stash.get(_QUIET, None)
+    if quiet is not None:
+        real, devnull = quiet
+        if sys.stdout is devnull:
+            sys.stdout = real
+        devnull.close()
+
+
+class CollectiveFailure(AssertionError):
+    """A test failed on some rank; raised on every rank with every failing rank's error."""
+
+
+def _failure_text(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "_pytest" not in f.filename
+              and "pluggy" not in f.filename]
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}{where}: {exc}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    __tracebackhide__ = True
+    world = pyfuncitem.config.stash.get(_WORLD, None)
+    if world is None:
+        return (yield)
+    error, mine = None, ("passed", "")
+    try:
+        result = yield
+    except (pytest.skip.Exception, pytest.xfail.Exception) as exc:
+        error, mine = exc, ("skipped", "")
+    except (Exception, pytest.fail.Exception) as exc:
+        error, mine = exc, ("failed", _failure_text(exc))
+    everyone = world.all_gather((pyfuncitem.nodeid, *mine))
+    ids = {nodeid for nodeid, _, _ in everyone}
+    if len(ids) > 1:
+        raise CollectiveFailure("ranks disagree on the test being run (they must collect the same tests in "
+                                "the same order): " + "; ".join(f"rank {r}: {n}" for r, (n, _, _) in enumerate(everyone)))
+    failed: dict[str, list[int]] = {}  # the same words from several ranks are said once
+    for r, (_, kind, text) in enumerate(everyone):
+        if kind == "failed":
+            failed.setdefault(text, []).append(r)
+    if failed:
+        ranks = sorted(r for rs in failed.values() for r in rs)
+        lines = [f"failed on {len(ranks)} of {world.size} ranks: {', '.join(map(str, ranks))}"]
+        for text, rs in failed.items():
+            who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
+            lines.append(f"{who}: {text}")
+        raise CollectiveFailure("\n".join(lines)) from error
+    if error is not None:
+        raise error
+    return result
+
+
+@pytest.fixture(scope="session")
+def torchrun_world(request):
+    """The torchrun world (ringcheck.launch.TorchrunWorld), or None under plain pytest."""
+    return request.config.stash[_WORLD]
+
+
+@pytest.fixture(scope="session")
+def ring_pool(request):
+    """Factory: `ring_pool(world_size, timeout=None)` -> a live local gloo ring of at least
+    world_size processes (`LocalRingPool`), kept for the session, restarted after a failure."""
+    config = request.config
+    rings = config.stash[_RINGS]
+
+    def get(world_size, *, timeout=None):
+        if config.stash[_WORLD] is not None:
+            pytest.skip("local rings start their own processes: run this test with plain pytest, "
+                        "not under torchrun")
+        timeout = config.getoption("--ring-timeout") if timeout is None else timeout
+        if timeout not in rings:
+            rings[timeout] = LocalRings(timeout=timeout)
+        return rings[timeout].pool(world_size)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def run_on_ring(request):
+    """`run_on_ring(world_size, task, *args)` -> [task(member, *args) for every ring rank]:
+    on the torchrun world (a sub-group of its last ranks) when launched by torchrun, else on a
+    local gloo ring; skips when the ring needs more ranks than the torchrun world has."""
+    config = request.config
+    world = config.stash[_WORLD]
+
+    def run(world_size, task, *args):
+        __tracebackhide__ = True
+        if world is not None:
+            if world_size > world.size:
+                pytest.skip(f"needs a ring of {world_size} ranks; the torchrun world has {world.size} "
+                            f"(launch with --nproc-per-node={world_size} or more)")
+            return world.run(world_size, task, *args)
+        rings = config.stash[_RINGS]
+        timeout = config.getoption("--ring-timeout")
+        if timeout not in rings:
+            rings[timeout] = LocalRings(timeout=timeout)
+        return rings[timeout].run(world_size, task, *args)
+
+    return run
+
+
+# ---- the hooks ---------------------------------------------------------------
+
+def pytest_addoption(parser):
+    _add_profile_option(parser)
+    _add_ring_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)  # the ring section must act before the terminal reporter exists
+def pytest_configure(config):
+    _load_hypothesis_profile(config)
+    _configure_ring(config)  # after the profile: under torchrun it derandomizes the loaded one
+
+
+def pytest_unconfigure(config):
+    _unconfigure_ring(config)
