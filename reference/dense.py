@@ -3,29 +3,23 @@
 Shapes follow the ring: q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads,
 head_dim); query head h uses K/V head h // (heads // kv_heads). Causal means key j is visible
 to query i iff j <= i. A row with no visible key has output 0, lse -inf and zero gradients.
+
+Arguments follow the ring's rules (`ringcheck.spec`, the one validation vocabulary), widened
+only where a reference does more: float64 inputs, and query/key lengths that differ.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
+from ringcheck.spec import REFERENCE_DTYPES, check_causal, check_dout, check_qkv, check_rows, check_softmax_scale
 
 
-def _scale(softmax_scale: float | None, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+def _check(q, k, v, causal, softmax_scale) -> float:
+    """The ring's argument rules (`ringcheck.spec`); returns the scale."""
+    check_qkv(q, k, v, what="sequence", dtypes=REFERENCE_DTYPES, same_length=False)
+    check_causal(causal)
+    return check_softmax_scale(softmax_scale, q.shape[-1])
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -44,13 +38,7 @@ def _causal_mask(s: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def _check_rows(rows, q: torch.Tensor) -> torch.Tensor | None:
-    if rows is None:
-        return None
-    rows = torch.as_tensor(rows, dtype=torch.int64).flatten()
-    n = q.shape[1]
-    if rows.numel() and (rows.min() < 0 or rows.max() >= n):
-        raise ValueError(f"rows must be query indices in [0, {n}), got min {int(rows.min())}, max {int(rows.max())}")
-    return rows
+    return None if rows is None else check_rows(rows, q.shape[1])
 
 
 def _attention(q, k, v, causal, scale, compute_dtype, rows=None):
@@ -74,9 +62,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     softmax_scale: float | None = None, return_lse: bool = False, rows=None):
     """Attention in float64 on whole tensors; differentiable; returns float64. With `rows`
     (query indices), only those query rows: out (b, len(rows), h, d), lse (b, h, len(rows))."""
-    _check(q, k, v)
-    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), torch.float64,
-                          _check_rows(rows, q))
+    scale = _check(q, k, v, causal, softmax_scale)
+    out, lse = _attention(q, k, v, causal, scale, torch.float64, _check_rows(rows, q))
     return (out, lse) if return_lse else out
 
 
@@ -85,9 +72,8 @@ def peer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     """The same-dtype peer: naive attention with every matmul and the softmax in the input
     dtype (lse from the input-dtype scores, in float32). Differentiable (autograd in the
     input dtype), so its gradients are the peer's gradients too. `rows` as in dense_attention."""
-    _check(q, k, v)
-    out, lse = _attention(q, k, v, causal, _scale(softmax_scale, q.shape[-1]), q.dtype,
-                          _check_rows(rows, q))
+    scale = _check(q, k, v, causal, softmax_scale)
+    out, lse = _attention(q, k, v, causal, scale, q.dtype, _check_rows(rows, q))
     return (out, lse) if return_lse else out
 
 
@@ -104,15 +90,13 @@ def dense_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     those rows, and dk, dv (all keys) are the gradients when dout is zero on every other row
     (`dout` may be given whole, (b, seq, h, d), or for the rows only). O(len(rows) x seq).
     """
-    _check(q, k, v)
+    scale = _check(q, k, v, causal, softmax_scale)
     rows = _check_rows(rows, q)
     if rows is not None:
-        if dout.shape == q.shape:
+        if isinstance(dout, torch.Tensor) and dout.shape == q.shape:
             dout = dout[:, rows]
         q = q[:, rows]
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
-    scale = _scale(softmax_scale, q.shape[-1])
+    check_dout(dout, q)
     b, n, h, d = q.shape
     kvh = k.shape[2]
     f64 = torch.float64

@@ -34,7 +34,8 @@ How
 Precision is never set globally: libmp functions receive it explicitly, so ``mpmath.mp``
 is left as it was. Results are cached on disk (`reference.cache`).
 
-Nothing here imports ``ringcheck``.
+Nothing here imports ringcheck's ring: arguments follow `ringcheck.spec`, the one validation
+vocabulary (which loads without the ring).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from typing import Iterable
 import numpy as np
 import torch
 from mpmath import libmp
+
+from ringcheck.spec import REFERENCE_DTYPES, check_causal, check_dout, check_qkv, check_rows, check_softmax_scale
 
 from .cache import ResultCache, cache_key
 
@@ -116,8 +119,8 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     as given. Raises `UncertifiedError` (a RuntimeError) when `digits` is not reached.
     `cache`/`cache_dir`: results are kept on disk (default `reference.cache.default_cache_dir()`).
     """
-    tensors = _validate(q, k, v, dout)
-    scale = _scale(softmax_scale, q.shape[-1])
+    tensors = _validate(q, k, v, dout, causal)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
     sel = _rows(rows, q.shape[1])
     if isinstance(digits, bool) or not isinstance(digits, (int, float)) or not 0 <= digits < math.inf:
         raise ValueError(f"digits must be a finite number >= 0, got {digits!r}")
@@ -160,47 +163,23 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
 # arguments
 
 
-def _validate(q, k, v, dout):
-    named = [("q", q), ("k", k), ("v", v)] + ([("dout", dout)] if dout is not None else [])
+def _validate(q, k, v, dout, causal) -> list[torch.Tensor]:
+    """The ring's argument rules (`ringcheck.spec`), plus finite inputs: certification needs
+    exact finite values."""
+    check_qkv(q, k, v, what="sequence", dtypes=REFERENCE_DTYPES, same_length=False)
+    check_causal(causal)
+    named = [("q", q), ("k", k), ("v", v)]
+    if dout is not None:
+        check_dout(dout, q)
+        named.append(("dout", dout))
     for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} contains NaN or Inf; the reference needs finite inputs")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together: "
-                         f"k and v must have equal shapes, and batch and head_dim must match q")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
-    if min(q.shape) < 1 or min(k.shape) < 1:
-        raise ValueError(f"empty inputs: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if dout is not None and dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
     return [t for _, t in named]
 
 
-def _scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
-    return float(softmax_scale)
-
-
 def _rows(rows, seq: int) -> np.ndarray | None:
-    if rows is None:
-        return None
-    sel = np.asarray(rows.tolist() if isinstance(rows, torch.Tensor) else list(rows))
-    if sel.ndim != 1 or sel.size == 0 or sel.dtype.kind not in "iu":
-        raise ValueError(f"rows must be a non-empty 1-D sequence of query indices, got {rows!r}")
-    if sel.min() < 0 or sel.max() >= seq:
-        raise ValueError(f"rows must lie in [0, {seq}) (the query length), got min {sel.min()}, max {sel.max()}")
-    return sel.astype(np.int64)
+    return None if rows is None else check_rows(rows, seq).numpy()
 
 
 def _precision_pairs(digits: float, precision) -> list[tuple[int, int]]:

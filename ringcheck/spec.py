@@ -18,6 +18,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# the references also take float64 inputs (the truth is float64)
+REFERENCE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float64": torch.float64}
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
@@ -79,27 +81,60 @@ def check_timeout(timeout: object) -> float:
     return float(timeout)
 
 
-def check_qkv(q: object, k: object, v: object, *, what: str = "shard") -> None:
-    """Raise TypeError/ValueError unless q, k, v form one valid attention input
-    ((batch, seq, heads, head_dim) and (batch, seq, kv_heads, head_dim) twice)."""
+def check_qkv(q: object, k: object, v: object, *, what: str = "shard",
+              dtypes: dict[str, torch.dtype] = DTYPES, same_length: bool = True) -> None:
+    """Raise TypeError/ValueError unless q, k, v form one valid attention input:
+    q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim), one dtype of
+    `dtypes`, one device, no empty dimension.
+
+    The ring uses the defaults. The references pass ``dtypes=REFERENCE_DTYPES`` (the truth
+    also takes float64 inputs) and ``same_length=False`` (a reference also computes one
+    block, whose query and key lengths may differ: causal is aligned bottom-right there)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES.values():
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: {sorted(DTYPES)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, {what} length and head_dim")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
+        if t.dtype not in dtypes.values():
+            raise TypeError(f"{name} has dtype {t.dtype}; supported floating-point dtypes: {sorted(dtypes)}")
+        if min(t.shape) < 1:
+            raise ValueError(f"{name} has an empty dimension: shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):  # type: ignore[union-attr]
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")  # type: ignore[union-attr]
+    if not (q.device == k.device == v.device):  # type: ignore[union-attr]
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")  # type: ignore[union-attr]
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)  # type: ignore[union-attr]
+    if ks != vs:
+        raise ValueError(f"k and v must have one shape, got {ks} and {vs}")
+    if qs[0] != ks[0] or qs[3] != ks[3] or (same_length and qs[1] != ks[1]):
+        agree = f"batch, {what} length and head_dim" if same_length else "batch and head_dim"
+        raise ValueError(f"q {qs} and k {ks} must agree on {agree}")
+    if qs[2] % ks[2]:
+        raise ValueError(f"heads={qs[2]} (q) is not divisible by kv_heads={ks[2]} (k, v)")
+
+
+def check_dout(dout: object, q: torch.Tensor) -> None:
+    """dout is a tensor of q's shape."""
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout must be a torch.Tensor, got {type(dout).__name__}")
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+
+
+def check_rows(rows: object, seq_len: int) -> torch.Tensor:
+    """Query row indices: a non-empty 1-D sequence of ints in [0, seq_len), as int64."""
+    values = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+    try:
+        flat = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"rows must be a non-empty 1-D sequence of query indices, got {rows!r}") from None
+    if flat.dim() != 1 or flat.numel() == 0 or flat.is_floating_point() or flat.dtype == torch.bool:
+        raise ValueError(f"rows must be a non-empty 1-D sequence of query indices, got {rows!r}")
+    flat = flat.to(torch.int64)
+    if int(flat.min()) < 0 or int(flat.max()) >= seq_len:
+        raise ValueError(f"rows must lie in [0, {seq_len}) (the query length), got min {int(flat.min())}, "
+                         f"max {int(flat.max())}")
+    return flat
 
 
 def require_distributed(what: str) -> None:

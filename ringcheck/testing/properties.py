@@ -181,7 +181,7 @@ def check_linear_in_v(case: Case, a: float = 1.0, b: float = 1.0, impl=simulated
         _expect_equal("check_linear_in_v", case, f"{name} of V1 and of V3", r1.get(name), r3.get(name), **params)
 
     def att(v):
-        return dense_attention(x1.q, x1.k, v, causal=spec.causal, softmax_scale=spec.scale)
+        return dense_attention(x1.q.double(), x1.k.double(), v, causal=spec.causal, softmax_scale=spec.scale)
 
     dv = v3.double() - a * x1.v.double() - b * x2.v.double()
     resid = r3.out.double() - a * r1.out.double() - b * r2.out.double()
