@@ -43,13 +43,18 @@ _NOT_INITIALIZED = ("torch.distributed is not initialized: launch with `torchrun
 
 # ------------------------------------------------------------------ the validation vocabulary
 
-def check_positive_int(name: str, value: object) -> int:
-    """An int >= 1 (bool refused)."""
+def check_int(name: str, value: object, *, low: int = 1) -> int:
+    """An int >= `low` (bool refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """An int >= 1 (bool refused)."""
+    return check_int(name, value, low=1)
 
 
 def check_causal(causal: object) -> bool:

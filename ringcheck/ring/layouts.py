@@ -19,9 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import LAYOUTS, RingSpec
+from ..spec import RingSpec, check_layout
 
 MASK_KINDS = ("full", "causal")
+
+
+def check_mask(mask: object, diagonal: object = 0) -> None:
+    """A block's mask kind and causal diagonal (the block contract of every backend)."""
+    if mask not in MASK_KINDS:
+        raise ValueError(f"mask={mask!r} is unknown; choose one of {list(MASK_KINDS)}")
+    if isinstance(diagonal, bool) or not isinstance(diagonal, int):
+        raise TypeError(f"diagonal must be an int, got {diagonal!r}")
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,7 @@ class Block:
     diagonal: int = 0
 
     def __post_init__(self) -> None:
-        if self.mask not in MASK_KINDS:
-            raise ValueError(f"mask={self.mask!r} is unknown; choose one of {list(MASK_KINDS)}")
+        check_mask(self.mask, self.diagonal)
 
     def unmasked(self, local_len: int) -> int:
         """Number of (query, key) pairs this block computes."""
@@ -100,8 +107,7 @@ def unshard(shards, *, layout: str, dim: int = 1) -> torch.Tensor:
     shards = list(shards)
     if not shards:
         raise ValueError("unshard needs the shards of every rank, got an empty list")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown; choose one of {list(LAYOUTS)}")
+    check_layout(layout)
     dim = dim % shards[0].dim()
     n = shards[0].shape[dim]
     if any(s.shape != shards[0].shape for s in shards):

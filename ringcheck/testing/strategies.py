@@ -24,14 +24,7 @@ from hypothesis import strategies as st
 
 from ..judge.check import Case
 from ..judge.distributions import DISTRIBUTIONS, min_head_dim
-from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec
-
-
-def _bound(name: str, value: object, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec, check_int
 
 
 @dataclass(frozen=True)
@@ -46,7 +39,7 @@ class Bounds:
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            _bound(name, getattr(self, name))
+            check_int(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ PROFILES: dict[str, Profile] = {
 def world_sizes(max_world_size: int) -> st.SearchStrategy[int]:
     """Ring sizes 1..max, weighted towards small rings (a ring of P ranks costs P^2 block
     calls): two thirds of the draws are at most 4 (or 8), a third anywhere up to the max."""
-    _bound("max_world_size", max_world_size)
+    check_int("max_world_size", max_world_size)
     return st.one_of(st.integers(1, min(4, max_world_size)), st.integers(1, min(8, max_world_size)),
                      st.integers(1, max_world_size))
 
@@ -154,7 +147,7 @@ def cases(bounds: Bounds = Bounds(), *, dtypes=tuple(DTYPES), distributions=tupl
     backends = _choices("backends", backends, ("torch", "triton", "flash_attn"))
     if world_size is not None:
         RingSpec(world_size)
-    _bound("min_group", min_group)
+    check_int("min_group", min_group)
     if min_group > bounds.max_heads:
         raise ValueError(f"min_group={min_group} exceeds max_heads={bounds.max_heads}")
     if "zigzag" in layouts and bounds.max_tokens_per_rank < 2:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..layouts import MASK_KINDS
+from ..layouts import check_mask
 
 MIN_VERSION = (2, 3)  # window_size (sliding-window masks) arrived in flash-attn 2.3
 DTYPES = (torch.float16, torch.bfloat16)
@@ -57,8 +57,7 @@ class FlashGeometry:
 
 def flash_geometry(sq: int, sk: int, mask: str, diagonal: int) -> FlashGeometry | None:
     """How the contract's mask maps onto flash-attn's; None when no query sees any key."""
-    if mask not in MASK_KINDS:
-        raise ValueError(f"mask={mask!r} is unknown; choose one of {list(MASK_KINDS)}")
+    check_mask(mask, diagonal)
     if sq == 0 or sk == 0:
         return None
     if mask == "full":
@@ -198,10 +197,7 @@ class FlashAttnBackend:
             raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
         if q.shape[3] > MAX_HEAD_DIM:
             raise ValueError(f"head_dim={q.shape[3]} is larger than flash-attn supports ({MAX_HEAD_DIM})")
-        if isinstance(diagonal, bool) or not isinstance(diagonal, int):
-            raise TypeError(f"diagonal must be an int, got {diagonal!r}")
-        if mask not in MASK_KINDS:
-            raise ValueError(f"mask={mask!r} is unknown; choose one of {list(MASK_KINDS)}")
+        check_mask(mask, diagonal)
 
     @staticmethod
     def _require_cuda(name: str, t: torch.Tensor) -> None:

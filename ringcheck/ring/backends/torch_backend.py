@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts import check_mask
+
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(b, s, h, d) -> (b, kv_heads, group, s, d) float32; query head h is in group h // group."""
@@ -41,8 +43,8 @@ def _scores(qg: torch.Tensor, kg: torch.Tensor, scale: float, mask: str, diagona
         sq, sk = s.shape[-2:]
         visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(diagonal)
         s = s.masked_fill(~visible, float("-inf"))
-    elif mask != "full":
-        raise ValueError(f"mask={mask!r} is unknown; choose 'full' or 'causal'")
+    else:
+        check_mask(mask, diagonal)
     return s
 
 

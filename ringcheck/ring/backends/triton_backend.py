@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts import MASK_KINDS
+from ...spec import check_softmax_scale
+from ..layouts import check_mask
 
 try:
     from . import triton_bwd, triton_fwd
@@ -121,12 +122,8 @@ class TritonBackend:
             raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
         if q.shape[3] > MAX_HEAD_DIM:
             raise ValueError(f"head_dim={q.shape[3]} is larger than the Triton kernels support ({MAX_HEAD_DIM})")
-        if mask not in MASK_KINDS:
-            raise ValueError(f"mask={mask!r} is unknown; choose one of {list(MASK_KINDS)}")
-        if isinstance(diagonal, bool) or not isinstance(diagonal, int):
-            raise TypeError(f"diagonal must be an int, got {diagonal!r}")
-        if not (isinstance(scale, (int, float)) and scale > 0):
-            raise ValueError(f"scale must be a positive number, got {scale!r}")
+        check_mask(mask, diagonal)
+        check_softmax_scale(scale, q.shape[3])
         self._check_device(q)
 
 
