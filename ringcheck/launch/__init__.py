@@ -1,0 +1,42 @@
+"""Process groups: the one place that creates them, so a dead rank is an error, never a hang.
+
+Two ways to get ranks, one interface (`run(ring_size, task, *args)`, `size`, `close()`):
+
+- `TorchrunWorld`: this process is one rank of a world launched by torchrun (or any launcher
+  that sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT); `from_torchrun_env` reads that
+  environment once. Every rank calls `run` in the same order; the task runs in-process.
+- `LocalRings`: no launcher; it starts local gloo rings of worker processes on 127.0.0.1 and
+  feeds them tasks, so process start-up (a torch import per process) is paid once per ring
+  size, not per task. A failed task stops its ring's processes; the next task starts fresh ones.
+
+A *task* is a module-level function `task(member, *args)` (picklable by reference) run on every
+rank of a ring of `ring_size` ranks; `member` is a `RingMember` (ring rank, ring size, the
+ring's process group, the timeout, the device). A ring smaller than the world is a sub-group
+of the world's *last* ranks, so ring ranks differ from global ranks and the conversion is
+exercised. `run` returns the tasks' results in ring-rank order, or raises `RingError` naming
+every rank that raised, died or did not answer, with what each said — on every rank in
+torchrun mode (a collective verdict), in the parent with local rings.
+
+Timeouts: `timeout` (default 60 s) bounds every ring wait (see `comm.RingComm`); collectives
+of the control plane get twice that plus a margin (a rank that failed fast must outwait a rank
+still timing out in the ring); a local ring reports a worker death at once and stops the other
+workers `grace` seconds after the first failure.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..spec import DEFAULT_TIMEOUT
+from .common import GRACE, START_TIMEOUT, RingError, RingMember, Task, control_timeout
+from .local import LocalRingPool, LocalRings
+from .torchrun import CLAIMED_BY, TorchrunEnv, TorchrunWorld, from_torchrun_env
+
+__all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "LocalRingPool", "LocalRings", "RingError", "RingMember",
+           "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout", "from_torchrun_env", "open_ring"]
+
+
+def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None):
+    """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry)."""
+    env = from_torchrun_env(environ)
+    return TorchrunWorld(env, timeout=timeout) if env is not None else LocalRings(timeout=timeout)

@@ -1,0 +1,83 @@
+"""What both launchers share: a ring member, the ring error and its message, timeouts."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+Task = Callable[..., Any]
+
+START_TIMEOUT = 120.0  # seconds for a local ring's processes to import torch and join the group
+GRACE = 2.0            # seconds the other workers get to report after a first failure
+
+
+def control_timeout(timeout: float) -> float:
+    """Collectives outside the ring wait out a rank that is itself timing out in the ring."""
+    return 2 * timeout + 30.0
+
+
+def as_timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class RingMember:
+    """What a task gets to know about its place: ring rank and size, group, timeout, device."""
+
+    rank: int
+    world_size: int
+    group: Any
+    timeout: float
+    global_rank: int
+    device: str = "cpu"
+
+
+class RingError(RuntimeError):
+    """A task failed on some rank of a ring; `failures` maps ring rank -> what happened there
+    (a process outside the ring that failed is named in the message only)."""
+
+    def __init__(self, message: str, failures: dict):
+        super().__init__(message)
+        self.failures = failures
+
+
+def describe_task(task: Task) -> str:
+    return f"{getattr(task, '__module__', '?')}.{getattr(task, '__qualname__', repr(task))}"
+
+
+def failure_message(task: Task, where: str, world_size: int, ring_size: int, errors: dict[int, str]) -> str:
+    """One message for every process of the world (keyed by global rank) that failed: a line
+    each (the first line of its text), then what each said in full. A ring is
+    the world's last `ring_size` ranks, so ring rank = global rank - (world_size - ring_size)."""
+    first = world_size - ring_size
+
+    def name(g: int) -> str:
+        return f"rank {g - first} (global rank {g})" if g >= first else f"global rank {g} (outside the ring)"
+
+    ranks = sorted(errors)
+    lines = [f"{describe_task(task)} failed on a ring of {ring_size} ({where}); failing ranks: "
+             + ", ".join(str(g - first) for g in ranks if g >= first)]
+    for g in ranks:  # every error text starts with a one-line summary
+        text = errors[g].strip() or "(no message)"
+        lines.append(f"  {name(g)}: {text.splitlines()[0]}")
+    for g in ranks:
+        if "\n" in errors[g].strip():
+            lines.append(f"{name(g)} in full:\n    " + errors[g].strip().replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+def raised_text() -> str:
+    """The exception being handled: a one-line summary, then its traceback."""
+    exc = sys.exc_info()[1]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"raised {type(exc).__name__}: {first}\n{traceback.format_exc()}"
+
+
+def ring_failures(world_size: int, ring_size: int, errors: dict[int, str]) -> dict[int, str]:
+    first = world_size - ring_size
+    return {g - first: text for g, text in errors.items() if g >= first}
+
+

@@ -1,0 +1,292 @@
+"""Local gloo rings of worker processes on 127.0.0.1, fed tasks, kept per ring size."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..spec import DEFAULT_TIMEOUT, check_timeout
+from .common import (
+    GRACE,
+    START_TIMEOUT,
+    RingError,
+    RingMember,
+    Task,
+    as_timedelta,
+    control_timeout,
+    failure_message,
+    raised_text,
+    ring_failures,
+)
+
+# -------------------------------------------------------------------------------- local rings
+
+def _loopback_interface() -> str | None:
+    try:
+        return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    except OSError:
+        return None
+
+
+def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) -> None:
+    """One rank of a local ring: join the group, then run tasks until told to stop."""
+    # this process is the edge of its own environment: keep gloo on the loopback interface
+    lo = _loopback_interface()
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=as_timedelta(control_timeout(timeout)))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=as_timedelta(control_timeout(timeout)))
+        conn.send_bytes(pickle.dumps(("ready", None)))
+    except Exception:
+        conn.send_bytes(pickle.dumps(("error", f"could not join the ring: {raised_text()}")))
+        return
+    rings: dict[int, Any] = {}
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent is gone: leave, never linger
+            break
+        try:
+            kind, ring_size, task, args = pickle.loads(message)
+        except Exception:
+            conn.send_bytes(pickle.dumps(("error", f"could not unpickle the task: {raised_text()}")))
+            continue
+        if kind == "stop":
+            break
+        try:
+            if ring_size not in rings:  # every worker gets every task, so all make the group together
+                rings[ring_size] = dist.new_group(ranks=list(range(world_size - ring_size, world_size)),
+                                                  timeout=as_timedelta(timeout))
+            ring_rank = rank - (world_size - ring_size)
+            if ring_rank < 0:
+                outcome: tuple = ("idle", None)
+            else:
+                member = RingMember(ring_rank, ring_size, rings[ring_size], timeout, rank, "cpu")
+                outcome = ("ok", task(member, *args))
+            reply = pickle.dumps(outcome)
+        except BaseException:
+            reply = pickle.dumps(("error", raised_text()))
+        try:
+            conn.send_bytes(reply)
+        except OSError:  # the parent is gone
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _context():
+    """forkserver where there is one: a server process imports torch once and forks every
+    worker from that clean, single-threaded state, so a pool (re)starts in a fraction of a
+    second instead of a torch import per process; spawn elsewhere."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    return ctx
+
+
+def _exit_words(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class LocalRingPool:
+    """`world_size` local gloo worker processes, started once, fed tasks until one fails.
+
+    After a failure (a task raised, a worker died, or did not answer in time) every worker is
+    killed and the pool is closed; `alive` is False from then on.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
+                 start_timeout: float = START_TIMEOUT, grace: float = GRACE):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"a local ring needs world_size >= 1 processes, got {world_size!r}")
+        self.size = world_size
+        self.timeout = check_timeout(timeout)
+        self.grace = grace
+        self._closed = False
+        ctx = _context()
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                                    timeout=as_timedelta(control_timeout(self.timeout)))
+        self._conns, self._procs = [], []
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, name=f"ringcheck-rank{rank}-of-{world_size}",
+                                   args=(rank, world_size, self._store.port, self.timeout, child_end), daemon=True)
+                proc.start()
+                child_end.close()
+                self._conns.append(parent_end)
+                self._procs.append(proc)
+            replies = self._collect(range(world_size), time.monotonic() + check_timeout(start_timeout),
+                                    what="start")
+            errors = {r: text or "did not join in time" for r, (kind, text) in replies.items() if kind != "ready"}
+            if errors:
+                raise RingError(failure_message(_worker_main, "local gloo ring, start-up", world_size, world_size,
+                                                 errors), errors)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _collect(self, ranks, deadline: float, *, what: str) -> dict[int, tuple]:
+        """One reply per rank, until `deadline`; a death or an error reply starts the grace period."""
+        waiting = set(ranks)
+        replies: dict[int, tuple] = {}
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            by_handle = {}
+            for r in waiting:
+                by_handle[self._conns[r]] = r
+                by_handle[self._procs[r].sentinel] = r
+            for handle in multiprocessing.connection.wait(list(by_handle), timeout=deadline - now):
+                r = by_handle[handle]
+                if r not in waiting:
+                    continue
+                conn = self._conns[r]
+                try:
+                    if conn.poll():
+                        replies[r] = pickle.loads(conn.recv_bytes())
+                    else:
+                        raise EOFError
+                except (EOFError, OSError):
+                    self._procs[r].join(1.0)
+                    replies[r] = ("error", f"died during the {what}: {_exit_words(self._procs[r].exitcode)}")
+                except Exception:
+                    replies[r] = ("error", f"sent a reply that cannot be read:\n{traceback.format_exc()}")
+                waiting.discard(r)
+                if replies[r][0] == "error":
+                    deadline = min(deadline, time.monotonic() + self.grace)
+        for r in sorted(waiting):
+            replies[r] = ("silent", None)
+        return replies
+
+    def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None) -> list[Any]:
+        """`task(member, *args)` on every rank of a ring of `ring_size` (<= size) processes.
+
+        `deadline` (seconds, default 10 x timeout) bounds the whole task; ring waits inside
+        are bounded by the timeout already, so it only catches work that never ends.
+        """
+        __tracebackhide__ = True
+        if self._closed:
+            raise RuntimeError(f"this local ring of {self.size} was closed after a failure; start a new one")
+        if not 1 <= ring_size <= self.size:
+            raise ValueError(f"a ring of {ring_size} ranks does not fit in a local ring of {self.size} processes")
+        limit = 10 * self.timeout if deadline is None else check_timeout(deadline)
+        message = pickle.dumps(("task", ring_size, task, args))
+        for r, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(message)
+            except (OSError, ValueError):
+                pass  # a dead worker shows up in _collect
+        replies = self._collect(range(self.size), time.monotonic() + limit, what="task")
+        first = self.size - ring_size
+        errors = {r: text for r, (kind, text) in replies.items() if kind == "error"}
+        silent = [r for r, (kind, _) in replies.items() if kind == "silent"]
+        if errors or silent:
+            self.close(graceful=False)
+            why = (f"did not answer within the grace of {self.grace:g} s after the first failure" if errors
+                   else f"did not answer within the task deadline of {limit:g} s")
+            errors.update({r: f"{why}; stopped with the ring" for r in silent})
+            raise RingError(failure_message(task, f"local gloo ring of {self.size} processes", self.size, ring_size,
+                                             errors), ring_failures(self.size, ring_size, errors))
+        return [replies[r][1] for r in range(first, self.size)]
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop every worker and reap it: no process outlives the pool. `graceful` first asks
+        idle workers to leave their group (after a failure they are killed at once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if graceful:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(pickle.dumps(("stop", 0, None, ())))
+                except (OSError, ValueError):
+                    pass
+            end = time.monotonic() + 2.0
+            for proc in self._procs:
+                proc.join(max(end - time.monotonic(), 0.0))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._store = None
+
+
+class LocalRings:
+    """Local gloo rings kept alive for a session: `run(ring_size, ...)` uses the smallest live
+    pool with at least `ring_size` processes, or starts one of exactly `ring_size`.
+
+    A pool that failed is dropped, so the next task gets fresh processes. As with any
+    multiprocessing start method but fork, a script that starts rings must guard its entry
+    point with `if __name__ == "__main__":` (workers import the main module).
+    """
+
+    size = None         # no upper bound: a bigger ring just starts more processes
+    is_main = True      # the one process that reports
+    is_torchrun = False
+
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT):
+        self.timeout = check_timeout(timeout)
+        self.start_timeout = check_timeout(start_timeout)
+        self._pools: list[LocalRingPool] = []
+
+    def pool(self, ring_size: int) -> LocalRingPool:
+        for dead in [p for p in self._pools if not p.alive]:
+            dead.close()  # a worker may have died between tasks: reap it and drop the pool
+            self._pools.remove(dead)
+        fitting = [p for p in self._pools if p.size >= ring_size]
+        if fitting:
+            return min(fitting, key=lambda p: p.size)
+        pool = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout)
+        self._pools.append(pool)
+        return pool
+
+    def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None) -> list[Any]:
+        __tracebackhide__ = True
+        return self.pool(ring_size).run(ring_size, task, *args, deadline=deadline)
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.close()
+        self._pools = []
+
+    def __enter__(self) -> "LocalRings":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+

@@ -1,0 +1,154 @@
+"""The torchrun world: this process is one rank of a world a launcher started."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..spec import DEFAULT_TIMEOUT, check_timeout
+from .common import (
+    RingError,
+    RingMember,
+    Task,
+    as_timedelta,
+    control_timeout,
+    failure_message,
+    raised_text,
+    ring_failures,
+)
+
+# ----------------------------------------------------------------------------------- torchrun
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The launcher's environment, read once (`from_torchrun_env`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+# set by the process that joins the world with these variables: its subprocesses inherit them
+# but are not ranks (a rank that runs `ringcheck validate` in a subprocess must not make that
+# subprocess join the world as a second copy of itself, which would hang)
+CLAIMED_BY = "RINGCHECK_TORCHRUN_RANK_PID"
+
+
+def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """The torchrun environment, or None when this process was not started by a launcher
+    (or inherited the variables from a process that is the rank)."""
+    environ = os.environ if environ is None else environ
+    present = [name for name in _TORCHRUN_VARS if name in environ]
+    if not present or environ.get(CLAIMED_BY, str(os.getpid())) != str(os.getpid()):
+        return None
+    missing = [name for name in _TORCHRUN_VARS if name not in environ]
+    if missing:
+        raise RuntimeError(f"the launcher environment is incomplete: {present} are set but {missing} are not; "
+                           f"launch with `torchrun --nproc-per-node=<P> ...`, or unset {present}")
+    try:
+        env = TorchrunEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]),
+                          environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+    except ValueError as exc:
+        raise RuntimeError(f"the launcher environment has a non-integer value: "
+                           f"{ {n: environ[n] for n in _TORCHRUN_VARS} }") from exc
+    if not 0 <= env.rank < env.world_size:
+        raise RuntimeError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
+    return env
+
+
+class TorchrunWorld:
+    """This process as one rank of a launcher-started world; tasks run in-process.
+
+    Initializes the default group from the environment (gloo for CPU tensors, and NCCL for
+    CUDA tensors where CUDA is available: the device of the tensors picks the backend), a gloo
+    control group for verdicts, and one sub-group per ring size, made on first use and
+    replaced after a failure (a ring that timed out may hold stale transfers).
+    """
+
+    is_torchrun = True
+
+    def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None):
+        self.env = env
+        self.timeout = check_timeout(timeout)
+        self.rank, self.size = env.rank, env.world_size
+        use_cuda = torch.cuda.is_available() if backend is None else "nccl" in backend
+        self.device = f"cuda:{env.local_rank}" if use_cuda else "cpu"
+        if use_cuda:
+            torch.cuda.set_device(env.local_rank)
+        self._owns_world = not dist.is_initialized()
+        if self._owns_world:
+            dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if use_cuda else "gloo"),
+                                    rank=env.rank, world_size=env.world_size,
+                                    timeout=as_timedelta(control_timeout(self.timeout)))
+        elif (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            raise RuntimeError(f"torch.distributed is initialized as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
+        self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
+        self._rings: dict[int, Any] = {}
+        os.environ[CLAIMED_BY] = str(os.getpid())  # this process is the rank (see CLAIMED_BY)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """`obj` from every rank of the world, in rank order (on every rank)."""
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self.control)
+        return gathered
+
+    def _ring_group(self, ring_size: int):
+        if ring_size not in self._rings:  # collective: every rank gets here in the same order
+            ranks = list(range(self.size - ring_size, self.size))
+            self._rings[ring_size] = dist.new_group(ranks=ranks, timeout=as_timedelta(self.timeout))
+        return self._rings[ring_size]
+
+    def run(self, ring_size: int, task: Task, *args: Any) -> list[Any]:
+        __tracebackhide__ = True  # pytest shows the failure, not this frame
+        if not 1 <= ring_size <= self.size:
+            raise ValueError(f"a ring of {ring_size} ranks does not fit in the torchrun world of {self.size}; "
+                             f"launch with `torchrun --nproc-per-node={ring_size} ...` or more")
+        group = self._ring_group(ring_size)
+        ring_rank = self.rank - (self.size - ring_size)
+        if ring_rank >= 0:
+            member = RingMember(ring_rank, ring_size, group, self.timeout, self.rank, self.device)
+            try:
+                outcome = ("ok", task(member, *args))
+            except Exception:
+                outcome = ("error", raised_text())
+        else:
+            outcome = ("idle", None)
+        try:
+            pickle.dumps(outcome)
+        except Exception:
+            outcome = ("error", f"returned a result that cannot be sent to the other ranks:\n{traceback.format_exc()}")
+        outcomes = self.all_gather(outcome)
+        errors = {g: text for g, (kind, text) in enumerate(outcomes) if kind == "error"}
+        if errors:
+            self._rings.pop(ring_size, None)  # every rank drops it (they all see the failure)
+            raise RingError(failure_message(task, f"torchrun world of {self.size}", self.size, ring_size, errors),
+                            ring_failures(self.size, ring_size, errors))
+        return [value for _, value in outcomes[self.size - ring_size:]]
+
+    def close(self) -> None:
+        self._rings.clear()
+        if self._owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "TorchrunWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
