@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from ringcheck.spec import REFERENCE_DTYPES, check_causal, check_dout, check_qkv, check_rows, check_softmax_scale
+from ringcheck.spec import (
+    REFERENCE_DTYPES,
+    check_causal,
+    check_dout,
+    check_qkv,
+    check_rows,
+    check_softmax_scale,
+)
 
 
 def _check(q, k, v, causal, softmax_scale) -> float:

@@ -19,9 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference.mp as mpmod
+import reference.mp_exact as exact
 from reference import UncertifiedError, dense_grads, mp_attention
 from reference.cache import ResultCache, cache_key
+from reference.mp_group import Tiling
 from ringcheck.judge.metrics import error_stats
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -275,15 +276,12 @@ def test_sampled_rows_equal_full_rows():
     assert fwd_only.dq is None and torch.equal(fwd_only.out, part.out)
 
 
-def test_streaming_over_small_tiles_matches(monkeypatch):
+def test_streaming_over_small_tiles_matches():
     """Key tiles of 5, row blocks of 3 rows, nothing kept between passes: the exact parts are
     bit-identical; dk and dv are rounded per tile, so they agree to the certified digits."""
     q, k, v, do = make(sink, torch.float32, seed=2)
     whole = mp_attention(q, k, v, do, causal=True, cache=False)
-    monkeypatch.setattr(mpmod, "_KEY_TILE", 5)
-    monkeypatch.setattr(mpmod, "_TILE", 15)
-    monkeypatch.setattr(mpmod, "_KEEP", 0)
-    tiled = mp_attention(q, k, v, do, causal=True, cache=False)
+    tiled = mp_attention(q, k, v, do, causal=True, cache=False, tiling=Tiling(key_tile=5, tile=15, keep=0))
     assert tiled.certified_digits >= 30
     for name in ("out", "lse", "dq"):
         assert torch.equal(getattr(tiled, name), getattr(whole, name)), name
@@ -317,8 +315,8 @@ def test_limb_dot_products_are_exact(a, b):
     exact rational dot product."""
     n = min(len(a), len(b))
     x, y = np.array(a[:n]).reshape(1, n), np.array(b[:n]).reshape(n, 1)
-    gx, gy = mpmod._grid(x), mpmod._grid(y)
-    got = mpmod._imatmul(mpmod._float_limbs(x, gx), mpmod._float_limbs(y, gy))[0, 0]
+    gx, gy = exact.grid(x), exact.grid(y)
+    got = exact.imatmul(exact.float_limbs(x, gx), exact.float_limbs(y, gy))[0, 0]
     want = sum(Fraction(float(u)) * Fraction(float(w)) for u, w in zip(x[0], y[:, 0]))
     assert Fraction(int(got)) * Fraction(2) ** (gx.e + gy.e) == want
 

@@ -1,0 +1,313 @@
+"""One K/V head group of `reference.mp`: rows (query head g, position) against all keys,
+streamed over key tiles, with the a-priori bounds of the fixed-point exponentials."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from mpmath import libmp
+
+from .mp_exact import (
+    _NEG_INF,
+    _accumulate,
+    _add,
+    _cat_limbs,
+    _dyadic,
+    _exp_fixed,
+    _int_limbs,
+    _limbs_to_ints,
+    _log2add,
+    _mpf_array,
+    _result_bits,
+    _round_ratio,
+    float_limbs,
+    grid,
+    imatmul,
+)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a group streams: memory, never results (the exact parts are bit-identical for any
+    tiling; dk and dv, rounded per tile, agree to the certified digits)."""
+
+    key_tile: int = 4096    # keys per tile
+    tile: int = 1 << 17     # Python integers per (rows x keys) tile: rows per block = tile // key tile
+    keep: int = 1 << 18     # tiles of one row block are kept between passes up to this many entries
+
+
+DEFAULT_TILING = Tiling()
+
+
+# ---------------------------------------------------------------------------------------
+# one K/V head group: rows (query head g, position) against all keys
+
+
+@dataclass
+class _Inputs:
+    """One (batch, K/V head) group in exact form. q, do: (R, d) rows; k, v: (Nk, d)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    do: np.ndarray | None
+    pos: np.ndarray  # (R,) query position of each row
+    causal: bool
+    offset: int  # key j visible to row r iff j <= pos[r] + offset
+    scale: float
+
+    def __post_init__(self):
+        self.ms, self.es = _dyadic(self.scale)
+        self.gq, self.gk, self.gv = grid(self.q), grid(self.k), grid(self.v)
+        self.go = grid(self.do) if self.do is not None else None
+        self.ex = self.es + self.gq.e + self.gk.e  # x = ms * (q k^T integers) * 2^ex
+        # magnitudes for the a-priori bounds (`_Bounds`)
+        self.vmax, self.kmax = float(np.abs(self.v).max()), float(np.abs(self.k).max())
+        self.qmax = float(np.abs(self.q).max())
+        if self.do is not None:
+            self.domax = float(np.abs(self.do).max())
+            self.do_l1 = np.abs(self.do).sum(axis=1)
+
+
+def _group(inp: _Inputs, precisions: tuple[int, ...], *, key_grads: bool, tiling: Tiling = DEFAULT_TILING):
+    """Per precision p: ({name: object array of mpf}, {name: log2 of an a-priori error bound}).
+
+    out (R, d), lse (R,), dq (R, d) if do is given, dk, dv (Nk, d) if key_grads. Row bounds
+    are per row ((R,) arrays); key bounds are one number for the group.
+    """
+    R, d = inp.q.shape
+    nk = inp.k.shape[0]
+    kb = min(nk, tiling.key_tile)
+    rb = max(1, tiling.tile // kb)
+    vals = {p: {} for p in precisions}
+    bounds = {p: {} for p in precisions}
+    key_acc = {p: {"dk": {}, "dv": {}} for p in precisions}
+    key_bound = {p: {"dk": _NEG_INF, "dv": _NEG_INF} for p in precisions}
+    kt = None
+    if nk * d * inp.gk.limbs <= (1 << 22):  # small enough: keep k's limbs for every row block
+        kt = np.swapaxes(float_limbs(inp.k, inp.gk), 0, 1)
+    for r0 in range(0, R, rb):
+        block = _RowBlock(inp, slice(r0, min(R, r0 + rb)), kb, precisions, kt, tiling.keep)
+        for p in precisions:
+            v, b = block.finish_rows(p)
+            for name in v:
+                vals[p].setdefault(name, []).append(v[name])
+                bounds[p].setdefault(name, []).append(b[name])
+        if key_grads:
+            block.key_grads(key_acc, key_bound)
+    out = {}
+    for p in precisions:
+        vals[p] = {name: np.concatenate(x) for name, x in vals[p].items()}
+        bounds[p] = {name: np.concatenate(x) for name, x in bounds[p].items()}
+        if key_grads:
+            vals[p].update(_finish_keys(inp, key_acc[p], nk, d))
+            bounds[p].update(key_bound[p])
+        out[p] = (vals[p], bounds[p])
+    return out
+
+
+class _RowBlock:
+    """Rows [rows] of a group against all key tiles.
+
+    Pass 1: the exact row maxima m of ms * S. Pass 2, all precisions at once (scores and
+    G = dO v^T are exact, so shared): fixed-point E, L = sum E, num = E v, and for dq
+    A = (E * G) k and B = E k. `key_grads` is pass 3. Tiles are kept between passes when
+    the block is small, else recomputed (same values: everything before E is exact).
+    """
+
+    def __init__(self, inp: _Inputs, rows: slice, kb: int, precisions, kt, keep: int):
+        self.inp, self.precisions = inp, precisions
+        nk, d = inp.k.shape
+        self.tiles = [(j0, min(nk, j0 + kb)) for j0 in range(0, nk, kb)]
+        self.pos = inp.pos[rows]
+        self.ql = float_limbs(inp.q[rows], inp.gq)
+        self.dol = float_limbs(inp.do[rows], inp.go) if inp.do is not None else None
+        self.do_l1 = inp.do_l1[rows] if inp.do is not None else None
+        self.kt = kt
+        n = len(self.pos)
+        self.keep = n * nk <= keep
+        self.cache: dict = {}
+        self.m = np.full(n, _NEG_INF, dtype=object)
+        for t in range(len(self.tiles)):
+            s, vis = self._scores(t)
+            masked = s if vis is None else np.where(vis, s, _NEG_INF)
+            self.m = np.maximum(self.m, masked.max(axis=1))
+        self.empty = np.array([m == _NEG_INF for m in self.m.tolist()], dtype=bool)
+        self.F = {p: p + 8 + nk.bit_length() for p in precisions}  # guard: sums of nk terms
+        self.inexact = np.zeros(n, dtype=bool)  # rows with an E that is not exactly 0 or 2^F
+        self.L = {p: np.zeros(n, dtype=object) for p in precisions}
+        self.num, self.A, self.B = ({p: None for p in precisions} for _ in range(3))
+        for t, (j0, j1) in enumerate(self.tiles):
+            s, vis = self._scores(t)
+            vl = float_limbs(inp.v[j0:j1], inp.gv)
+            kl = float_limbs(inp.k[j0:j1], inp.gk) if self.dol is not None else None
+            g = self._g(t) if self.dol is not None else None
+            for p in precisions:
+                e = self._exp(t, p, s, vis)
+                self.L[p] = self.L[p] + e.sum(axis=1)
+                el = _int_limbs(e)
+                if kl is None:
+                    num = imatmul(el, vl)
+                else:  # E v and E k in one product
+                    both = imatmul(el, _cat_limbs(vl, kl))
+                    num, b = both[:, :d], both[:, d:]
+                    a = imatmul(_int_limbs(e * g), kl)
+                    self.A[p] = _add(self.A[p], a)
+                    self.B[p] = _add(self.B[p], b)
+                self.num[p] = _add(self.num[p], num)
+        for p in precisions:  # masked rows: E = 0 everywhere; L = 1 keeps formulas defined
+            self.L[p][self.empty] = 1
+        if self.dol is not None:
+            do_int = _limbs_to_ints(self.dol)
+            self.dn = {p: (do_int * self.num[p]).sum(axis=1) for p in precisions}  # D = Dn 2^(eo+ev) / L
+
+    # -- tiles ---------------------------------------------------------------------------
+    def _scores(self, t):
+        if ("s", t) in self.cache:
+            return self.cache[("s", t)]
+        inp = self.inp
+        j0, j1 = self.tiles[t]
+        kt = self.kt[:, j0:j1] if self.kt is not None else np.swapaxes(float_limbs(inp.k[j0:j1], inp.gk), 0, 1)
+        s = imatmul(self.ql, kt) * inp.ms
+        vis = None
+        if inp.causal:
+            vis = np.arange(j0, j1)[None, :] <= (self.pos + inp.offset)[:, None]
+            if vis.all():
+                vis = None
+        if self.keep:
+            self.cache[("s", t)] = (s, vis)
+        return s, vis
+
+    def _g(self, t):
+        if ("g", t) in self.cache:
+            return self.cache[("g", t)]
+        j0, j1 = self.tiles[t]
+        g = imatmul(self.dol, np.swapaxes(float_limbs(self.inp.v[j0:j1], self.inp.gv), 0, 1))
+        if self.keep:
+            self.cache[("g", t)] = g
+        return g
+
+    def _exp(self, t, p, s=None, vis=None):
+        if ("e", t, p) in self.cache:
+            return self.cache[("e", t, p)]
+        if s is None:
+            s, vis = self._scores(t)
+        e, inexact = _exp_fixed(s, self.m, vis, self.inp.ex, self.F[p])
+        self.inexact |= inexact
+        if self.keep:
+            self.cache[("e", t, p)] = e
+        return e
+
+    # -- results of the rows -------------------------------------------------------------
+    def finish_rows(self, p):
+        inp, F, L = self.inp, self.F[p], self.L[p]
+        prec = _result_bits(self.precisions)
+        rnd = libmp.round_nearest
+        n, d = self.ql.shape[:2]
+        ev = inp.gv.e
+        out, lse = [], []
+        for r in range(n):
+            if self.empty[r]:
+                out.extend([libmp.fzero] * d)
+                lse.append(libmp.fninf)
+                continue
+            den = libmp.from_int(L[r])
+            out.extend(libmp.mpf_div(libmp.from_man_exp(x, ev), den, prec, rnd) for x in self.num[p][r].tolist())
+            log_l = libmp.mpf_log(libmp.from_man_exp(L[r], -F), p, rnd)
+            lse.append(libmp.mpf_add(libmp.from_man_exp(self.m[r], inp.ex), log_l, prec, rnd))
+        vals = {"out": _mpf_array(out, (n, d)), "lse": _mpf_array(lse, (n,))}
+        nk = inp.k.shape[0]
+        bnd = _Bounds(F, self.inexact)
+        bounds = {"out": bnd.rows(4 * nk * inp.vmax),
+                  "lse": _log2add(bnd.rows(2 * nk), np.where(self.empty, _NEG_INF, math.log2(math.log(nk + 1) + 1) - p))}
+        if self.dol is not None:
+            # dq = ms 2^(es+eo+ev+ek) (L A - Dn B) / L^2
+            e = inp.es + inp.go.e + inp.gv.e + inp.gk.e
+            dq = []
+            for r in range(n):
+                if self.empty[r]:
+                    dq.extend([libmp.fzero] * d)
+                    continue
+                lr, dn = L[r], self.dn[p][r]
+                den = libmp.from_int(lr * lr)
+                dq.extend(libmp.mpf_div(libmp.from_man_exp(inp.ms * (lr * a - dn * b), e), den, prec, rnd)
+                          for a, b in zip(self.A[p][r].tolist(), self.B[p][r].tolist()))
+            vals["dq"] = _mpf_array(dq, (n, d))
+            bounds["dq"] = bnd.rows(12 * nk * abs(inp.scale) * inp.kmax * inp.vmax * self.do_l1)
+        return vals, bounds
+
+    # -- dk and dv: sums over rows, accumulated across row blocks ------------------------
+    def key_grads(self, acc, bound):
+        """dV_J += P^T dO and dK_J (without ms 2^(es+eo+ev)) += dS^T q per key tile J, with
+        P = E / L and dS ~ E (G L - Dn) / L^2 rounded to F bits per tile."""
+        inp = self.inp
+        n, nk = len(self.pos), inp.k.shape[0]
+        for p in self.precisions:  # bounds of the E quantization, summed over the rows
+            bnd = _Bounds(self.F[p], self.inexact)
+            bound[p]["dv"] = _log2add(bound[p]["dv"], bnd.total(4 * nk * inp.domax))
+            bound[p]["dk"] = _log2add(bound[p]["dk"], bnd.total(12 * nk * abs(inp.scale) * inp.qmax * inp.vmax * self.do_l1))
+        for t, (j0, j1) in enumerate(self.tiles):
+            g = self._g(t)
+            for p in self.precisions:
+                e = self._exp(t, p)
+                F, L, dn = self.F[p], self.L[p][:, None], self.dn[p][:, None]
+                pr, tp, inexact = _round_ratio(e, L, F)
+                if pr is not None:
+                    _accumulate(acc[p]["dv"], j0, imatmul(_int_limbs(pr.T), self.dol), inp.go.e - tp)
+                    if inexact:  # each P off by <= 2^(-T-1): n rows of |dO| <= domax
+                        bound[p]["dv"] = _log2add(bound[p]["dv"], math.log2(n * inp.domax) - tp - 1)
+                ds, ts, inexact = _round_ratio(e * (g * L - dn), L * L, F)
+                if ds is not None:
+                    _accumulate(acc[p]["dk"], j0, imatmul(_int_limbs(ds.T), self.ql), inp.gq.e - ts)
+                    if inexact:  # each dS off by <= 2^(eo+ev-T-1)
+                        bound[p]["dk"] = _log2add(bound[p]["dk"], math.log2(n * abs(inp.scale) * inp.qmax)
+                                                  + inp.go.e + inp.gv.e - ts - 1)
+
+
+class _Bounds:
+    """A-priori bounds on what the fixed-point E costs, as log2 of absolute errors.
+
+    Agreement of two precisions cannot see an error both share, and one is shared by
+    construction: an exponential below 2^-F of its row's maximum is 0 at every precision
+    whose F is too small to hold it (a sink key 60 logits above the rest makes P one-hot
+    at 20 and 40 bits alike, and dq = 0 at both). So the certified precision is also capped
+    by a bound on that quantization. With w = E / 2^F in [0, 1] (the maximum's w = 1, so
+    l = sum w >= 1), each w off by |eps| <= delta = 2^-F, first order:
+      sum_j |dP_j| <= 2 N delta, so |d out| <= 2 N delta max|v|, |d lse| <= N delta,
+      |d D| <= |dO_r|_1 2 N delta max|v|, sum_j |d dS_j| <= 6 N delta |dO_r|_1 max|v|,
+      |d dq| <= |scale| max|k| (that), |d dk| <= |scale| max|q| sum_r (that),
+      |d dv| <= 2 N delta max|dO| per row;
+    each is doubled for the second order. Rows whose E are all exact (only the maximum, or
+    masked) have delta = 0.
+    """
+
+    def __init__(self, F: int, inexact: np.ndarray):
+        self.F, self.inexact = F, inexact
+
+    def rows(self, factor) -> np.ndarray:
+        f = np.broadcast_to(np.asarray(factor, dtype=np.float64), self.inexact.shape)
+        with np.errstate(divide="ignore"):
+            return np.where(self.inexact & (f > 0), np.log2(f) - self.F, _NEG_INF)
+
+    def total(self, factor) -> float:
+        f = np.broadcast_to(np.asarray(factor, dtype=np.float64), self.inexact.shape)
+        s = float(f[self.inexact].sum())
+        return math.log2(s) - self.F if s > 0 else _NEG_INF
+
+
+def _finish_keys(inp: _Inputs, acc, nk: int, d: int) -> dict[str, np.ndarray]:
+    """dk and dv as mpf arrays: the accumulated integers are exact, so no rounding here."""
+    out = {}
+    for name in ("dk", "dv"):
+        flat = [libmp.fzero] * (nk * d)
+        for j0, (ints, e) in acc[name].items():
+            if name == "dk":
+                ints, e = ints * inp.ms, e + inp.es + inp.go.e + inp.gv.e
+            for i, x in enumerate(ints.ravel().tolist()):
+                flat[j0 * d + i] = libmp.from_man_exp(x, e)
+        out[name] = _mpf_array(flat, (nk, d))
+    return out
+
+
