@@ -65,7 +65,7 @@ def _ours(layout: str, backend: str) -> ImplFn:
 
 def _ring_attention_pytorch(layout: str) -> ImplFn:
     try:
-        from ring_attention_pytorch import ring_flash_attn
+        from ring_attention_pytorch import ring_flash_attn  # optional dependency: the peer ring
     except ImportError as exc:
         raise RuntimeError("--impl ring_attention_pytorch needs the package: "
                            "pip install ring-attention-pytorch==0.5.20") from exc
@@ -93,7 +93,7 @@ def _ring_attention_pytorch(layout: str) -> ImplFn:
 
 def _ring_flash_attn(variant: str) -> ImplFn:
     try:
-        import ring_flash_attn as rfa
+        import ring_flash_attn as rfa  # optional dependency: the peer ring
     except ImportError as exc:
         raise RuntimeError("--impl ring_flash_attn needs the ring-flash-attn package and CUDA "
                            "(pip install ring-flash-attn flash-attn on a GPU machine)") from exc
@@ -115,6 +115,7 @@ class _TorchCPRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group):
+        # optional: torch's private context-parallel API, present only in some torch versions
         from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.distributed.tensor.experimental._context_parallel._attention import (
             _templated_ring_attention,
@@ -134,6 +135,7 @@ class _TorchCPRing(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        # optional: torch's private context-parallel API, present only in some torch versions
         from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.distributed.tensor.experimental._context_parallel._attention import (
             _templated_ring_attention_backward,

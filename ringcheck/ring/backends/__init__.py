@@ -47,10 +47,10 @@ def get_backend(name: str) -> BlockBackend:
     if name in ("torch", "torch_plain"):
         return TorchBackend(fast=(name == "torch"))
     if name == "triton":
-        from .triton_backend import TritonBackend
+        from .triton_backend import TritonBackend  # optional dependency: triton
         return TritonBackend()
     if name == "flash_attn":
-        from .flash_attn_backend import FlashAttnBackend
+        from .flash_attn_backend import FlashAttnBackend  # optional dependency: flash-attn (CUDA)
         return FlashAttnBackend()
     raise ValueError(f"backend={name!r} is unknown; choose one of {list(BACKENDS)}")
 

@@ -96,7 +96,7 @@ class FlashAttnBackend:
 
     def __init__(self):
         try:
-            import flash_attn
+            import flash_attn  # optional dependency: flash-attn (CUDA only)
             from flash_attn import flash_attn_func
             from flash_attn.flash_attn_interface import _flash_attn_backward
         except Exception as error:  # ImportError, or the CUDA extension failing to load

@@ -135,7 +135,7 @@ _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
 def _ast_source(kernel, args: dict, constexprs: dict):
     """The kernel's source specialized as a launch with `args` would be: pointers (given as
     torch dtypes) 16-byte aligned, ints equal to 1 made constants, ints divisible by 16 marked."""
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource  # optional dependency: triton (GPU compilation only)
 
     signature, constants, attrs = {}, dict(constexprs), {}
     for index, name in enumerate(kernel.arg_names):
@@ -165,7 +165,7 @@ def compile_for_gpu(*, arch: int = 90, dtype: torch.dtype = torch.bfloat16, head
     tensors would; returns each kernel's shared memory in bytes. This catches on a CPU what
     the interpreter lets through (types, constexpr scoping, shared-memory size). Needs the
     compiled kernels: a process without TRITON_INTERPRET."""
-    import triton
+    import triton  # optional dependency: triton (GPU compilation only)
     from triton.backends.compiler import GPUTarget
 
     if is_interpreted():
