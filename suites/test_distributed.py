@@ -7,7 +7,6 @@ under `torchrun -m pytest`. Rings smaller than the world are sub-groups of its l
 ring ranks differ from global ranks.
 """
 
-import itertools
 import os
 import subprocess
 import sys
@@ -18,23 +17,20 @@ import torch
 import torch.distributed as dist
 
 import ringcheck
-from ringcheck.judge.check import MODES, Case, Results
+from ringcheck.judge.check import Results
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.launch import RingError
 from ringcheck.ring import DistributedDriver, Post, ring_attention
 from ringcheck.ring.comm import RingComm
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.testing.cases import DISTRIBUTED_CASES, DISTRIBUTED_FAULT_CASES, DISTRIBUTED_LSE_CASES
 
 SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones
-DTYPES = ["float32", "bfloat16"]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 
-def _case(world_size, mode, dtype, *, seed=0, tokens=8, batch=2, heads=(4, 2), head_dim=16):
-    causal, layout = MODES[mode]
-    spec = AttentionSpec(batch=batch, heads=heads[0], kv_heads=heads[1], seq_len=world_size * tokens,
-                         head_dim=head_dim, dtype=dtype, causal=causal)
-    return Case(spec, RingSpec(world_size, layout), seed=seed)
+def cases_of_size(table, world_size):
+    """The cases of `table` (a dict name -> Case) for a ring of `world_size`, in table order."""
+    return [case for case in table.values() if case.ring.world_size == world_size]
 
 
 def shard_inputs(inputs, *, layout, rank, world_size):
@@ -111,8 +107,8 @@ def lse_gradient_task(member, case):
 @pytest.mark.parametrize("world_size", SIZES)
 def test_distributed_equals_simulated_bit_for_bit(run_on_ring, world_size):
     """Every mode, float32 and bfloat16, MHA and GQA: out, lse, dq, dk, dv identical."""
-    cases = [_case(world_size, mode, dtype, seed=i, heads=heads)
-             for i, (mode, dtype, heads) in enumerate(itertools.product(MODES, DTYPES, [(4, 2), (2, 2)]))]
+    cases = cases_of_size(DISTRIBUTED_CASES, world_size)
+    assert cases, f"DISTRIBUTED_CASES has no case for world_size={world_size}"
     per_rank = run_on_ring(world_size, bit_for_bit_task, cases)
     bad = [line for rank in per_rank for line in rank]
     assert not bad, "\n".join(bad)
@@ -120,9 +116,10 @@ def test_distributed_equals_simulated_bit_for_bit(run_on_ring, world_size):
 
 @pytest.mark.parametrize("world_size", [4, 3])
 def test_gradient_through_lse_equals_simulated_bit_for_bit(run_on_ring, world_size):
-    for mode in ("bidirectional", "zigzag"):
-        bad = [line for rank in run_on_ring(world_size, lse_gradient_task, _case(world_size, mode, "bfloat16"))
-               for line in rank]
+    cases = cases_of_size(DISTRIBUTED_LSE_CASES, world_size)
+    assert cases, f"DISTRIBUTED_LSE_CASES has no case for world_size={world_size}"
+    for case in cases:
+        bad = [line for rank in run_on_ring(world_size, lse_gradient_task, case) for line in rank]
         assert not bad, "\n".join(bad)
 
 
@@ -212,9 +209,8 @@ def test_a_subprocess_of_a_rank_is_not_a_rank():
 
 # ------------------------------------------------------------------------ collective failures
 
-def planted_wrong_result_task(member, planted_rank):
-    """A correct ring run, then one rank's output is made wrong: its check must fail."""
-    case = _case(member.world_size, "zigzag", "float32")
+def planted_wrong_result_task(member, case, planted_rank):
+    """A correct ring run of `case`, then one rank's output is made wrong: its check must fail."""
     r = rank_results(member, case)
     got = dict(zip(TENSORS, (r.out, r.lse, r.dq, r.dk, r.dv)))
     if member.rank == planted_rank:
@@ -226,9 +222,10 @@ def planted_wrong_result_task(member, planted_rank):
 
 
 def test_a_failure_on_one_rank_fails_every_rank_with_one_message(run_on_ring, torchrun_world):
+    case = DISTRIBUTED_FAULT_CASES["wrong_result_p4"]
     start = time.monotonic()
     with pytest.raises(RingError) as info:
-        run_on_ring(4, planted_wrong_result_task, 1)
+        run_on_ring(case.ring.world_size, planted_wrong_result_task, case, 1)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert set(info.value.failures) == {1}
@@ -239,23 +236,23 @@ def test_a_failure_on_one_rank_fails_every_rank_with_one_message(run_on_ring, to
         messages = torchrun_world.all_gather(message)
         assert all(m == messages[0] for m in messages), messages
     # the ring is usable again afterwards (a local ring restarts, a torchrun ring is re-made)
-    assert run_on_ring(4, ranks_task)[0][0] == 0
+    assert run_on_ring(case.ring.world_size, ranks_task)[0][0] == 0
 
 
-def raises_before_the_ring_task(member, timeout):
+def raises_before_the_ring_task(member, case, timeout):
     if member.rank == 1:
         raise ValueError("planted: rank 1 fails before its first send")
-    case = _case(member.world_size, "causal", "float32")
-    q, k, v, _ = shard_inputs(make_inputs(case.spec, seed=0), layout="contiguous", rank=member.rank,
+    q, k, v, _ = shard_inputs(make_inputs(case.spec, seed=case.seed), layout=case.ring.layout, rank=member.rank,
                               world_size=member.world_size)
-    return ring_attention(q, k, v, causal=True, group=member.group, timeout=timeout).shape
+    return ring_attention(q, k, v, causal=case.spec.causal, layout=case.ring.layout, group=member.group,
+                          timeout=timeout).shape
 
 
 def test_a_rank_that_raises_fails_the_others_in_bounded_time(run_on_ring):
-    timeout = 5.0
+    case, timeout = DISTRIBUTED_FAULT_CASES["raises_p3"], 5.0
     start = time.monotonic()
     with pytest.raises(RingError) as info:
-        run_on_ring(3, raises_before_the_ring_task, timeout)
+        run_on_ring(case.ring.world_size, raises_before_the_ring_task, case, timeout)
     elapsed = time.monotonic() - start
     assert "rank 1 (global rank" in str(info.value) and "ValueError: planted" in str(info.value)
     assert 1 in info.value.failures
@@ -267,5 +264,6 @@ def test_planted_failure_demonstration(request, run_on_ring):
     message naming rank 1; with plain pytest, once, naming rank 1."""
     if not request.config.getoption("--ring-planted-failure"):
         pytest.skip("a demonstration that fails on purpose: select it with --ring-planted-failure")
-    run_on_ring(4, planted_wrong_result_task, 1)
+    case = DISTRIBUTED_FAULT_CASES["wrong_result_p4"]
+    run_on_ring(case.ring.world_size, planted_wrong_result_task, case, 1)
 

@@ -19,11 +19,11 @@ import types
 import pytest
 import torch
 
-from ringcheck.judge.check import MODES, Case, run_case
+from ringcheck.judge.check import run_case
 from ringcheck.ring import simulate_ring
 from ringcheck.ring.backends import get_backend
 from ringcheck.ring.backends.flash_attn_backend import FlashAttnBackend, flash_geometry
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.testing.cases import FLASH_CASES, FLASH_STAND_IN_CASES
 
 
 def _flash_available() -> tuple[bool, str]:
@@ -167,26 +167,18 @@ def install_stand_in(monkeypatch, *, new_signature: bool) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
 
 
-STAND_IN_CASES = [  # (P, mode, dtype, heads, kv_heads, head_dim, tokens per chunk, new signature)
-    (2, "bidirectional", "bfloat16", 2, 1, 16, 4, True),
-    (4, "causal", "bfloat16", 4, 2, 40, 4, True),
-    (4, "zigzag", "float16", 2, 1, 59, 4, False),
-    (4, "striped", "bfloat16", 2, 2, 96, 4, True),
-    (2, "striped", "float16", 3, 1, 20, 6, False),
-]
+# the stand-in cases whose stand-in takes flash-attn 2.5's `_flash_attn_backward` arguments
+# (window_size as one tuple); the others take 2.7's (window_size_left, window_size_right, softcap)
+OLD_SIGNATURE = {"p4_zigzag_fp16_h2kv1_d59_flash_attn", "p2_striped_fp16_h3kv1_d20_t6_flash_attn"}
+assert OLD_SIGNATURE <= FLASH_STAND_IN_CASES.keys()
 
 
-@pytest.mark.parametrize("world_size,mode,dtype,heads,kv_heads,head_dim,per_chunk,new_signature", STAND_IN_CASES,
-                         ids=[f"P{c[0]}-{c[1]}-{c[2]}-h{c[3]}/{c[4]}-d{c[5]}-{'2.7' if c[7] else '2.5'}"
-                              for c in STAND_IN_CASES])
-def test_glue_in_the_ring_on_a_stand_in(monkeypatch, world_size, mode, dtype, heads, kv_heads, head_dim,
-                                        per_chunk, new_signature):
-    install_stand_in(monkeypatch, new_signature=new_signature)
+@pytest.mark.parametrize("name", FLASH_STAND_IN_CASES,
+                         ids=lambda name: f"{name}-{'2.5' if name in OLD_SIGNATURE else '2.7'}")
+def test_glue_in_the_ring_on_a_stand_in(monkeypatch, name):
+    install_stand_in(monkeypatch, new_signature=name not in OLD_SIGNATURE)
     monkeypatch.setattr(FlashAttnBackend, "_require_cuda", staticmethod(lambda name, t: None))
-    causal, layout = MODES[mode]
-    spec = AttentionSpec(batch=1, heads=heads, kv_heads=kv_heads, seq_len=2 * world_size * per_chunk,
-                         head_dim=head_dim, dtype=dtype, causal=causal)
-    verdict = run_case(Case(spec, RingSpec(world_size, layout), seed=0, backend="flash_attn"))
+    verdict = run_case(FLASH_STAND_IN_CASES[name])
     assert verdict.passed, verdict.message()
 
 
@@ -195,21 +187,15 @@ def test_glue_in_the_ring_on_a_stand_in(monkeypatch, world_size, mode, dtype, he
 AVAILABLE, WHY_NOT = _flash_available()
 needs_flash = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
-REAL_CASES = [(p, m, dt) for p in (1, 2, 4, 8) for m in ("bidirectional", "causal", "zigzag", "striped")
-              for dt in ("bfloat16", "float16") if p in (2, 8) or dt == "bfloat16"]
-
-
 @needs_flash
-@pytest.mark.parametrize("world_size,mode,dtype", REAL_CASES, ids=[f"P{p}-{m}-{dt}" for p, m, dt in REAL_CASES])
-def test_ring_with_flash_attn_blocks_meets_budget(world_size, mode, dtype):
-    causal, layout = MODES[mode]
-    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_len=2 * world_size * 96, head_dim=72, dtype=dtype,
-                         causal=causal)
-    case = Case(spec, RingSpec(world_size, layout), seed=0, backend="flash_attn")
+@pytest.mark.parametrize("name", FLASH_CASES)
+def test_ring_with_flash_attn_blocks_meets_budget(name):
+    case = FLASH_CASES[name]
 
     def on_cuda(q, k, v):
-        out, lse = simulate_ring(q.cuda(), k.cuda(), v.cuda(), world_size=world_size, causal=causal,
-                                 layout=layout, backend="flash_attn", return_lse=True)
+        out, lse = simulate_ring(q.cuda(), k.cuda(), v.cuda(), world_size=case.ring.world_size,
+                                 causal=case.spec.causal, softmax_scale=case.spec.softmax_scale,
+                                 layout=case.ring.layout, backend=case.backend, return_lse=True)
         return out.cpu(), lse.cpu()
     verdict = run_case(case, impl=on_cuda)
     assert verdict.passed, verdict.message()

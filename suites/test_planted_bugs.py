@@ -7,21 +7,13 @@ can fail.
 
 import pytest
 
-from ringcheck.judge.check import MODES, Case, run_case, simulated_impl
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.judge.check import run_case, simulated_impl
+from ringcheck.testing.cases import PLANTED_CASES
 from ringcheck.testing.planted import PLANTED
 
 
-def _case(mode, world_size=4, dtype="float32", distribution="normal", tokens=4, head_dim=16):
-    causal, layout = MODES[mode]
-    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_len=2 * world_size * tokens,
-                         head_dim=head_dim, dtype=dtype, causal=causal)
-    return Case(spec, RingSpec(world_size, layout), seed=11, distribution=distribution)
-
-
 def test_the_unbroken_ring_passes_these_cases():
-    for case in (_case("bidirectional"), _case("zigzag"),
-                 _case("bidirectional", 16, "bfloat16", "near-uniform", 8, 32)):
+    for case in PLANTED_CASES.values():
         verdict = run_case(case)
         assert verdict.passed, verdict.message()
 
@@ -31,13 +23,13 @@ def _planted(case, name):
 
 
 def test_merge_without_rescaling_is_rejected():
-    verdict = _planted(_case("bidirectional"), "merge_without_rescaling")
+    verdict = _planted(PLANTED_CASES["p4_bidirectional"], "merge_without_rescaling")
     assert not verdict.passed
     assert not verdict["out"].passed and not verdict["lse"].passed
 
 
 def test_wrong_causal_offset_in_the_zigzag_diagonal_is_rejected():
-    verdict = _planted(_case("zigzag"), "diagonal_off_by_one")
+    verdict = _planted(PLANTED_CASES["p4_zigzag"], "diagonal_off_by_one")
     assert not verdict.passed
     assert "FAILED" in verdict.message() and "zigzag" in verdict.message()
     assert not verdict["out"].passed and not verdict["dk"].passed
@@ -45,13 +37,13 @@ def test_wrong_causal_offset_in_the_zigzag_diagonal_is_rejected():
 
 def test_dk_dv_not_sent_home_is_caught_by_the_home_check():
     with pytest.raises(RuntimeError, match=r"gradients for rank \d did not return home"):
-        _planted(_case("bidirectional"), "dk_dv_not_sent_home")
+        _planted(PLANTED_CASES["p4_bidirectional"], "dk_dv_not_sent_home")
 
 
 def test_low_precision_partial_output_at_every_hop_is_rejected():
     """A bf16 round trip of the running output at every ring step (accumulate="input"): on
     near-tied rows over same-sign V the roundings add up past the budget at 16 ranks."""
-    case = _case("bidirectional", 16, "bfloat16", "near-uniform", 8, 32)
+    case = PLANTED_CASES["p16_near_uniform"]
     verdict = run_case(case, impl=simulated_impl(case, accumulate="input"))
     assert not verdict.passed
     assert not verdict["out"].passed

@@ -1,18 +1,18 @@
 """Where flash-attention's budget rule alone failed a correct ring: findings of the property
 search, kept as regression tests.
 
-Each case below failed flash-attention's rule (error <= k x peer error + output rounding
-floor) with our unmodified ring, and so did the same case on a ring of size 1 (the plain
-block kernel): limits of the rule, not ring bugs. The rule now adds the per-element float32
-rounding bound of `ringcheck.judge.verdict.float32_floors`; these tests assert that the correct
-ring passes every one of them, and that each still fails the bare rule (so each keeps
-testing the floor).
+Each case of `ringcheck.testing.cases.BUDGET_FINDINGS` failed flash-attention's rule (error
+<= k x peer error + output rounding floor) with our unmodified ring, and so did the same case
+on a ring of size 1 (the plain block kernel): limits of the rule, not ring bugs. The rule now
+adds the per-element float32 rounding bound of `ringcheck.judge.verdict.float32_floors`; these
+tests assert that the correct ring passes every one of them, and that each still fails the
+bare rule (so each keeps testing the floor).
 """
 
 import pytest
 
-from ringcheck.judge.check import Case, run_case
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.judge.check import run_case
+from ringcheck.testing.cases import BUDGET_FINDINGS
 
 FLOAT32_PEER = ("float32 inputs: the peer computes in float32 too, as precisely as the ring; with "
                 "logit std 50 the recomputed P = exp(s - lse) carries lse's rounding along whole rows")
@@ -22,36 +22,25 @@ SATURATED = ("saturated rows: the peer's softmax is exactly one-hot, its dq/dk e
              "flash-attention backward leaves ~eps32 |dO||V||K| scale")
 TIED = "every key tied: dq = 0 exactly, the peer's is exact, ours has a cancellation residue"
 
-
-def _case(batch, heads, kv_heads, seq_len, head_dim, dtype, world_size, seed, distribution, *,
-          causal=False, layout="contiguous"):
-    spec = AttentionSpec(batch, heads, kv_heads, seq_len, head_dim, dtype, causal)
-    return Case(spec, RingSpec(world_size, layout), seed=seed, distribution=distribution)
-
-
-FINDINGS = [
-    # (case, reason, tensors that fail)
-    (_case(1, 2, 1, 16, 16, "float32", 4, 2, "wide"), FLOAT32_PEER, {"out", "dq", "dk", "dv"}),
-    (_case(1, 2, 1, 16, 16, "float32", 1, 2, "wide"), FLOAT32_PEER, {"out", "dq", "dk", "dv"}),
-    (_case(1, 1, 1, 1, 9, "float16", 1, 2, "normal"), ZERO_TRUTH, {"dq", "dk"}),
-    (_case(2, 4, 2, 16, 16, "float16", 4, 0, "sink"), SATURATED, {"dq", "dk"}),
-    (_case(2, 4, 2, 16, 16, "float16", 1, 0, "sink"), SATURATED, {"dq", "dk"}),
-    (_case(2, 4, 2, 15, 32, "bfloat16", 3, 1, "late-max", causal=True, layout="striped"), SATURATED, {"dq", "dk"}),
-    (_case(1, 2, 2, 2, 30, "bfloat16", 1, 801, "repeated-max"), TIED, {"dq"}),
-]
+WHY = {  # finding (a name of BUDGET_FINDINGS) -> (reason, tensors that fail the bare rule)
+    "wide_fp32_p4": (FLOAT32_PEER, {"out", "dq", "dk", "dv"}),
+    "wide_fp32_p1": (FLOAT32_PEER, {"out", "dq", "dk", "dv"}),
+    "one_key_fp16_p1": (ZERO_TRUTH, {"dq", "dk"}),
+    "sink_fp16_p4": (SATURATED, {"dq", "dk"}),
+    "sink_fp16_p1": (SATURATED, {"dq", "dk"}),
+    "late_max_bf16_p3": (SATURATED, {"dq", "dk"}),
+    "repeated_max_bf16_p1": (TIED, {"dq"}),
+}
+assert WHY.keys() == BUDGET_FINDINGS.keys()
 
 
-@pytest.mark.parametrize("case, reason, failing", [
-    pytest.param(case, reason, failing, id=f"{case.distribution}-{case.spec.dtype}-P{case.ring.world_size}")
-    for case, reason, failing in FINDINGS])
-def test_the_correct_ring_passes_where_the_bare_rule_failed(case, reason, failing):
-    verdict = run_case(case)
-    assert verdict.passed, f"{reason}\n{verdict.message()}"
+@pytest.mark.parametrize("name", BUDGET_FINDINGS)
+def test_the_correct_ring_passes_where_the_bare_rule_failed(name):
+    verdict = run_case(BUDGET_FINDINGS[name])
+    assert verdict.passed, f"{WHY[name][0]}\n{verdict.message()}"
 
 
-@pytest.mark.parametrize("case, reason, failing", [
-    pytest.param(case, reason, failing, id=f"{case.distribution}-{case.spec.dtype}-P{case.ring.world_size}")
-    for case, reason, failing in FINDINGS])
-def test_without_the_float32_floor_the_finding_returns(case, reason, failing):
-    verdict = run_case(case, use_float32_floors=False)
-    assert not verdict.passed, f"the bare rule now passes this case ({reason}); drop it"
+@pytest.mark.parametrize("name", BUDGET_FINDINGS)
+def test_without_the_float32_floor_the_finding_returns(name):
+    verdict = run_case(BUDGET_FINDINGS[name], use_float32_floors=False)
+    assert not verdict.passed, f"the bare rule now passes this case ({WHY[name][0]}); drop it"

@@ -10,8 +10,8 @@ a fixed (derandomized) search so the test is deterministic.
 import pytest
 from hypothesis import HealthCheck, find, settings
 
-from ringcheck.judge.check import MODES, Case, run_case, simulated_impl
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.judge.check import run_case, simulated_impl
+from ringcheck.testing.cases import SEARCH_BENIGN_CASES
 from ringcheck.testing.planted import PLANTED
 from ringcheck.testing.properties import budget_cases, check_budget
 from ringcheck.testing.strategies import Bounds, tokens_per_rank
@@ -32,17 +32,6 @@ def _fails(check):
     return failing
 
 
-def _benign_cases():
-    """Hand-picked cases in the style of test_ring.py: normal inputs, power-of-two shapes."""
-    out = []
-    for mode, world_size in (("bidirectional", 4), ("causal", 4), ("zigzag", 4), ("zigzag", 8)):
-        causal, layout = MODES[mode]
-        spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_len=8 * world_size, head_dim=16,
-                             dtype="bfloat16", causal=causal)
-        out.append(Case(spec, RingSpec(world_size, layout), seed=world_size))
-    return out
-
-
 # ---- (a) a merge that overflows when a block's lse is > 88 above the running one ------------
 # ---- (b) zig-zag half split that assumes a power-of-two number of tokens per rank ----------
 # (both in ringcheck.testing.planted)
@@ -52,7 +41,7 @@ def _impl(name):
 
 
 def test_overflowing_merge_passes_benign_cases():
-    for case in _benign_cases():
+    for case in SEARCH_BENIGN_CASES.values():  # hand-picked, in the style of test_ring.py
         verdict = run_case(case, impl=_impl("merge_overflowing_past_88")(case))
         assert verdict.passed, verdict.message()
 
@@ -70,7 +59,7 @@ def test_overflowing_merge_is_found_and_shrunk_to_a_small_spec():
 
 
 def test_power_of_two_zigzag_split_passes_benign_cases():
-    for case in _benign_cases():
+    for case in SEARCH_BENIGN_CASES.values():
         verdict = run_case(case, impl=_impl("zigzag_power_of_two_half")(case))
         assert verdict.passed, verdict.message()
 

@@ -5,40 +5,24 @@ import pytest
 import torch
 
 import ringcheck
-from ringcheck.judge.check import MODES, Case, run_case
+from ringcheck.judge.check import run_case
 from ringcheck.judge.metrics import abs_error
 from ringcheck.ring.backends import get_backend, row_delta
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.spec import AttentionSpec
+from ringcheck.testing.cases import RING_CASES, RING_NEAR_UNIFORM_CASES, RING_PLAIN_CASES
 
-SIZES = [1, 2, 3, 4, 8, 16]
 DTYPES = ["float32", "bfloat16", "float16"]
-HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 
 
-def _case(world_size, dtype, mode, heads, *, seed=0, tokens=4, head_dim=16, distribution="normal",
-          backend="torch"):
-    causal, layout = MODES[mode]
-    h, kvh = HEADS[heads]
-    spec = AttentionSpec(batch=1, heads=h, kv_heads=kvh, seq_len=2 * world_size * tokens,
-                         head_dim=head_dim, dtype=dtype, causal=causal)
-    return Case(spec, RingSpec(world_size, layout), seed=seed, distribution=distribution, backend=backend)
-
-
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("world_size", SIZES)
-def test_ring_within_budget_of_float64(world_size, dtype, mode, heads):
-    case = _case(world_size, dtype, mode, heads, seed=world_size)
-    verdict = run_case(case)
+@pytest.mark.parametrize("name", RING_CASES)
+def test_ring_within_budget_of_float64(name):
+    verdict = run_case(RING_CASES[name])
     assert verdict.passed, verdict.message()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("world_size", [1, 3, 8])
-def test_plain_matmul_backend_within_budget(world_size, dtype, mode):
-    verdict = run_case(_case(world_size, dtype, mode, "gqa", seed=world_size, backend="torch_plain"))
+@pytest.mark.parametrize("name", RING_PLAIN_CASES)
+def test_plain_matmul_backend_within_budget(name):
+    verdict = run_case(RING_PLAIN_CASES[name])
     assert verdict.passed, verdict.message()
 
 
@@ -63,10 +47,9 @@ def test_fused_and_plain_paths_agree_to_float32_rounding(dtype, mask, sq, sk, di
         assert diff.max() <= 8 * torch.finfo(torch.float32).eps * max(1.0, scale)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_ring_within_budget_on_near_uniform_rows(dtype, mode):
-    verdict = run_case(_case(16, dtype, mode, "gqa", distribution="near-uniform", tokens=8, head_dim=32))
+@pytest.mark.parametrize("name", RING_NEAR_UNIFORM_CASES)
+def test_ring_within_budget_on_near_uniform_rows(name):
+    verdict = run_case(RING_NEAR_UNIFORM_CASES[name])
     assert verdict.passed, verdict.message()
 
 

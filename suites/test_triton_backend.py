@@ -12,7 +12,8 @@ Where it runs:
 Trimmed for a 2-core CPU (every kernel program runs in Python): ring sizes 1, 2, 4, 8 for
 bf16 with grouped-query heads (striped up to P=4); float32 and float16 at P=4; odd head dims
 and GQA groups at P=2; tile-spanning chunk lengths (several 16-row interpreter tiles, ragged
-tails) at P=1 and 2. Sequences are 2P x 4 tokens unless a case needs more.
+tails) at P=1 and 2. Sequences are 2P x 4 tokens unless a case needs more. The cases are the
+tables TRITON_CASES, TRITON_PLANTED_CASES and TRITON_GPU_CASES of `ringcheck.testing.cases`.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ringcheck.judge.check import MODES, Case, run_case, simulated_impl
+from ringcheck.judge.check import Case, run_case, simulated_impl
 from ringcheck.judge.verdict import judge
 from ringcheck.ring import simulate_ring
 from ringcheck.ring.backends import get_backend, row_delta
 from ringcheck.ring.backends.torch_backend import TorchBackend
 from ringcheck.ring.backends.triton_backend import TritonBackend
 from ringcheck.ring.loops import REAL_PARTS
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.testing.cases import TRITON_CASES, TRITON_GPU_CASES, TRITON_PLANTED_CASES
 from ringcheck.testing.planted import with_backend
 
 BACKEND = TritonBackend()
@@ -55,15 +56,6 @@ on_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs the kernels compiled
 interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="the defect exists only under Triton's interpreter")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_case(*, world_size, mode, dtype="bfloat16", heads=2, kv_heads=1, head_dim=16, per_chunk=4,
-              batch=1, seed=0, backend="triton") -> Case:
-    """A case whose sequence is 2 x world_size chunks of `per_chunk` tokens."""
-    causal, layout = MODES[mode]
-    spec = AttentionSpec(batch=batch, heads=heads, kv_heads=kv_heads, seq_len=2 * world_size * per_chunk,
-                         head_dim=head_dim, dtype=dtype, causal=causal)
-    return Case(spec, RingSpec(world_size, layout), seed=seed, backend=backend)
 
 
 def verdict_of(case: Case, backend=None):
@@ -81,36 +73,9 @@ def verdict_of(case: Case, backend=None):
     return run_case(case, impl=impl)
 
 
-def case_id(case: Case) -> str:
-    s = case.spec
-    mode = next(m for m, v in MODES.items() if v == (s.causal, case.ring.layout))
-    return (f"P{case.ring.world_size}-{mode}-{s.dtype}-h{s.heads}/{s.kv_heads}-d{s.head_dim}"
-            f"-n{s.seq_len}-b{s.batch}")
-
-
-RING_SWEEP = [make_case(world_size=p, mode=m) for p in (1, 2, 4, 8)
-              for m in ("bidirectional", "causal", "zigzag", "striped") if not (m == "striped" and p == 8)]
-DTYPE_SWEEP = [make_case(world_size=4, mode=m, dtype=dt) for dt in ("float32", "float16")
-               for m in ("bidirectional", "causal", "zigzag", "striped")]
-SHAPE_SWEEP = [
-    make_case(world_size=2, mode="zigzag", head_dim=40, heads=4, kv_heads=2),
-    make_case(world_size=2, mode="causal", head_dim=59, heads=3, kv_heads=1, dtype="float16"),
-    make_case(world_size=2, mode="zigzag", head_dim=80, heads=2, kv_heads=2, batch=2),
-    make_case(world_size=2, mode="striped", head_dim=96, heads=4, kv_heads=1),
-    make_case(world_size=2, mode="bidirectional", head_dim=111, heads=2, kv_heads=1, dtype="float32"),
-    make_case(world_size=2, mode="zigzag", head_dim=256, heads=2, kv_heads=1, per_chunk=2),
-]
-TILE_SWEEP = [  # local chunks longer than one interpreter tile (16), with ragged tails
-    make_case(world_size=1, mode="causal", per_chunk=19, head_dim=24),          # 38 rows, 3 tiles
-    make_case(world_size=2, mode="zigzag", per_chunk=13, head_dim=16),          # 26 rows per rank
-    make_case(world_size=2, mode="striped", per_chunk=17, head_dim=16),         # diagonal -1 over 2+ tiles
-    make_case(world_size=2, mode="causal", per_chunk=9, dtype="float32", head_dim=16),
-]
-
-
-@pytest.mark.parametrize("case", RING_SWEEP + DTYPE_SWEEP + SHAPE_SWEEP + TILE_SWEEP, ids=case_id)
-def test_ring_with_triton_blocks_meets_budget(case):
-    verdict = verdict_of(case)
+@pytest.mark.parametrize("name", TRITON_CASES)
+def test_ring_with_triton_blocks_meets_budget(name):
+    verdict = verdict_of(TRITON_CASES[name])
     assert verdict.passed, verdict.message()
 
 
@@ -236,7 +201,7 @@ class ShiftedDiagonal(TritonBackend):
 @interpreter_only
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the garbage scores
 def test_verdict_catches_bf16_dot_without_upcast_under_the_interpreter():
-    case = make_case(world_size=2, mode="causal", dtype="bfloat16")
+    case = TRITON_PLANTED_CASES["p2_causal"]
     verdict = verdict_of(case, TritonBackend(dot_fp32=False))
     assert not verdict.passed, "bf16 tl.dot without upcast under the interpreter went unnoticed"
     assert {"out", "lse"} <= {t.tensor for t in verdict.failures}, verdict.message()
@@ -244,14 +209,14 @@ def test_verdict_catches_bf16_dot_without_upcast_under_the_interpreter():
     assert verdict_of(case, TritonBackend(dot_fp32=True)).passed
 
 
-@pytest.mark.parametrize("mode", ["causal", "striped"])
-def test_verdict_catches_a_wrong_causal_offset(mode):
-    verdict = verdict_of(make_case(world_size=2, mode=mode), ShiftedDiagonal(1, 1))
+@pytest.mark.parametrize("name", ["p2_causal", "p2_striped"])
+def test_verdict_catches_a_wrong_causal_offset(name):
+    verdict = verdict_of(TRITON_PLANTED_CASES[name], ShiftedDiagonal(1, 1))
     assert not verdict.passed and "out" in {t.tensor for t in verdict.failures}, verdict.message()
 
 
 def test_verdict_catches_a_wrong_causal_offset_in_the_backward_alone():
-    verdict = verdict_of(make_case(world_size=2, mode="zigzag"), ShiftedDiagonal(0, 1))
+    verdict = verdict_of(TRITON_PLANTED_CASES["p2_zigzag"], ShiftedDiagonal(0, 1))
     failed = {t.tensor for t in verdict.failures}
     assert failed and failed <= {"dq", "dk", "dv"}, verdict.message()
 
@@ -333,17 +298,11 @@ def test_gpu_check_timing_table_runs_small_on_the_cpu(capsys):
 
 # --- GPU only: the compiled kernels at their own tile sizes ------------------------------------
 
-GPU_CASES = [make_case(world_size=p, mode=m, dtype=dt, heads=4, kv_heads=2, head_dim=d, per_chunk=n)
-             for p, m, dt, d, n in [
-                 (1, "causal", "bfloat16", 128, 300), (2, "zigzag", "bfloat16", 64, 161),
-                 (4, "striped", "float16", 96, 100), (2, "causal", "float32", 59, 130),
-                 (2, "bidirectional", "bfloat16", 256, 70), (8, "zigzag", "bfloat16", 128, 64)]]
-
-
 @on_gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
+@pytest.mark.parametrize("name", TRITON_GPU_CASES)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_gpu_ring_meets_budget(case, backend):
+def test_gpu_ring_meets_budget(name, backend):
+    case = TRITON_GPU_CASES[name]
     verdict = verdict_of(Case(case.spec, case.ring, case.seed, case.distribution, backend))
     assert verdict.passed, verdict.message()
 
