@@ -7,29 +7,27 @@ Exit codes: 0 every check passed; 1 a check failed (a verdict); 2 no verdict cou
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shlex
 import sys
 import time
 import tomllib
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
-from . import __version__
 from .commands.adapters import load_impl
 from .commands.bench import (
+    BENCH_MODES,
     DEFAULT_IMPLS,
     DEFAULT_SECTIONS,
     FULL,
-    MODES,
     QUICK,
     SECTIONS,
     BenchSpec,
+    load_average,
+    machine,
     run_bench,
 )
 from .commands.drift import (
@@ -44,17 +42,18 @@ from .commands.drift import (
     count_runs,
     run_drift,
 )
-from .commands.validate import Target, markdown, report_dict, validate_task
-from .documents import diff_documents, exact_differences, load
+from .commands.validate import Target, report_dict, validate_task
+from .documents import DRIFT_SCHEMA, diff_documents, exact_differences, load, meta, save
 from .judge.distributions import DISTRIBUTIONS
 from .launch import LocalRings, RingError, open_ring
+from .render.files import write_drift_reports, write_validate_reports
 from .render.terminal import (
     drift_progress,
+    make_console,
     print_bench,
     print_check_rows,
     print_drift_diff,
     print_drift_summary,
-    write_drift_reports,
 )
 from .spec import Budget
 
@@ -65,9 +64,10 @@ class UsageError(Exception):
     """Something the user must fix; printed without a traceback, exit code 2."""
 
 
-def _console():
-    # a pipe or a CI log gets a wide table instead of rich's 80-column default
-    return Console() if sys.stdout.isatty() else Console(width=160)
+def _meta(args: argparse.Namespace, start: float, **extra) -> dict:
+    """The `meta` of this command's document (`ringcheck.documents.meta`), `start` its
+    `time.perf_counter()` when the work began."""
+    return meta("ringcheck " + shlex.join(args.argv), elapsed_s=time.perf_counter() - start, **extra)
 
 
 # ---------------------------------------------------------------------------- validate
@@ -118,7 +118,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         load_impl(target.impl, layout=target.layout, backend=target.backend).check_layout(target.layout, target.causal)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
-    console = _console()
+    console = make_console()
+    start = time.perf_counter()
     ring = open_ring(timeout=args.timeout, environ=os.environ)
     try:
         if ring.is_torchrun and ring.size != target.world_size:
@@ -129,7 +130,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         main = ring.is_main
         if main:
             console.print(f"ringcheck validate {target.describe()}")
-        with console.status("validating", spinner="dots") if main else _nullcontext():
+        with console.status("validating", spinner="dots") if main else nullcontext():
             try:
                 rows = ring.run(target.world_size, validate_task, target)[0]
             except RingError as exc:
@@ -138,24 +139,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         ring.close()
     if not main:
         return EXIT_OK if all(r.passed for r in rows) else EXIT_FAILED
-    report = report_dict(target, rows, meta={"ringcheck": __version__, "torch": torch.__version__,
-                                             "python": platform.python_version(), "host": platform.node()})
+    report = report_dict(target, rows, meta=_meta(args, start))
     print_check_rows(rows, report["passed"], console)
     if args.report:
-        out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "validate.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "validate.md").write_text(markdown(report))
-        console.print(f"report written to {out / 'validate.json'} and {out / 'validate.md'}")
+        paths = write_validate_reports(report, args.report)
+        console.print(f"report written to {paths['json']} and {paths['md']}")
     return EXIT_OK if report["passed"] else EXIT_FAILED
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _add_validate(sub) -> None:
@@ -216,27 +205,21 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)  # fixed, so a rerun gives the same bits
     spec = _drift_spec(args)
     implementation = IMPLEMENTATIONS[args.impl]
-    console = _console()
+    console = make_console()
     start = time.perf_counter()
     with drift_progress(count_runs(spec, implementation), console) as progress:
         doc = run_drift(spec, implementation=implementation, progress=progress)
-    elapsed = time.perf_counter() - start
-    doc["meta"] = {
-        "command": "ringcheck " + shlex.join(args.argv),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "ringcheck": __version__, "threads": args.threads,
-        "elapsed_s": round(elapsed, 1),
-    }
+    doc["meta"] = _meta(args, start, threads=args.threads)
     paths = write_drift_reports(doc, args.out)
     print_drift_summary(doc, console)
-    console.print(f"wrote {', '.join(str(p) for p in paths.values())} in {elapsed:.0f} s", highlight=False)
+    console.print(f"wrote {', '.join(str(p) for p in paths.values())} in {doc['meta']['elapsed_s']:.0f} s",
+                  highlight=False)
     return EXIT_OK if doc["summary"]["passed"] else EXIT_FAILED
 
 
 def _cmd_report_diff(args: argparse.Namespace) -> int:
-    a, b = load(args.a), load(args.b)
-    console = _console()
+    a, b = load(args.a, schema=DRIFT_SCHEMA), load(args.b, schema=DRIFT_SCHEMA)
+    console = make_console()
     if args.exact:
         found = exact_differences(a, b)
         if not found:
@@ -252,9 +235,9 @@ def _cmd_report_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_report_render(args: argparse.Namespace) -> int:
-    doc = load(args.json)
+    doc = load(args.json, schema=DRIFT_SCHEMA)
     paths = write_drift_reports(doc, args.out)
-    console = _console()
+    console = make_console()
     print_drift_summary(doc, console)
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}", highlight=False)
     return EXIT_OK
@@ -341,16 +324,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         spec = BenchSpec(**values)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
-    console = _console()
+    console = make_console()
+    before = machine()
+    start = time.perf_counter()
     with LocalRings(timeout=args.timeout) as rings, console.status("benchmarking", spinner="dots") as status:
         doc = run_bench(spec, rings, progress=lambda what: status.update(f"benchmarking {what}"))
-
-    doc["meta"]["command"] = "ringcheck " + shlex.join(args.argv)
+    doc["meta"] = _meta(args, start, threads=before["parent_threads"], **before, load_after=load_average())
     print_bench(doc, console)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-        console.print(f"wrote {args.json}", highlight=False)
+        console.print(f"wrote {save(doc, args.json)}", highlight=False)
     return EXIT_OK
 
 
@@ -369,7 +351,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--tokens", type=_list(int), help="total tokens (default 1024,4096)")
     p.add_argument("--heads", type=int, help="default 4 (--full: 8)")
     p.add_argument("--head-dim", dest="head_dim", type=int, help="default 64")
-    p.add_argument("--modes", type=_list(str), help=f"default {','.join(MODES)}")
+    p.add_argument("--modes", type=_list(str), help=f"default {','.join(BENCH_MODES)}")
     p.add_argument("--repeats", type=int, help="timed repeats, median reported (default 3)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default 1)")
     p.add_argument("--sections", type=_list(str),

@@ -1,13 +1,20 @@
-"""Drift documents on disk, and what changed between two of them.
+"""Every document a command writes, on disk: one strict JSON writer and loader, one `meta`,
+and what changed between two drift documents.
 
-A drift document (`ringcheck.commands.drift.run_drift`) is written as JSON with a schema name and
-version. Everything but the `meta` key (date, host, versions, run time, the command) is a
-function of the command and its seeds, so two runs of one command on one machine write the
-same bytes there; `diff_documents` ignores `meta`. Non-finite numbers (an infinite error of
-a ring that produced NaN) are written as the strings "inf", "-inf" and "nan", so the file is
-strict JSON.
+Three kinds, each with a schema name and version (`KINDS`); a change to any key or meaning
+of a kind bumps its `schema_version`. Every document starts with `schema` and
+`schema_version` and ends with `meta` (built by `meta`, the same keys in all three). The
+writer (`dumps`, `save`) writes strict JSON: non-finite numbers (an infinite error of a ring
+that produced NaN) become the strings "inf", "-inf" and "nan", never the literals `Infinity`
+or `NaN`; the loader (`loads`, `load`) turns them back into floats and checks the schema
+name, the version and the sections of the kind. The layout is one line per top-level value
+and one line per entry of the larger sections, so a line diff of two documents shows which
+entries changed.
 
-Schema (`schema` = "ringcheck.drift", `schema_version` = 1), top-level keys in this order:
+`ringcheck.drift`, version 1 (`ringcheck.commands.drift.run_drift`, `ringcheck drift`).
+Everything but `meta` is a function of the command and its seeds, so two runs of one command
+on one machine write the same bytes there; `diff_documents` ignores `meta`. Top-level keys in
+this order:
 
 - `spec`: the sweep (dtypes, ring_sizes, distributions, modes, backends, accumulations,
   seeds, batch, heads, kv_heads, head_dim, tokens_per_rank | seq_len, softmax_scale,
@@ -26,29 +33,126 @@ Schema (`schema` = "ringcheck.drift", `schema_version` = 1), top-level keys in t
 - `summary`: {under_test, accumulations: {acc: {groups, flagged, flags, max_slope}},
   settings: {"backend/mode/dtype/distribution": {flagged, separated, out_slope,
   out_projected_budget_P, ...}}, passed};
-- `meta` (written by the command, ignored by diff): command, created, host, platform,
-  python, torch, ringcheck, threads, elapsed_s.
+- `meta` (ignored by diff).
 
 Magnitudes are geometric means over seeds, the mean signed error a plain mean, the budget
-numbers the worst seed's (see `ringcheck.commands.drift.aggregate_seeds`); measured numbers keep 6
-significant digits. A change to any key or meaning bumps `schema_version`.
+numbers the worst seed's (see `ringcheck.commands.drift.aggregate_seeds`); measured numbers
+keep 6 significant digits.
 
-No rich or plotting here; `ringcheck.render.terminal` renders both documents and diffs.
+`ringcheck.validate`, version 1 (`ringcheck.commands.validate.report_dict`, `ringcheck
+validate --report DIR` writes it as validate.json). Top-level keys in this order:
+
+- `passed`: true when no check failed (the exit code follows it);
+- `target`: the validated target (`Target`: seq_len, batch, heads, kv_heads, head_dim,
+  dtype, causal, layout, softmax_scale, world_size, impl, backend, seed, sample_rows,
+  local_lengths, distributions);
+- `command`: the `ringcheck validate` command line that names the target;
+- `checks`: one {check, status ("pass", "fail" or "info"), error, budget, detail} per row
+  of the verdict table, in its order (error and budget null where a row has none);
+- `meta`.
+
+`ringcheck.bench`, version 1 (`ringcheck.commands.bench.run_bench`, `ringcheck bench --json
+FILE`). Top-level keys in this order, the sections only when they ran:
+
+- `spec`: the grid (`BenchSpec`'s fields);
+- `speed`: one row per case and system: {key, dtype, ring_size, tokens, mode, passes, heads,
+  head_dim, sample_rows, seed, system, layout, median_s, times, errors {out, dq, dk, dv},
+  threads, na (why a system did not run), fastest_peer, ratio};
+- `overlap`: {key, dtype, ring_size, tokens, mode, passes, distributed_s, no_comm_s,
+  efficiency, bytes_per_step} per case;
+- `balance`: {ring_size, layout, tokens, dtype, work, work_max_over_mean, time_s,
+  time_max_over_mean} per ring size and layout;
+- `memory`: {rows: [{system, mode, passes, ring_size, tokens, tokens_per_rank, peak_mib, na,
+  nxn_mib}], fits: [{system, mode, passes, slope, slope_upper}]};
+- `harness`: what -> {wall_s, exit, last_line, failed} or {rows_per_s, median_s};
+- `meta`, with bench's own keys after the common ones: machine, cpu, cores, load_1_5_15
+  (before the run), parent_threads, worker_threads, ring_backend, load_after.
+
+`meta` (every kind, `meta`): command (the command line run), created (UTC, ISO 8601), host,
+platform, python, torch, ringcheck (versions), threads (torch CPU threads of the command's
+process), elapsed_s; then the keys a command adds.
+
+No rich or plotting here; `ringcheck.render` presents the documents and diffs.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .commands.drift import SCHEMA, SCHEMA_VERSION
+import torch
 
+from . import __version__
+
+DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION = "ringcheck.drift", 1
+VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 1
+BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 1
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What the writer and the loader know of one kind of document."""
+
+    schema: str
+    version: int
+    name: str                        # in messages: "not a ringcheck drift report"
+    sections: dict[str, type]        # keys a document must have, with their JSON type
+    expanded: tuple[str, ...]        # sections written one entry per line
+
+
+KINDS = {kind.schema: kind for kind in (
+    Kind(DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION, "drift",
+         {"spec": dict, "cases": dict, "fits": dict, "summary": dict},
+         ("rules", "cases", "fits", "summary", "meta")),
+    Kind(VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION, "validate",
+         {"passed": bool, "target": dict, "checks": list},
+         ("target", "checks", "meta")),
+    Kind(BENCH_SCHEMA, BENCH_SCHEMA_VERSION, "bench",
+         {"spec": dict},
+         ("spec", "speed", "overlap", "balance", "memory", "harness", "meta")),
+)}
+
+META_KEYS = ("command", "created", "host", "platform", "python", "torch", "ringcheck", "threads", "elapsed_s")
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 # per case and tensor, the error measures whose growth counts as a regression
 DIFF_METRICS = ("max_abs", "rel_norm")
+
+
+def header(schema: str) -> dict[str, Any]:
+    """The first two keys of a document of this kind: {"schema": ..., "schema_version": ...}."""
+    return {"schema": schema, "schema_version": _kind(schema).version}
+
+
+def meta(command: str, *, elapsed_s: float, threads: int | None = None, **extra: Any) -> dict[str, Any]:
+    """The `meta` of every document: the command line, when and where it ran, the versions,
+    torch's CPU threads (default: this process's) and the run time; then `extra`, the keys
+    one command adds (they may not replace the common ones)."""
+    clash = sorted(set(extra) & set(META_KEYS))
+    if clash:
+        raise ValueError(f"meta: {clash} are common keys; a command adds only its own")
+    return {
+        "command": command,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "ringcheck": __version__,
+        "threads": torch.get_num_threads() if threads is None else threads,
+        "elapsed_s": round(elapsed_s, 1),
+        **extra,
+    }
+
+
+def _kind(schema: Any) -> Kind:
+    if not isinstance(schema, str) or schema not in KINDS:
+        raise ValueError(f"{schema!r} is not a ringcheck document schema; known: {sorted(KINDS)}")
+    return KINDS[schema]
+
+
+# --- strict JSON ---------------------------------------------------------------------------------
 
 
 def _encode(x: Any) -> Any:
@@ -75,64 +179,96 @@ def _compact(x: Any) -> str:
     return json.dumps(x, separators=(",", ":"), allow_nan=False)
 
 
+def _expanded(key: Any, value: Any, end: str) -> list[str]:
+    """A section one entry per line: a dict's items, a list's elements."""
+    if isinstance(value, dict):
+        entries = [f"{_compact(k)}: {_compact(v)}" for k, v in value.items()]
+        opening, closing = "{", "}"
+    else:
+        entries = [_compact(v) for v in value]
+        opening, closing = "[", "]"
+    lines = [f" {_compact(key)}: {opening}"]
+    lines += [f"  {entry}" + ("," if j < len(entries) - 1 else "") for j, entry in enumerate(entries)]
+    return lines + [f" {closing}{end}"]
+
+
 def dumps(doc: dict) -> str:
-    """The JSON text of a drift document: strict JSON in the document's key order, one line
-    per top-level value and per entry of the dict sections (a case, a fit, a rule), so a
-    line diff of two reports shows which cases changed."""
+    """The JSON text of a document (of a kind in `KINDS`): strict JSON in the document's key
+    order, one line per top-level value and per entry of the kind's larger sections (a case,
+    a fit, a check, a speed row), so a line diff of two documents shows which entries
+    changed."""
+    kind = _kind(doc.get("schema"))
     doc = _encode(doc)
     lines = ["{"]
     for i, (key, value) in enumerate(doc.items()):
         end = "," if i < len(doc) - 1 else ""
-        if isinstance(value, dict) and key in ("rules", "cases", "fits", "summary", "meta") and value:
-            lines.append(f" {_compact(key)}: {{")
-            items = list(value.items())
-            for j, (k, v) in enumerate(items):
-                lines.append(f"  {_compact(k)}: {_compact(v)}" + ("," if j < len(items) - 1 else ""))
-            lines.append(" }" + end)
+        if key in kind.expanded and isinstance(value, (dict, list)) and value:
+            lines += _expanded(key, value, end)
         else:
             lines.append(f" {_compact(key)}: {_compact(value)}{end}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def loads(text: str, *, source: str = "<text>") -> dict:
-    """Parse and check a drift document; ValueError names the source and what is wrong."""
+class _Literal(ValueError):
+    """NaN, Infinity or -Infinity in a text: JSON as Python writes it, not strict JSON."""
+
+
+def _refuse_literal(name: str) -> Any:
+    raise _Literal(name)
+
+
+def loads(text: str, *, source: str = "<text>", schema: str | None = None) -> dict:
+    """Parse and check a document: of the kind `schema`, or of any kind in `KINDS` (None).
+    ValueError names the source and what is wrong."""
+    expected = None if schema is None else _kind(schema)
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_constant=_refuse_literal)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{source} is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{source} is not a ringcheck drift report (schema {found!r}, expected {SCHEMA!r})")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{source} has drift schema version {doc.get('schema_version')!r}; this ringcheck "
-                         f"reads version {SCHEMA_VERSION}: regenerate it with the command in its meta "
+    except _Literal as exc:
+        raise ValueError(f"{source} is not strict JSON: it holds the literal {exc} (ringcheck writes "
+                         f"non-finite numbers as \"inf\", \"-inf\", \"nan\")") from None
+    found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+    if expected is not None and found != expected.schema:
+        raise ValueError(f"{source} is not a ringcheck {expected.name} report "
+                         f"(schema {found!r}, expected {expected.schema!r})")
+    if not isinstance(found, str) or found not in KINDS:
+        raise ValueError(f"{source} is not a ringcheck report (schema {found!r}; known: {sorted(KINDS)})")
+    kind = KINDS[found]
+    if doc.get("schema_version") != kind.version:
+        raise ValueError(f"{source} has {kind.name} schema version {doc.get('schema_version')!r}; this "
+                         f"ringcheck reads version {kind.version}: regenerate it with the command in its meta "
                          f"({(doc.get('meta') or {}).get('command', 'unknown')!r})")
-    for key in ("spec", "cases", "fits", "summary"):
-        if not isinstance(doc.get(key), dict):
-            raise ValueError(f"{source}: drift report without its {key!r} section")
+    for key, type_ in kind.sections.items():
+        if not isinstance(doc.get(key), type_):
+            raise ValueError(f"{source}: {kind.name} report without its {key!r} section")
     return _decode(doc)
 
 
 def save(doc: dict, path: str | Path) -> Path:
+    """Write `dumps(doc)` to `path` (creating its folder); returns the path."""
     path = Path(path)
+    text = dumps(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(doc), encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
     return path
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path, *, schema: str | None = None) -> dict:
+    """`loads` of the file at `path`."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"no drift report at {str(path)!r}")
-    return loads(path.read_text(encoding="utf-8"), source=str(path))
+        what = "ringcheck" if schema is None else _kind(schema).name
+        raise ValueError(f"no {what} report at {str(path)!r}")
+    return loads(path.read_text(encoding="utf-8"), source=str(path), schema=schema)
 
 
 def without_meta(doc: dict) -> dict:
     return {k: v for k, v in doc.items() if k != "meta"}
 
 
-# --- diff ------------------------------------------------------------------------------------------
+# --- diff of two drift documents -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)

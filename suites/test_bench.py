@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from ringcheck.commands import bench
-from ringcheck.commands.bench import BenchSpec, Case, add_ratios, run_balance, run_local
+from ringcheck.commands.bench import (
+    BENCH_MODES,
+    BenchSpec,
+    Case,
+    add_ratios,
+    run_balance,
+    run_local,
+)
+from ringcheck.documents import BENCH_SCHEMA, META_KEYS, load
 from ringcheck.ring import NoCommDriver, make_config, run_ring
 from ringcheck.ring.layouts import shard, work_counts
 
@@ -80,20 +88,24 @@ def test_spec_rejects_bad_values():
         BenchSpec(ring_sizes=(4,), tokens=(100,))
     with pytest.raises(ValueError, match="--modes"):
         BenchSpec(modes=("sideways",))
+    assert BenchSpec().modes == BENCH_MODES
 
 
 def test_bench_command_writes_json(tmp_path, ring_pool, monkeypatch):
     from ringcheck import cli
 
     pool = ring_pool(2)
-    monkeypatch.setattr("ringcheck.launch.LocalRings", lambda **kw: _Borrowed(pool))
+    monkeypatch.setattr(cli, "LocalRings", lambda **kw: _Borrowed(pool))
     path = tmp_path / "bench.json"
     code = cli.main(["bench", "--impl", "ringcheck,torch_cp,sdpa", "--dtypes", "float32", "--ring-sizes", "2",
                      "--tokens", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0",
                      "--modes", "bidirectional,causal", "--sections", "speed,overlap", "--json", str(path)])
     assert code == 0
-    doc = json.loads(path.read_text())
-    assert {"spec", "meta", "speed", "overlap"} <= set(doc)
+    doc = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"JSON literal {name}"))
+    assert list(doc) == ["schema", "schema_version", "spec", "speed", "overlap", "meta"]
+    doc = load(path, schema=BENCH_SCHEMA)
+    assert list(doc["meta"])[:len(META_KEYS)] == list(META_KEYS)
+    assert doc["meta"]["command"].startswith("ringcheck bench --impl")
     assert {"machine", "cpu", "torch", "load_1_5_15", "worker_threads", "parent_threads"} <= set(doc["meta"])
     speed = {(r["mode"], r["passes"], r["system"]): r for r in doc["speed"]}
     assert len(speed) == 2 * 2 * 3

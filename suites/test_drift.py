@@ -12,7 +12,6 @@ import torch
 from reference import dense_grads
 from ringcheck.cli import main
 from ringcheck.commands.drift import (
-    SCHEMA_VERSION,
     DriftSpec,
     Implementation,
     _run_simulated,
@@ -22,11 +21,17 @@ from ringcheck.commands.drift import (
     step_truths,
 )
 from ringcheck.documents import (
+    DRIFT_SCHEMA,
+    DRIFT_SCHEMA_VERSION,
+    META_KEYS,
+    VALIDATE_SCHEMA,
     diff_documents,
     dumps,
     exact_differences,
+    header,
     load,
     loads,
+    meta,
     save,
 )
 from ringcheck.judge.check import MODES
@@ -171,7 +176,7 @@ def test_json_schema_round_trips_with_stable_keys(tiny_doc, tmp_path):
     text = dumps(tiny_doc)
     back = loads(text)
     assert back == tiny_doc and dumps(back) == text
-    assert json.loads(text)["schema_version"] == SCHEMA_VERSION
+    assert json.loads(text)["schema_version"] == DRIFT_SCHEMA_VERSION
     assert list(tiny_doc) == ["schema", "schema_version", "spec", "implementation", "rules", "cases",
                               "fits", "summary"]
     case = tiny_doc["cases"]["simulated/torch/zigzag/bfloat16/normal/acc=float32/P=4"]
@@ -211,9 +216,36 @@ def test_loading_rejects_other_schemas(tiny_doc):
     with pytest.raises(ValueError, match="schema version 99"):
         loads(dumps(dict(tiny_doc, schema_version=99)))
     with pytest.raises(ValueError, match="not a ringcheck drift report"):
+        loads('{"schema": "something else"}', schema=DRIFT_SCHEMA)
+    with pytest.raises(ValueError, match="not a ringcheck report"):
         loads('{"schema": "something else"}')
     with pytest.raises(ValueError, match="not JSON"):
         loads("{")
+    validate_doc = dumps({**header(VALIDATE_SCHEMA), "passed": True, "target": {}, "checks": [], "meta": {}})
+    assert loads(validate_doc)["passed"] is True
+    with pytest.raises(ValueError, match="not a ringcheck drift report .*'ringcheck.validate'"):
+        loads(validate_doc, schema=DRIFT_SCHEMA)
+    with pytest.raises(ValueError, match="validate report without its 'checks' section"):
+        loads(dumps({**header(VALIDATE_SCHEMA), "passed": True, "target": {}}))
+    with pytest.raises(ValueError, match="not a ringcheck document schema"):
+        dumps({"spec": {}})  # the writer writes only documents of a known kind
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_loading_rejects_non_standard_literals(literal):
+    text = dumps({**header(VALIDATE_SCHEMA), "passed": False, "target": {},
+                  "checks": [{"check": "x", "status": "fail", "error": math.inf}], "meta": {}})
+    assert '"inf"' in text
+    with pytest.raises(ValueError, match=f"not strict JSON: it holds the literal {literal}"):
+        loads(text.replace('"inf"', literal))
+
+
+def test_meta_has_the_common_keys_first_and_refuses_to_replace_them():
+    m = meta("ringcheck drift", elapsed_s=1.234, threads=3, extra_key=1)
+    assert list(m) == [*META_KEYS, "extra_key"]
+    assert m["elapsed_s"] == 1.2 and m["threads"] == 3 and m["command"] == "ringcheck drift"
+    with pytest.raises(ValueError, match="common keys"):
+        meta("ringcheck drift", elapsed_s=0.0, host="elsewhere")
 
 
 # --- report diff ---------------------------------------------------------------------------------
@@ -257,8 +289,9 @@ TINY_ARGS = ["--dtypes", "bfloat16", "--ring-sizes", "1,2,4", "--distributions",
 
 def test_drift_command_writes_json_markdown_and_html_and_diff_reads_them(tmp_path, capsys):
     assert main(["drift", *TINY_ARGS, "--out", str(tmp_path / "a")]) == 0
-    doc = load(tmp_path / "a" / "drift.json")
+    doc = load(tmp_path / "a" / "drift.json", schema=DRIFT_SCHEMA)
     assert doc["meta"]["command"].startswith("ringcheck drift --dtypes bfloat16")
+    assert list(doc["meta"]) == list(META_KEYS) and doc["meta"]["threads"] == 1
     md = (tmp_path / "a" / "drift.md").read_text()
     assert "ringcheck drift --dtypes bfloat16" in md and "## Verdict" in md
     page = (tmp_path / "a" / "drift.html").read_text()

@@ -6,6 +6,7 @@ torchrun world under torchrun), so these tests run the real distributed validate
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from ringcheck.commands.validate import Target, validate_task
+from ringcheck.commands.validate import CheckRow, Target, report_dict, validate_task
+from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, meta
 from ringcheck.launch import RingError
+from ringcheck.render.markdown import validate_markdown
 from ringcheck.testing.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,6 +117,27 @@ def test_config_file_holds_the_target(tmp_path, capsys):
     assert "unknown key(s) ['sequence']" in capsys.readouterr().err
 
 
+def _no_literal(name):
+    raise AssertionError(f"non-standard JSON literal {name}")
+
+
+def test_report_with_an_infinite_error_is_strict_json():
+    rows = [CheckRow("forward normal", "fail", math.inf, 1e-3, "out FAILED"),
+            CheckRow("backward normal", "fail", math.nan, 1e-3, "dq FAILED | NaN"),
+            CheckRow("no NaN/Inf", "pass")]
+    report = report_dict(Target(), rows, meta=meta("ringcheck validate", elapsed_s=1.0))
+    assert list(report) == ["schema", "schema_version", "passed", "target", "command", "checks", "meta"]
+    assert report["schema"] == VALIDATE_SCHEMA and not report["passed"]
+    text = dumps(report)
+    strict = json.loads(text, parse_constant=_no_literal)
+    assert strict["checks"][0]["error"] == "inf" and strict["checks"][1]["error"] == "nan"
+    back = loads(text, schema=VALIDATE_SCHEMA)
+    assert back["checks"][0]["error"] == math.inf and math.isnan(back["checks"][1]["error"])
+    assert back["checks"][2] == report["checks"][2] and back["target"]["local_lengths"] == [2, 6, 16]
+    md = validate_markdown(back)
+    assert md.startswith("# ringcheck validate: FAILED") and "| inf |" in md and "dq FAILED \\| NaN" in md
+
+
 def _cli(*argv, timeout=300):
     return subprocess.run([sys.executable, "-m", "ringcheck", "validate", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -125,8 +149,11 @@ def test_cli_exit_codes_and_report(tmp_path):
     small = ["--seq-len", "256", "--head-dim", "32", "--sample-rows", "8", "--quick"]
     done = _cli(*small, "--report", str(tmp_path))
     assert done.returncode == EXIT_OK, done.stdout + done.stderr
-    report = json.loads((tmp_path / "validate.json").read_text())
+    report = json.loads((tmp_path / "validate.json").read_text(), parse_constant=_no_literal)
+    assert list(report)[:2] == ["schema", "schema_version"]
+    report = load(tmp_path / "validate.json", schema=VALIDATE_SCHEMA)
     assert report["passed"] and report["schema_version"] == 1
+    assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith("ringcheck validate")
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
 
     done = _cli(*small, "--impl", "ringcheck.testing.mutants:diagonal_off_by_one")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from reference import dense_grads
 from reference.mp import mp_attention
 
+from ..documents import BENCH_SCHEMA, header
 from ..ring import (
     DistributedDriver,
     NoCommDriver,
@@ -60,7 +61,7 @@ from .adapters import load_impl
 
 SECTIONS = ("speed", "overlap", "balance", "memory", "harness")
 DEFAULT_SECTIONS = ("speed", "overlap", "balance", "memory")
-MODES = ("bidirectional", "causal", "causal_balanced")
+BENCH_MODES = ("bidirectional", "causal", "causal_balanced")  # the speed grid's modes, not judge.check.MODES
 PASSES = ("fwd", "fwd+bwd")
 OURS = "ringcheck"
 SIMULATED = "ringcheck:simulated"
@@ -92,7 +93,7 @@ class BenchSpec:
     tokens: tuple[int, ...] = (1024, 4096)
     heads: int = 4
     head_dim: int = 64
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = BENCH_MODES
     passes: tuple[str, ...] = PASSES
     repeats: int = 3
     warmup: int = 1
@@ -105,7 +106,7 @@ class BenchSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, allowed, got in (("--modes", MODES, self.modes), ("--sections", SECTIONS, self.sections),
+        for name, allowed, got in (("--modes", BENCH_MODES, self.modes), ("--sections", SECTIONS, self.sections),
                                    ("--dtypes", ("float32", "bfloat16", "float16"), self.dtypes),
                                    ("passes", PASSES, self.passes)):
             bad = [x for x in got if x not in allowed]
@@ -577,25 +578,29 @@ def run_harness(spec: BenchSpec, progress: Callable[[str], None] = lambda s: Non
 
 # ---------------------------------------------------------------------------------- driver
 
+def load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def machine() -> dict:
+    """What bench adds to a document's `meta` (`ringcheck.documents.meta`), taken before the
+    run: the CPU, its load, the thread counts, the ring's transport."""
     cpu = ""
     try:
         with open("/proc/cpuinfo") as fh:
             cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
     except OSError:
         pass
-    return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
-            "load_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
+    return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "load_1_5_15": load_average(),
             "parent_threads": _parent_threads(), "worker_threads": 1,
             "ring_backend": "nccl" if torch.cuda.is_available() else "gloo"}
 
 
 def run_bench(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Every requested section; the document `--json` writes."""
+    """Every requested section: the bench document (schema "ringcheck.bench", see
+    `ringcheck.documents`) without `meta`, which the command adds (`machine`)."""
     _parent_threads()
-    doc: dict[str, Any] = {"spec": asdict(spec), "meta": machine()}
-    start = time.perf_counter()
+    doc: dict[str, Any] = {**header(BENCH_SCHEMA), "spec": asdict(spec)}
     if "speed" in spec.sections:
         doc["speed"] = run_speed(spec, rings, progress)
     if "overlap" in spec.sections:
@@ -606,6 +611,4 @@ def run_bench(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s
         doc["memory"] = run_memory(spec, rings, progress)
     if "harness" in spec.sections:
         doc["harness"] = run_harness(spec, progress)
-    doc["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
-    doc["meta"]["load_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return doc

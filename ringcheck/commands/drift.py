@@ -20,8 +20,9 @@ walk of P roundings), and flags (`RULES`):
 - ``bias``: a mean signed error that grows with P (see `RULES["bias"]`);
 - ``nonfinite``: NaN/Inf where the truth is finite.
 
-The result is a plain JSON-ready document (`SCHEMA_VERSION`); `ringcheck.documents` saves,
-loads and diffs it, `ringcheck.render.terminal` renders it. No rich or plotting imports here.
+The result is a plain JSON-ready document (schema "ringcheck.drift", documented in
+`ringcheck.documents`, which saves, loads and diffs it); `ringcheck.render` presents it. No
+rich or plotting imports here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..documents import DRIFT_SCHEMA, header
 from ..judge.check import (
     MODES,
     Case,
@@ -50,9 +52,6 @@ from ..ring.backends import BACKENDS
 from ..ring.layouts import positions
 from ..ring.loops import ACCUMULATIONS, StepObserver
 from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
-
-SCHEMA = "ringcheck.drift"
-SCHEMA_VERSION = 1
 
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_RING_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -515,7 +514,7 @@ def count_runs(spec: DriftSpec, implementation: Implementation = SIMULATED) -> i
 
 def run_drift(spec: DriftSpec, *, implementation: Implementation = SIMULATED,
               progress: Progress | None = None) -> dict:
-    """Run the sweep; returns the drift document without `meta` (see `SCHEMA_VERSION`).
+    """Run the sweep; returns the drift document without `meta` (`ringcheck.documents`).
     `progress` is called after every ring run with the case's key and seed."""
     accumulations, sizes = _plan(spec, implementation)
     raw: dict[tuple, list[dict]] = {}
@@ -578,7 +577,7 @@ def build_document(spec: DriftSpec, implementation: str, raw: dict[tuple, list[d
         fit.update(significant(fit_group(points)))
         fits[case_key(implementation, backend, mode, dtype, distribution, acc, tensor=tensor)] = fit
     cases = significant(cases)
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "spec": spec.to_json(),
+    return {**header(DRIFT_SCHEMA), "spec": spec.to_json(),
             "implementation": implementation, "rules": dict(RULES),
             "cases": cases, "fits": fits,
             "summary": summarise(fits)}

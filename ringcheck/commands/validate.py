@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from reference import dense_grads, mp_attention, peer_attention
 
+from ..documents import VALIDATE_SCHEMA, header
 from ..judge.check import Case, Results, judge_results, peer, truth
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs
@@ -37,8 +38,6 @@ from ..judge.verdict import TENSORS, Verdict, float32_floors, judge
 from ..ring.layouts import shard, unshard, work_counts
 from ..spec import AttentionSpec, Budget, RingSpec
 from .adapters import Impl, load_impl
-
-SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -376,28 +375,16 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
 # ------------------------------------------------------------------------------- reports
 
 def report_dict(target: Target, rows: list[CheckRow], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The validate document (schema "ringcheck.validate", see `ringcheck.documents`); `meta`
+    from `ringcheck.documents.meta`. `ringcheck.render.markdown` presents it."""
     return {
-        "schema_version": SCHEMA_VERSION,
+        **header(VALIDATE_SCHEMA),
         "passed": all(r.passed for r in rows),
         "target": target.to_dict(),
         "command": f"ringcheck validate {target.describe()}",
         "checks": [dataclasses.asdict(r) for r in rows],
         "meta": meta or {},
     }
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
-             f"`{report['command']}`", "", "| check | status | error | budget | detail |",
-             "|---|---|---|---|---|"]
-    for row in report["checks"]:
-        err = "" if row["error"] is None else f"{row['error']:.3g}"
-        bud = "" if row["budget"] is None else f"{row['budget']:.3g}"
-        detail = row["detail"].replace("|", "\\|")
-        lines.append(f"| {row['check']} | {row['status']} | {err} | {bud} | {detail} |")
-    if report.get("meta"):
-        lines += ["", "Run: " + ", ".join(f"{k}={v}" for k, v in report["meta"].items())]
-    return "\n".join(lines) + "\n"
 
 
 def validate_task(member, target: Target) -> list[CheckRow]:

@@ -1,2 +1,13 @@
-"""Presentation: rich terminal tables, Markdown, HTML and plots of the documents. The only
-layer that imports rich and matplotlib."""
+"""Presentation of the documents the commands build (`ringcheck.documents`): the only layer
+that imports rich (`terminal`) and matplotlib (`plots`, when a figure is drawn).
+
+- `terminal`: the console, validate's verdict table, drift's progress bar, summary and diff,
+  bench's tables;
+- `drift_content`: what a drift report says in every format (readings of the document and
+  the report as content blocks);
+- `markdown`: validate.md and drift.md;
+- `html`: drift.html, with the plots embedded;
+- `plots`: the drift figures as PNG bytes;
+- `files`: the report folders a command writes (the JSON through `documents.save`, the
+  Markdown and HTML beside it).
+"""

@@ -1,0 +1,51 @@
+"""Markdown of the documents: validate.md (`validate_markdown`) and drift.md
+(`drift_markdown`, from the content blocks of `ringcheck.render.drift_content`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .drift_content import blocks
+
+
+def _md_cell(x: Any) -> str:
+    return str(x).replace("|", "\\|")
+
+
+def validate_markdown(report: dict[str, Any]) -> str:
+    """The verdict, the command, one table row per check, then the run's meta."""
+    lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
+             f"`{report['command']}`", "", "| check | status | error | budget | detail |",
+             "|---|---|---|---|---|"]
+    for row in report["checks"]:
+        err = "" if row["error"] is None else f"{row['error']:.3g}"
+        bud = "" if row["budget"] is None else f"{row['budget']:.3g}"
+        lines.append(f"| {row['check']} | {row['status']} | {err} | {bud} | {_md_cell(row['detail'])} |")
+    if report.get("meta"):
+        lines += ["", "Run: " + ", ".join(f"{k}={v}" for k, v in report["meta"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def drift_markdown(doc: dict) -> str:
+    """The drift report as Markdown; the plots are only in the HTML page."""
+    out = []
+    for block in blocks(doc):
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            out.append("#" * int(kind[1]) + " " + block[1])
+        elif kind == "p":
+            out.append(block[1])
+        elif kind == "code":
+            out.append("```bash\n" + block[1] + "\n```")
+        elif kind == "list":
+            out.append("\n".join(f"- {item}" for item in block[1]))
+        elif kind == "table":
+            headers, rows = block[1], block[2]
+            lines = ["| " + " | ".join(map(_md_cell, headers)) + " |",
+                     "|" + "|".join("---" for _ in headers) + "|"]
+            lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in rows]
+            out.append("\n".join(lines))
+        elif kind == "plots":
+            out.append("Plots (error against ring size per dtype with the budget drawn in, per-step drift, "
+                       "slopes): see `drift.html` next to this file.")
+    return "\n\n".join(out) + "\n"

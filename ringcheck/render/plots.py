@@ -1,0 +1,230 @@
+"""The drift report's plots, as PNG bytes for the HTML page (matplotlib on the Agg backend).
+
+`drift_plots` draws three kinds of figure, each built by its own function:
+
+- `_error_figure`: max abs error against ring size, one per backend and mode (rows: tensors,
+  columns: dtypes; one colour per distribution, solid = float32 merge, dashed = round trip,
+  dotted = the budget), each panel drawn by `_error_lines`;
+- `_step_figure`: the per-step drift of the running output at the largest ring size, one per
+  backend (rows: modes, columns: dtypes), each panel drawn by `_step_lines`;
+- `_slope_figure`: the fitted slopes, one point per tensor, one panel per mode
+  (`_slope_points`).
+
+matplotlib is imported when the first figure is drawn (`_pyplot`), not when ringcheck starts.
+"""
+
+from __future__ import annotations
+
+import io
+
+from .drift_content import (
+    ACC_LABEL,
+    accumulations,
+    case_of,
+    fit_of,
+    ring_sizes,
+    tensor_names,
+    unit_roundoff,
+)
+
+
+def drift_plots(doc: dict) -> list[tuple[str, bytes]]:
+    """(title, PNG bytes) of every figure of a drift document, in the report's order: error
+    against ring size per backend and mode, the per-step drift at the largest P per backend
+    (when the cases recorded steps), the fitted slopes."""
+    spec = doc["spec"]
+    colours = _colours(spec["distributions"])
+    pngs = []
+    for backend in spec["backends"]:
+        for mode in spec["modes"]:
+            pngs.append((f"Error against ring size: {mode} ({backend})",
+                         _figure_png(_error_figure(doc, backend, mode, colours))))
+    if any("steps" in c for c in doc["cases"].values()):
+        pmax = ring_sizes(doc)[-1]
+        for backend in spec["backends"]:
+            pngs.append((f"Per-step drift at P={pmax} ({backend})", _figure_png(_step_figure(doc, backend, colours))))
+    pngs.append(("Fitted slopes", _figure_png(_slope_figure(doc))))
+    return pngs
+
+
+# --- matplotlib ----------------------------------------------------------------------------------
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    # imported here, not at the top: matplotlib adds about a second to the start of every
+    # command, and only the drift HTML draws figures
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure_png(fig) -> bytes:
+    """The figure as a PNG with a 64-colour palette (a third of the bytes of a full-colour one,
+    the same to the eye), so the HTML page stays small; closes the figure."""
+    # Pillow comes with matplotlib and is needed only with it: imported when a figure is drawn
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, metadata={"Software": None})
+    _pyplot().close(fig)
+    buf.seek(0)
+    image = Image.open(buf).convert("RGB").quantize(colors=64, dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+def _colours(distributions: list[str]) -> dict:
+    """One tab10 colour per distribution."""
+    cmap = _pyplot().get_cmap("tab10")
+    return {d: cmap(i % 10) for i, d in enumerate(distributions)}
+
+
+def _style(acc: str) -> dict:
+    """Line style of an accumulation: solid = float32 merge, dashed = per-hop round trip."""
+    return {"float32": dict(linestyle="-", marker="o", markersize=3),
+            "input": dict(linestyle="--", marker="x", markersize=4)}.get(acc, dict(linestyle=":", marker="."))
+
+
+def _log_log(ax, title: str) -> None:
+    """Log2 ring sizes (or steps) against a log error, titled, light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _label_edges(ax, row: int, col: int, rows: int, *, ylabel: str, xlabel: str) -> None:
+    """Axis labels on the left column and the bottom row of a grid of panels only."""
+    if col == 0:
+        ax.set_ylabel(ylabel, fontsize=8)
+    if row == rows - 1:
+        ax.set_xlabel(xlabel, fontsize=8)
+
+
+def _legend(fig, colours: dict, accs: list[str], *, budget: bool) -> None:
+    """Below the figure: a colour per distribution, a line style per accumulation (and the budget)."""
+    plt = _pyplot()
+    handles = [plt.Line2D([], [], color=c, label=d) for d, c in colours.items()]
+    handles += [plt.Line2D([], [], color="black", label=ACC_LABEL.get(a, a), **_style(a)) for a in accs]
+    if budget:
+        handles.append(plt.Line2D([], [], color="black", linestyle=":", linewidth=1, label="budget"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8,
+               frameon=False)
+
+
+# --- error against ring size ---------------------------------------------------------------------
+
+
+def _error_figure(doc: dict, backend: str, mode: str, colours: dict):
+    """Max abs error against ring size of one backend and mode: rows tensors, columns dtypes."""
+    spec, tensors = doc["spec"], tensor_names(doc)
+    fig, axes = _pyplot().subplots(len(tensors), len(spec["dtypes"]), squeeze=False, layout="constrained",
+                                   figsize=(4.4 * len(spec["dtypes"]), 2.4 * len(tensors) + 0.6), sharex=True)
+    for j, dtype in enumerate(spec["dtypes"]):
+        for i, tensor in enumerate(tensors):
+            ax = axes[i][j]
+            _error_lines(ax, doc, backend, mode, dtype, tensor, colours)
+            _log_log(ax, f"{dtype}: {tensor}")
+            _label_edges(ax, i, j, len(tensors), ylabel="max abs error", xlabel="ring size P")
+    _legend(fig, colours, accumulations(doc), budget=True)
+    fig.suptitle(f"{mode} ({backend}): max abs error against ring size", fontsize=11)
+    return fig
+
+
+def _error_lines(ax, doc: dict, backend: str, mode: str, dtype: str, tensor: str, colours: dict) -> None:
+    """One panel: per distribution, the error of each accumulation against P, and the budget
+    (of the float32 merge, dotted)."""
+    accs, sizes = accumulations(doc), ring_sizes(doc)
+    for dist in doc["spec"]["distributions"]:
+        for a in accs:
+            pts = [(p, case_of(doc, backend, mode, dtype, dist, a, p)) for p in sizes]
+            pts = [(p, c["tensors"][tensor]) for p, c in pts if c]
+            ax.plot([p for p, _ in pts], [m["max_abs"] for _, m in pts], color=colours[dist], **_style(a))
+        ref = next((a for a in accs if a == "float32"), accs[0])
+        pts = [(p, case_of(doc, backend, mode, dtype, dist, ref, p)) for p in sizes]
+        ax.plot([p for p, c in pts if c], [c["tensors"][tensor]["budget"] for p, c in pts if c],
+                color=colours[dist], linestyle=":", linewidth=1)
+
+
+# --- per-step drift ------------------------------------------------------------------------------
+
+
+def _step_figure(doc: dict, backend: str, colours: dict):
+    """The running output's error after every ring step at the largest P: rows modes, columns dtypes."""
+    spec, pmax = doc["spec"], ring_sizes(doc)[-1]
+    fig, axes = _pyplot().subplots(len(spec["modes"]), len(spec["dtypes"]), squeeze=False, layout="constrained",
+                                   figsize=(4.4 * len(spec["dtypes"]), 2.6 * len(spec["modes"]) + 0.6))
+    for i, mode in enumerate(spec["modes"]):
+        for j, dtype in enumerate(spec["dtypes"]):
+            ax = axes[i][j]
+            _step_lines(ax, doc, backend, mode, dtype, pmax, colours)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            _log_log(ax, f"{mode}, {dtype}")
+            _label_edges(ax, i, j, len(spec["modes"]), ylabel="out rel. error / u", xlabel="ring step (shards seen)")
+    _legend(fig, colours, accumulations(doc), budget=False)
+    fig.suptitle(f"Per-step drift of the running output at P={pmax} ({backend}); grey line: one u", fontsize=11)
+    return fig
+
+
+def _step_lines(ax, doc: dict, backend: str, mode: str, dtype: str, pmax: int, colours: dict) -> None:
+    """One panel: out's relative error / u after each step, per distribution and accumulation."""
+    for dist in doc["spec"]["distributions"]:
+        for a in accumulations(doc):
+            c = case_of(doc, backend, mode, dtype, dist, a, pmax)
+            if c and "steps" in c:
+                y = [max(v, 1e-12) / unit_roundoff(dtype) for v in c["steps"]["out_rel_norm"]]
+                style = _style(a)
+                if pmax > 16:
+                    style["marker"] = None
+                ax.plot(range(1, pmax + 1), y, color=colours[dist], **style)
+
+
+# --- fitted slopes -------------------------------------------------------------------------------
+
+
+def _slope_figure(doc: dict):
+    """The fitted slope of every group, one panel per mode, with the flag and random-walk lines."""
+    plt = _pyplot()
+    spec = doc["spec"]
+    fig, axes = plt.subplots(1, len(spec["modes"]), squeeze=False, figsize=(4.4 * len(spec["modes"]), 4.0),
+                             sharey=True, layout="constrained")
+    labels = [f"{d}\n{dist}" for d in spec["dtypes"] for dist in spec["distributions"]]
+    for k, mode in enumerate(spec["modes"]):
+        ax = axes[0][k]
+        _slope_points(ax, doc, mode)
+        ax.axhline(0.8, color="tab:red", linewidth=0.8, linestyle="--")
+        ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(labels)), labels, fontsize=6)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(mode, fontsize=9)
+        if k == 0:
+            ax.set_ylabel("slope of ln(rel. error) on ln(P)", fontsize=8)
+    handles = [plt.Line2D([], [], color="tab:blue", marker="o", linestyle="", label=ACC_LABEL["float32"]),
+               plt.Line2D([], [], color="tab:red", marker="x", linestyle="", label=ACC_LABEL["input"]),
+               plt.Line2D([], [], color="tab:red", linestyle="--", label="slope flag (0.8)"),
+               plt.Line2D([], [], color="grey", linestyle=":", label="random walk (0.5)")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("Fitted slopes, one point per tensor", fontsize=11)
+    return fig
+
+
+def _slope_points(ax, doc: dict, mode: str) -> None:
+    """One panel: a point per (dtype, distribution) column, accumulation, backend and tensor."""
+    spec, accs, tensors = doc["spec"], accumulations(doc), tensor_names(doc)
+    for x, (dtype, dist) in enumerate((d, dist) for d in spec["dtypes"] for dist in spec["distributions"]):
+        for ai, a in enumerate(accs):
+            for backend in spec["backends"]:
+                for t in tensors:
+                    fit = fit_of(doc, backend, mode, dtype, dist, a, t)
+                    if fit and fit["slope"] is not None:
+                        ax.scatter(x + (ai - (len(accs) - 1) / 2) * 0.25, fit["slope"], s=14,
+                                   marker="o" if a == "float32" else "x",
+                                   color="tab:blue" if a == "float32" else "tab:red",
+                                   edgecolors="none" if a == "float32" else None)
