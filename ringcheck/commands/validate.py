@@ -261,6 +261,151 @@ def _summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
     return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail)
 
 
+@dataclass
+class _Rank:
+    """This rank's view of one validate run: the target, the loaded implementation and the
+    group, with the collective helpers every step uses."""
+
+    target: Target
+    impl: Impl
+    group: Any
+    rank: int
+    world: int
+    root: int
+    budget: Budget
+    progress: Callable[[str], None] | None
+    device: torch.device = torch.device("cpu")
+
+    def note(self, text: str) -> None:
+        if self.progress is not None and self.rank == 0:
+            self.progress(text)
+
+    def on_root(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` on the group's rank 0, its result broadcast to every rank."""
+        payload = [compute() if self.rank == 0 else None]
+        dist.broadcast_object_list(payload, src=self.root, group=self.group)
+        return payload[0]
+
+    def run(self, inputs: Inputs, spec: AttentionSpec, ring: RingSpec) -> list[dict]:
+        """The implementation on every rank's shards; every rank's results, in rank order."""
+        local = _run_shards(self.impl, inputs, spec, ring, self.rank, self.group, self.device)
+        return _gather(local, self.group, self.world)
+
+
+@dataclass
+class _FirstRun:
+    case: Case
+    inputs: Inputs
+    parts: list[dict]
+
+
+def _judged_tensors(returns_lse: bool) -> tuple[str, ...]:
+    return TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
+
+
+def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool, _FirstRun]:
+    """Scaled-down shapes, every distribution, several local lengths: a forward and a
+    backward row per distribution; also whether the implementation returns lse."""
+    target, by_dist = ctx.target, {}
+    returns_lse, first = True, None
+    for case in scaled_cases(target):
+        ctx.note(f"{case.distribution}, {case.spec.seq_len // ctx.world} tokens per rank")
+        inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
+        parts = ctx.run(inputs, case.spec, case.ring)
+        returns_lse = parts[0]["lse"] is not None
+        first = first or _FirstRun(case, inputs, parts)
+        tensors = _judged_tensors(returns_lse)
+        verdict = ctx.on_root(lambda: judge_results(case, _whole(parts, case.ring.layout), truth(case.spec, inputs),
+                                                    peer(case.spec, inputs), budget=ctx.budget, tensors=tensors,
+                                                    inputs=inputs))
+        by_dist.setdefault(case.distribution, []).append(verdict)
+    lengths = ",".join(str(n) for n in target.local_lengths)
+    rows = []
+    for name, verdicts in by_dist.items():
+        rows.append(_summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
+        rows.append(_summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv")))
+    return rows, [v for vs in by_dist.values() for v in vs], returns_lse, first
+
+
+def _sparse_full_inputs(target: Target, spec: AttentionSpec) -> tuple[Inputs, torch.Tensor]:
+    """Full-length inputs whose dout is zero except on the sampled rows, and those rows."""
+    full = make_inputs(spec, seed=target.seed + 100003, distribution="normal")
+    rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
+    keep = torch.zeros(spec.seq_len, dtype=full.dout.dtype)
+    keep[rows] = 1
+    return Inputs(full.q, full.k, full.v, full.dout * keep[None, :, None, None]), rows
+
+
+def _certify_row_reference(spec: AttentionSpec, sparse: Inputs, rows: torch.Tensor) -> CheckRow:
+    """The float64 row reference itself, against mpmath at 30 certified digits, on a few rows."""
+    few = rows[torch.linspace(0, len(rows) - 1, min(4, len(rows))).round().long().unique()]
+    true = _row_results(spec, sparse, few, low=False)
+    mp = mp_attention(sparse.q, sparse.k, sparse.v, sparse.dout, causal=spec.causal,
+                      softmax_scale=spec.scale, rows=few, cache=False)
+    worst = 0.0
+    for a, b in ((true.out, mp.out), (true.lse, mp.lse), (true.dq, mp.dq)):
+        ok = torch.isfinite(b)
+        worst = max(worst, float((a[ok] - b[ok]).norm() / b[ok].norm().clamp_min(1e-300)))
+    return CheckRow(f"reference: float64 rows vs mpmath ({mp.certified_digits:.0f} digits, {len(few)} rows)",
+                    "pass" if worst <= 1e-12 else "fail", worst, 1e-12,
+                    f"normwise relative difference of out, lse, dq at rows {few.tolist()}")
+
+
+def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], Verdict]:
+    """The full target length on sampled rows (dq of the rows, dk and dv of every key), and
+    the certification of the row reference."""
+    spec = ctx.target.full_spec()
+    ctx.note(f"full length {spec.seq_len}")
+    sparse, rows = _sparse_full_inputs(ctx.target, spec)
+    parts = ctx.run(sparse, spec, ctx.target.ring)
+
+    def full_verdict():
+        whole = _whole(parts, ctx.target.layout)
+        got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
+        return _judge_rows(spec, got, _row_results(spec, sparse, rows, low=False),
+                           _row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
+                           ctx.budget, sparse)
+
+    verdict = ctx.on_root(full_verdict)
+    return [ctx.on_root(lambda: _certify_row_reference(spec, sparse, rows)),
+            _summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [verdict], ("out", "lse")),
+            _summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
+                       ("dq", "dk", "dv"))], verdict
+
+
+def _finite_row(verdicts: list[Verdict]) -> CheckRow:
+    bad = [(v.case, t.tensor, t.stats.nonfinite) for v in verdicts for t in v.tensors if t.stats.nonfinite]
+    return CheckRow("no NaN/Inf", "fail" if bad else "pass", detail=(
+        "; ".join(f"{n} non-finite in {t} [{c}]" for c, t, n in bad[:3]) if bad else
+        f"{len(verdicts)} runs, every output and gradient finite"))
+
+
+def _determinism_row(ctx: _Rank, first: _FirstRun) -> CheckRow:
+    """The first case again: the same bits on every rank."""
+    ctx.note("determinism")
+    again = ctx.run(first.inputs, first.case.spec, first.case.ring)
+    same = all(
+        (a[t] is None and b[t] is None) or (a[t] is not None and b[t] is not None and torch.equal(a[t], b[t]))
+        for a, b in zip(first.parts, again) for t in TENSORS)
+    return CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
+                    detail=f"[{first.case.describe()}]")
+
+
+def _shape_row(returns_lse: bool) -> CheckRow:
+    """Shape and dtype: a violation raised ContractError already."""
+    return CheckRow("output shape and dtype", "pass",
+                    detail="out like q" + ("; lse (batch, heads, local_seq) float32" if returns_lse
+                                           else "; no lse returned (lse not checked)"))
+
+
+def _balance_row(target: Target, world: int) -> CheckRow:
+    """The layout's per-rank work balance (information, not a gate)."""
+    spec = target.full_spec()
+    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal)
+    return CheckRow("per-rank work balance (max / mean)", "info", max(counts) / (sum(counts) / len(counts)), None,
+                    f"{target.layout}{' causal' if spec.causal else ''}: unmasked scores per rank {counts}")
+
+
 def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
                      progress: Callable[[str], None] | None = None) -> list[CheckRow]:
     """Run every check of `target` on this rank (a collective over `group`)."""
@@ -271,105 +416,11 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
                          f"launch with torchrun --nproc-per-node={target.world_size} or pass --world-size {world}")
     impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
     impl.check_layout(target.layout, target.causal)
-    device = torch.device("cpu")
-    rows_out: list[CheckRow] = []
-
-    def note(text: str) -> None:
-        if progress is not None and rank == 0:
-            progress(text)
-
-    def on_root(compute):
-        payload = [compute() if rank == 0 else None]
-        dist.broadcast_object_list(payload, src=root, group=group)
-        return payload[0]
-
-    # scaled-down shapes, every distribution, several local lengths
-    by_dist: dict[str, list[Verdict]] = {}
-    returns_lse = True
-    first_parts = None
-    for case in scaled_cases(target):
-        note(f"{case.distribution}, {case.spec.seq_len // world} tokens per rank")
-        inputs = make_inputs(case.spec, seed=case.seed, distribution=case.distribution, ring=case.ring)
-        parts = _gather(_run_shards(impl, inputs, case.spec, case.ring, rank, group, device), group, world)
-        returns_lse = parts[0]["lse"] is not None
-        first_parts = first_parts or (case, inputs, parts)
-        tensors = TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
-        verdict = on_root(lambda: judge_results(case, _whole(parts, case.ring.layout), truth(case.spec, inputs),
-                                                peer(case.spec, inputs), budget=budget, tensors=tensors,
-                                                inputs=inputs))
-        by_dist.setdefault(case.distribution, []).append(verdict)
-    lengths = ",".join(str(n) for n in target.local_lengths)
-    for name, verdicts in by_dist.items():
-        rows_out.append(_summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
-        rows_out.append(_summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv")))
-
-    # the full target length, sampled rows
-    spec = target.full_spec()
-    note(f"full length {spec.seq_len}")
-    full = make_inputs(spec, seed=target.seed + 100003, distribution="normal")
-    rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
-    keep = torch.zeros(spec.seq_len, dtype=full.dout.dtype)
-    keep[rows] = 1
-    sparse = Inputs(full.q, full.k, full.v, full.dout * keep[None, :, None, None])
-    parts = _gather(_run_shards(impl, sparse, spec, target.ring, rank, group, device), group, world)
-
-    def full_verdict():
-        whole = _whole(parts, target.layout)
-        got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
-        tensors = TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
-        return _judge_rows(spec, got, _row_results(spec, sparse, rows, low=False),
-                           _row_results(spec, sparse, rows, low=True), rows, tensors, budget, sparse)
-    full_v = on_root(full_verdict)
-
-    def certify_reference() -> CheckRow:
-        # the float64 row reference itself, against mpmath at 30 certified digits, on a few rows
-
-        few = rows[torch.linspace(0, len(rows) - 1, min(4, len(rows))).round().long().unique()]
-        true = _row_results(spec, sparse, few, low=False)
-        mp = mp_attention(sparse.q, sparse.k, sparse.v, sparse.dout, causal=spec.causal,
-                          softmax_scale=spec.scale, rows=few, cache=False)
-        worst = 0.0
-        for name, a, b in (("out", true.out, mp.out), ("lse", true.lse, mp.lse), ("dq", true.dq, mp.dq)):
-            ok = torch.isfinite(b)
-            rel = float((a[ok] - b[ok]).norm() / b[ok].norm().clamp_min(1e-300))
-            worst = max(worst, rel)
-        return CheckRow(f"reference: float64 rows vs mpmath ({mp.certified_digits:.0f} digits, {len(few)} rows)",
-                        "pass" if worst <= 1e-12 else "fail", worst, 1e-12,
-                        f"normwise relative difference of out, lse, dq at rows {few.tolist()}")
-    rows_out.append(on_root(certify_reference))
-    rows_out.append(_summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [full_v], ("out", "lse")))
-    rows_out.append(_summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [full_v],
-                               ("dq", "dk", "dv")))
-
-    # NaN / Inf anywhere
-    all_verdicts = [v for vs in by_dist.values() for v in vs] + [full_v]
-    bad = [(v.case, t.tensor, t.stats.nonfinite) for v in all_verdicts for t in v.tensors if t.stats.nonfinite]
-    rows_out.append(CheckRow("no NaN/Inf", "fail" if bad else "pass", detail=(
-        "; ".join(f"{n} non-finite in {t} [{c}]" for c, t, n in bad[:3]) if bad else
-        f"{len(all_verdicts)} runs, every output and gradient finite")))
-
-    # determinism: the first case again, same bits
-    case, inputs, parts = first_parts
-    note("determinism")
-    again = _gather(_run_shards(impl, inputs, case.spec, case.ring, rank, group, device), group, world)
-    same = all(
-        (a[t] is None and b[t] is None) or (a[t] is not None and b[t] is not None and torch.equal(a[t], b[t]))
-        for a, b in zip(parts, again) for t in TENSORS)
-    rows_out.append(CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
-                             detail=f"[{case.describe()}]"))
-
-    # shape and dtype (a violation raised ContractError already)
-    rows_out.append(CheckRow("output shape and dtype", "pass",
-                             detail="out like q" + ("; lse (batch, heads, local_seq) float32" if returns_lse
-                                                    else "; no lse returned (lse not checked)")))
-
-    # work balance of the layout (information)
-    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal)
-    mean = sum(counts) / len(counts)
-    rows_out.append(CheckRow("per-rank work balance (max / mean)", "info", max(counts) / mean, None,
-                             f"{target.layout}{' causal' if spec.causal else ''}: unmasked scores per rank "
-                             f"{counts}"))
-    return rows_out
+    ctx = _Rank(target, impl, group, rank, world, root, budget, progress)
+    scaled_rows, scaled_verdicts, returns_lse, first = _check_scaled_cases(ctx)
+    full_rows, full_verdict = _check_full_length(ctx, returns_lse)
+    return [*scaled_rows, *full_rows, _finite_row([*scaled_verdicts, full_verdict]),
+            _determinism_row(ctx, first), _shape_row(returns_lse), _balance_row(target, world)]
 
 
 # ------------------------------------------------------------------------------- reports
