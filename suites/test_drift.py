@@ -11,15 +11,8 @@ import torch
 
 from reference import dense_grads
 from ringcheck.cli import main
-from ringcheck.commands.drift import (
-    DriftSpec,
-    Implementation,
-    _run_simulated,
-    fit_group,
-    fit_slope,
-    run_drift,
-    step_truths,
-)
+from ringcheck.commands.drift import DriftSpec, Implementation, run_drift, run_simulated
+from ringcheck.commands.drift_model import fit_group, fit_slope, step_truths
 from ringcheck.documents import (
     DRIFT_SCHEMA,
     DRIFT_SCHEMA_VERSION,
@@ -254,7 +247,7 @@ def test_meta_has_the_common_keys_first_and_refuses_to_replace_them():
 def test_report_diff_shows_a_planted_regression(separating_doc):
     # the regression: a ring that says "float32 merge" but rounds its partial output at every hop
     regressed = Implementation("simulated",
-                               lambda case, inputs, acc, observer: _run_simulated(case, inputs, "input", observer))
+                               lambda case, inputs, acc, observer: run_simulated(case, inputs, "input", observer))
     after = run_drift(DriftSpec(**dict(SEPARATING, accumulations=("float32",), ring_sizes=(1, 4, 16))),
                       implementation=regressed)
     before = separating_doc
