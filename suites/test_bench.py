@@ -1,4 +1,4 @@
-"""Smoke tests of `ringcheck bench` (ringcheck/bench.py): a tiny grid, the document's keys,
+"""Smoke tests of `ringcheck bench` (ringcheck/commands/bench.py, bench_tasks.py): a tiny grid, the document's keys,
 ratios, errors beside the times, the no-comm driver, zig-zag balance. Never on timings."""
 
 import json
@@ -6,18 +6,21 @@ import json
 import pytest
 import torch
 
-from ringcheck.commands import bench
-from ringcheck.commands.bench import (
-    BENCH_MODES,
-    BenchSpec,
-    Case,
-    add_ratios,
-    run_balance,
+from reference import dense_grads
+from ringcheck.commands.bench import BENCH_MODES, BenchSpec, add_ratios, run_balance
+from ringcheck.commands.bench_tasks import (
+    SDPA,
+    SIMULATED,
+    BenchCase,
+    case_inputs,
+    case_reference,
+    errors,
+    merge_errors,
     run_local,
 )
 from ringcheck.documents import BENCH_SCHEMA, META_KEYS, load
 from ringcheck.ring import NoCommDriver, make_config, run_ring
-from ringcheck.ring.layouts import shard, work_counts
+from ringcheck.ring.layouts import positions, shard, work_counts
 
 
 def test_ratios_are_to_the_fastest_peer_ring():
@@ -34,35 +37,34 @@ def test_ratios_are_to_the_fastest_peer_ring():
     assert rows[5]["ratio"] == 1.0 and rows[6]["ratio"] is None
 
 
-@pytest.mark.parametrize("system", [bench.SDPA, bench.SIMULATED])
+@pytest.mark.parametrize("system", [SDPA, SIMULATED])
 def test_local_systems_report_errors_against_float64(system):
-    case = Case("float32", 2, 64, "causal_balanced", "fwd+bwd", 2, 16, 8, 0)
+    case = BenchCase("float32", 2, 64, "causal_balanced", "fwd+bwd", 2, 16, 8, 0)
     got = run_local(system, case, warmup=0, repeats=1)
     assert set(got["errors"]) == {"out", "dq", "dk", "dv"}
     assert all(0 <= e < 1e-4 for e in got["errors"].values()), got["errors"]
-    bf16 = run_local(system, Case("bfloat16", 2, 64, "bidirectional", "fwd", 2, 16, 8, 0), 0, 1)
+    bf16 = run_local(system, BenchCase("bfloat16", 2, 64, "bidirectional", "fwd", 2, 16, 8, 0), 0, 1)
     assert set(bf16["errors"]) == {"out"} and 1e-5 < bf16["errors"]["out"] < 0.1  # rounding seen, not hidden
 
 
 def test_errors_of_a_shard_match_the_whole():
-    q, k, v, dout, rows = bench.make_inputs(32, 2, 8, "float32", 32, 0)
-    ref = bench.reference(q, k, v, dout, rows, causal=True)
-    from reference import dense_grads
-
+    case = BenchCase("float32", 2, 32, "causal", "fwd+bwd", 2, 8, 32, 0)
+    inputs, rows = case_inputs(case)
+    q, k, v, dout = inputs.q, inputs.k, inputs.v, inputs.dout
+    ref = case_reference(case, inputs, rows)
     out, _, dq, dk, dv = (t.float() for t in dense_grads(q, k, v, dout, causal=True))
-    whole = bench.errors(ref, out, dq, dk, dv, rows=rows)
-    from ringcheck.ring.layouts import positions
-
-    parts = [bench.errors(ref, *(shard(t, layout="zigzag", rank=r, world_size=2, dim=1) for t in (out, dq, dk, dv)),
+    whole = errors(ref, out, dq, dk, dv, rows=rows)
+    parts = [errors(ref, *(shard(t, layout="zigzag", rank=r, world_size=2, dim=1) for t in (out, dq, dk, dv)),
                           rows=rows, positions=positions(layout="zigzag", rank=r, world_size=2, seq_len=32))
              for r in range(2)]
-    assert bench._merge_errors(parts) == pytest.approx(whole, abs=1e-12)
+    assert merge_errors(parts) == pytest.approx(whole, abs=1e-12)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_no_comm_driver_runs_forward_and_backward(layout):
     p, n = 4, 32
-    q, k, v, dout, _ = bench.make_inputs(p * n, 2, 8, "float32", 4, 0)
+    inputs, _ = case_inputs(BenchCase("float32", p, p * n, "causal", "fwd+bwd", 2, 8, 4, 0))
+    q, k, v = inputs.q, inputs.k, inputs.v
     config = make_config(world_size=p, layout=layout, causal=True, softmax_scale=None, head_dim=8, backend="torch")
     for r in range(p):
         qs, ks, vs = (shard(t, layout=layout, rank=r, world_size=p, dim=1).detach().requires_grad_() for t in (q, k, v))

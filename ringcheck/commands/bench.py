@@ -15,7 +15,8 @@ A benchmark, not a test: it measures and prints, it never fails on speed. Five s
   max / mean, for contiguous causal, zigzag and striped.
 - ``memory``: peak RSS growth per rank (VmHWM after resetting it through /proc/self/clear_refs)
   during one call, as total tokens grow at a fixed ring size; a log-log slope per system.
-- ``harness``: wall time of `pytest suites -q -x` and `ringcheck validate` (subprocesses), and
+- ``harness``: wall time of `pytest suites -q -x` (from a source checkout) and `ringcheck validate`
+  (subprocesses), and
   the references' speed (float64 dense sampled rows/s, mpmath certified rows/s).
 
 Errors are measured on `sample_rows` query rows: `dout` is zero except on those rows, so the
@@ -25,8 +26,6 @@ float64 reference of out, lse and dq for the rows, and of dk, dv for every key, 
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import math
 import os
 import platform
@@ -38,50 +37,43 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from reference import dense_grads
 from reference.mp import mp_attention
 
 from ..documents import BENCH_SCHEMA, header
 from ..ring import (
-    DistributedDriver,
     NoCommDriver,
     RankShard,
     make_config,
-    run_ring,
-    simulate_ring,
 )
 from ..ring.backends import get_backend
-from ..ring.comm import RingComm
-from ..ring.layouts import positions, shard, work_counts
+from ..ring.layouts import shard, work_counts
 from ..ring.loops import forward_loop
-from .adapters import load_impl
+from .bench_tasks import (
+    LOCAL,
+    OURS,
+    PEERS,
+    SDPA,
+    SDPA_1T,
+    SIMULATED,
+    BenchCase,
+    case_inputs,
+    memory_task,
+    merge_errors,
+    overlap_task,
+    parent_threads,
+    run_local,
+    speed_task,
+    system_layout,
+    times_of,
+)
 
 SECTIONS = ("speed", "overlap", "balance", "memory", "harness")
 DEFAULT_SECTIONS = ("speed", "overlap", "balance", "memory")
 BENCH_MODES = ("bidirectional", "causal", "causal_balanced")  # the speed grid's modes, not judge.check.MODES
 PASSES = ("fwd", "fwd+bwd")
-OURS = "ringcheck"
-SIMULATED = "ringcheck:simulated"
-SDPA = "sdpa"
-SDPA_1T = "sdpa:1thread"
-PEERS = ("torch_cp", "ring_attention_pytorch")
 DEFAULT_IMPLS = (OURS, SIMULATED, *PEERS, SDPA, SDPA_1T)
-LOCAL = (SIMULATED, SDPA, SDPA_1T)     # run in the parent process, not in the ring
-
-# per system: the layout of each mode (None: the system cannot run that mode)
-_LAYOUTS = {
-    OURS: {"bidirectional": "contiguous", "causal": "contiguous", "causal_balanced": "zigzag"},
-    SIMULATED: {"bidirectional": "contiguous", "causal": "contiguous", "causal_balanced": "zigzag"},
-    "torch_cp": {"bidirectional": "contiguous", "causal": None, "causal_balanced": "zigzag"},
-    "ring_attention_pytorch": {"bidirectional": "contiguous", "causal": "contiguous",
-                               "causal_balanced": "striped"},
-}
-_NA_REASON = {("torch_cp", "causal"): "torch_cp runs causal attention only with its head-tail (zigzag) "
-                                      "balancing: see causal_balanced"}
-
 
 @dataclass(frozen=True)
 class BenchSpec:
@@ -132,257 +124,9 @@ FULL = dict(dtypes=("float32", "bfloat16"), ring_sizes=(2, 4, 8), tokens=(1024, 
             repeats=5, warmup=1, memory_tokens=(2048, 4096, 8192, 16384, 32768))
 
 
-# ---------------------------------------------------------------------------------- inputs
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def make_inputs(n: int, heads: int, head_dim: int, dtype: str, sample_rows: int, seed: int):
-    """Seeded whole inputs (b=1), the same on every rank: q, k, v, dout (zero but on `rows`), rows."""
-    gen = torch.Generator().manual_seed(seed)
-    dt = _dtype(dtype)
-    q, k, v, do = (torch.randn(1, n, heads, head_dim, generator=gen).to(dt) for _ in range(4))
-    rows = torch.randperm(n, generator=gen)[:min(sample_rows, n)].sort().values
-    dout = torch.zeros_like(do)
-    dout[:, rows] = do[:, rows]
-    return q, k, v, dout, rows
-
-
-def reference(q, k, v, dout, rows, causal: bool) -> dict[str, torch.Tensor]:
-    """float64 out, dq on `rows`; dk, dv on every key (exact: dout is zero elsewhere)."""
-    out, _, dq, dk, dv = dense_grads(q, k, v, dout, causal=causal, rows=rows)
-    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
-
-
-def errors(ref: dict, out, dq=None, dk=None, dv=None, *, rows, positions=None) -> dict[str, float]:
-    """Max abs errors against `ref`. Tensors are whole (positions None) or one rank's shard, whose
-    global token positions are `positions`; only the sampled rows of out and dq are compared."""
-    n_total = ref["dk"].shape[1]
-    if positions is None:
-        positions = torch.arange(n_total)
-    where = torch.full((n_total,), -1, dtype=torch.int64)
-    where[positions] = torch.arange(len(positions))
-    local = where[rows]
-    mine = local >= 0
-    found: dict[str, float] = {}
-    for name, got in (("out", out), ("dq", dq)):
-        if got is not None and bool(mine.any()):
-            diff = got.detach()[:, local[mine]].double() - ref[name][:, mine.nonzero().flatten()]
-            found[name] = float(diff.abs().max())
-    for name, got in (("dk", dk), ("dv", dv)):
-        if got is not None:
-            found[name] = float((got.detach().double() - ref[name][:, positions]).abs().max())
-    return found
-
-
-def _merge_errors(parts: list[dict]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for part in parts:
-        for k, v in part.items():
-            out[k] = max(out.get(k, 0.0), v)
-    return out
-
-
-# ------------------------------------------------------------------------------- systems
-
-def system_layout(system: str, mode: str) -> tuple[str | None, str]:
-    """(layout, reason if n/a) of `system` in `mode`; custom impls take our ring's layouts."""
-    layouts = _LAYOUTS.get(system, _LAYOUTS[OURS])
-    layout = layouts[mode]
-    return layout, ("" if layout else _NA_REASON.get((system, mode), f"{system} cannot run {mode}"))
-
-
-def _call(fn: Callable, passes: str, inputs: tuple, dout):
-    """One measured call: forward, and backward when timing fwd+bwd. Returns (out, grads)."""
-    q, k, v = inputs
-    if passes == "fwd":
-        with torch.no_grad():
-            res = fn(q, k, v)
-        return (res[0] if isinstance(res, tuple) else res), None
-    q, k, v = (t.detach().requires_grad_() for t in inputs)
-    res = fn(q, k, v)
-    out = res[0] if isinstance(res, tuple) else res
-    out.backward(dout)
-    return out, (q.grad, k.grad, v.grad)
-
-
-def _times(fn: Callable, warmup: int, repeats: int, barrier: Callable = lambda: None):
-    """Per-repeat seconds of fn() after `warmup` calls, each between barriers; last result."""
-    result = None
-    for _ in range(warmup):
-        barrier()
-        result = fn()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    barrier()
-    return times, result
-
-
-@dataclass(frozen=True)
-class Case:
-    """One cell of the speed grid."""
-
-    dtype: str
-    ring_size: int
-    tokens: int
-    mode: str
-    passes: str
-    heads: int
-    head_dim: int
-    sample_rows: int
-    seed: int
-
-    @property
-    def causal(self) -> bool:
-        return self.mode != "bidirectional"
-
-    def key(self) -> str:
-        return f"{self.dtype}/P{self.ring_size}/N{self.tokens}/{self.mode}/{self.passes}"
-
-
-def _ring_fn(system: str, layout: str, causal: bool, scale: float, group):
-    """A callable (q, k, v) -> out for a distributed system on this rank."""
-    impl = load_impl(system, layout=layout)
-    return lambda q, k, v: impl.fn(q, k, v, causal=causal, softmax_scale=scale, group=group)
-
-
-def speed_task(member, case: Case, systems: tuple[str, ...], warmup: int, repeats: int) -> dict:
-    """Ring task: time every distributed system on this rank for one case; errors per system."""
-    torch.set_num_threads(1)
-    q, k, v, dout, rows = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype,
-                                      case.sample_rows, case.seed)
-    ref = reference(q, k, v, dout, rows, case.causal)
-    scale = 1.0 / math.sqrt(case.head_dim)
-    barrier = lambda: dist.barrier(group=member.group)  # noqa: E731
-    found: dict[str, Any] = {}
-    for system in systems:
-        layout, _ = system_layout(system, case.mode)
-        try:
-            fn = _ring_fn(system, layout, case.causal, scale, member.group)
-            parts = [shard(t, layout=layout, rank=member.rank, world_size=member.world_size, dim=1)
-                     for t in (q, k, v, dout)]
-            times, (out, grads) = _times(lambda: _call(fn, case.passes, tuple(parts[:3]), parts[3]),
-                                         warmup, repeats, barrier)
-            pos = positions(layout=layout, rank=member.rank, world_size=member.world_size, seq_len=case.tokens)
-            found[system] = {"times": times, "errors": errors(ref, out, *(grads or ()), rows=rows, positions=pos)}
-        except Exception as exc:  # recorded as n/a; the other ranks fail (or time out) alike
-            found[system] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-    return found
-
-
-def overlap_task(member, case: Case, warmup: int, repeats: int) -> dict:
-    """Ring task: our ring distributed and through `NoCommDriver`, in the same ring."""
-    torch.set_num_threads(1)
-    q, k, v, dout, _ = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype, case.sample_rows, case.seed)
-    layout, _ = system_layout(OURS, case.mode)
-    parts = [shard(t, layout=layout, rank=member.rank, world_size=member.world_size, dim=1) for t in (q, k, v, dout)]
-    config = make_config(world_size=member.world_size, layout=layout, causal=case.causal, softmax_scale=None,
-                         head_dim=case.head_dim, backend="torch")
-    comm = RingComm(member.group, timeout=member.timeout)
-    barrier = lambda: dist.barrier(group=member.group)  # noqa: E731
-    found = {}
-    for name, make in (("distributed", lambda: DistributedDriver(comm)),
-                       ("no_comm", lambda: NoCommDriver(member.rank, member.world_size))):
-        def one(make=make):
-            fn = lambda a, b, c: run_ring(config, make(), [a], [b], [c])[0][0]  # noqa: E731
-            return _call(fn, case.passes, tuple(parts[:3]), parts[3])
-        found[name] = _times(one, warmup, repeats, barrier)[0]
-    return found
-
-
-def _rss_kib(field_name: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field_name}")
-
-
-def peak_rss_growth(fn: Callable[[], Any]) -> float | None:
-    """MiB the peak RSS rose above the RSS just before fn() (Linux; None elsewhere)."""
-    if not os.path.exists("/proc/self/clear_refs"):
-        return None
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so reuse does not hide growth
-    except (OSError, AttributeError):
-        pass
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # resets VmHWM to the current RSS
-    base = _rss_kib("VmRSS")
-    result = fn()
-    peak = _rss_kib("VmHWM")
-    del result
-    return (peak - base) / 1024.0
-
-
-def memory_task(member, case: Case, systems: tuple[str, ...]) -> dict:
-    """Ring task: peak RSS growth of one call per system on this rank (after one warm-up call)."""
-    torch.set_num_threads(1)
-    q, k, v, dout, _ = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype, case.sample_rows, case.seed)
-    scale = 1.0 / math.sqrt(case.head_dim)
-    found = {}
-    for system in systems:
-        layout, _ = system_layout(system, case.mode)
-        try:
-            fn = _ring_fn(system, layout, case.causal, scale, member.group)
-            parts = [shard(t, layout=layout, rank=member.rank, world_size=member.world_size, dim=1).contiguous()
-                     for t in (q, k, v, dout)]
-            _call(fn, case.passes, tuple(parts[:3]), parts[3])  # warm-up: lazy imports, kernel set-up
-            dist.barrier(group=member.group)
-            found[system] = {"mib": peak_rss_growth(lambda: _call(fn, case.passes, tuple(parts[:3]), parts[3]))}
-            dist.barrier(group=member.group)
-        except Exception as exc:
-            found[system] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-    return found
-
-
-# ----------------------------------------------------------------------- parent-side runs
-
-def _local_fn(system: str, case: Case):
-    """(fn(q, k, v) -> out on whole tensors, torch threads) for a system run in the parent."""
-    if system == SIMULATED:
-        layout, _ = system_layout(OURS, case.mode)
-        return (lambda q, k, v: simulate_ring(q, k, v, world_size=case.ring_size, causal=case.causal,
-                                              layout=layout)), 1
-
-    def sdpa(q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=case.causal)
-        return out.transpose(1, 2)
-    return sdpa, (1 if system == SDPA_1T else _parent_threads())
-
-
-_PARENT_THREADS: list[int] = []
-
-
-def _parent_threads() -> int:
-    if not _PARENT_THREADS:
-        _PARENT_THREADS.append(torch.get_num_threads())
-    return _PARENT_THREADS[0]
-
-
-def run_local(system: str, case: Case, warmup: int, repeats: int) -> dict:
-    fn, threads = _local_fn(system, case)
-    q, k, v, dout, rows = make_inputs(case.tokens, case.heads, case.head_dim, case.dtype, case.sample_rows, case.seed)
-    ref = reference(q, k, v, dout, rows, case.causal)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        times, (out, grads) = _times(lambda: _call(fn, case.passes, (q, k, v), dout), warmup, repeats)
-    finally:
-        torch.set_num_threads(old)
-    return {"times": times, "errors": errors(ref, out, *(grads or ()), rows=rows), "threads": threads}
-
-
 # -------------------------------------------------------------------------------- sections
 
-def _row(case: Case, system: str, **extra) -> dict:
+def _row(case: BenchCase, system: str, **extra) -> dict:
     layout, _ = system_layout(OURS if system in (SDPA, SDPA_1T) else system, case.mode)
     return {"key": case.key(), **asdict(case), "system": system,
             "layout": "whole" if system in (SDPA, SDPA_1T) else layout, **extra}
@@ -406,7 +150,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 def run_speed(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     rows: list[dict] = []
-    threads = _parent_threads()
+    threads = parent_threads()
     distributed = tuple(s for s in spec.impls if s not in LOCAL)
     local = tuple(s for s in spec.impls if s in LOCAL)
     for p in spec.ring_sizes:
@@ -414,7 +158,7 @@ def run_speed(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s
             for n in spec.tokens:
                 for mode in spec.modes:
                     for passes in spec.passes:
-                        case = Case(dtype, p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
+                        case = BenchCase(dtype, p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
                         progress(case.key())
                         runnable = []
                         for system in distributed:
@@ -434,7 +178,7 @@ def run_speed(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s
                             # a repeat lasts as long as its slowest rank
                             times = [max(ts) for ts in zip(*(g["times"] for g in got))]
                             rows.append(_row(case, system, median_s=statistics.median(times), times=times,
-                                             errors=_merge_errors([g["errors"] for g in got]), threads=1))
+                                             errors=merge_errors([g["errors"] for g in got]), threads=1))
                         for system in local:
                             try:
                                 got = run_local(system, case, spec.warmup, spec.repeats)
@@ -456,7 +200,7 @@ def run_overlap(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda
             for n in spec.tokens:
                 for mode in ("bidirectional", "causal_balanced"):
                     for passes in spec.passes:
-                        case = Case(dtype, p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
+                        case = BenchCase(dtype, p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
                         progress("overlap " + case.key())
                         got = rings.run(p, overlap_task, case, spec.warmup, spec.repeats)
                         dist_t = statistics.median(max(ts) for ts in zip(*(g["distributed"] for g in got)))
@@ -468,8 +212,8 @@ def run_overlap(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda
     return rows
 
 
-def _kv_bytes(case: Case) -> int:
-    return 2 * (case.tokens // case.ring_size) * case.heads * case.head_dim * _dtype(case.dtype).itemsize
+def _kv_bytes(case: BenchCase) -> int:
+    return 2 * (case.tokens // case.ring_size) * case.heads * case.head_dim * getattr(torch, case.dtype).itemsize
 
 
 def run_balance(spec: BenchSpec, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
@@ -480,7 +224,9 @@ def run_balance(spec: BenchSpec, progress: Callable[[str], None] = lambda s: Non
     try:
         dtype = spec.dtypes[0]
         n = spec.balance_tokens
-        q, k, v, _, _ = make_inputs(n, spec.heads, spec.head_dim, dtype, 1, spec.seed)
+        balance = BenchCase(dtype, 1, n, "causal", "fwd", spec.heads, spec.head_dim, 1, spec.seed)
+        inputs, _ = case_inputs(balance)
+        q, k, v = inputs.q, inputs.k, inputs.v
         backend = get_backend("torch")
         for p in spec.balance_ring_sizes:
             for layout in ("contiguous", "zigzag", "striped"):
@@ -493,7 +239,7 @@ def run_balance(spec: BenchSpec, progress: Callable[[str], None] = lambda s: Non
                     qs, ks, vs = (shard(t, layout=layout, rank=r, world_size=p, dim=1).contiguous() for t in (q, k, v))
                     run = lambda: NoCommDriver(r, p).run([forward_loop(config, RankShard(r, p), qs, ks, vs, backend)])  # noqa: E731,B023
                     with torch.no_grad():
-                        per_rank.append(statistics.median(_times(run, spec.warmup, spec.repeats)[0]))
+                        per_rank.append(statistics.median(times_of(run, spec.warmup, spec.repeats)[0]))
                 rows.append({"ring_size": p, "layout": layout, "tokens": n, "dtype": dtype, "work": counts,
                              "work_max_over_mean": max(counts) / statistics.fmean(counts),
                              "time_s": per_rank, "time_max_over_mean": max(per_rank) / statistics.fmean(per_rank)})
@@ -521,7 +267,7 @@ def run_memory(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda 
             for n in spec.memory_tokens:
                 if n % (2 * p):
                     continue
-                case = Case("float32", p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
+                case = BenchCase("float32", p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
                 progress("memory " + case.key())
                 runnable = [s for s in systems if system_layout(s, mode)[0] is not None]
                 got = rings.run(p, memory_task, case, tuple(runnable))
@@ -549,15 +295,21 @@ def run_memory(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda 
 
 
 def run_harness(spec: BenchSpec, progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Wall time of the test suites and `ringcheck validate`; the references' speed."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    """Wall time of the test suites of the current directory (a source checkout: `suites/`) and
+    of `ringcheck validate`; the references' speed. The library knows no path of its own
+    checkout: without `suites/` in the current directory the suites are reported as not run."""
+    root = os.getcwd()
     found: dict[str, Any] = {}
-    for name, cmd in (("pytest suites -q -x", [sys.executable, "-m", "pytest", "suites", "-q", "-x"]),
-                      ("ringcheck validate", [sys.executable, "-m", "ringcheck", "validate"])):
+    commands = [("ringcheck validate", [sys.executable, "-m", "ringcheck", "validate"])]
+    if os.path.isdir(os.path.join(root, "suites")):
+        commands.insert(0, ("pytest suites -q -x", [sys.executable, "-m", "pytest", "suites", "-q", "-x"]))
+    else:
+        found["pytest suites -q -x"] = {"wall_s": None, "exit": None, "failed": [],
+                                        "last_line": f"not run: no suites/ in {root} (run from a source checkout)"}
+    for name, cmd in commands:
         progress("harness " + name)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         # the summary line, and what failed (pytest's FAILED lines, or the error a command printed)
         failed = [ln for ln in lines if ln.startswith("FAILED") or ": error:" in ln]
@@ -565,12 +317,12 @@ def run_harness(spec: BenchSpec, progress: Callable[[str], None] = lambda s: Non
                        "last_line": (proc.stdout.strip().splitlines() or [""])[-1][:200],
                        "failed": [ln[:300] for ln in failed[:5]]}
     progress("harness references")
-    q, k, v, do, rows = make_inputs(4096, 4, 64, "float32", 16, spec.seed)
-    t, _ = _times(lambda: dense_grads(q, k, v, do, rows=rows), 1, 3)
+    inputs, rows = case_inputs(BenchCase("float32", 1, 4096, "bidirectional", "fwd+bwd", 4, 64, 16, spec.seed))
+    t, _ = times_of(lambda: dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, rows=rows), 1, 3)
     found["float64 dense rows/s (N=4096, 16 sampled rows, 4 heads, fwd+bwd)"] = {
         "rows_per_s": 16 * 4 / statistics.median(t), "median_s": statistics.median(t)}
-    q, k, v, do, rows = make_inputs(1024, 4, 64, "float32", 16, spec.seed)
-    t, _ = _times(lambda: mp_attention(q, k, v, rows=rows, cache=False), 0, 1)
+    inputs, rows = case_inputs(BenchCase("float32", 1, 1024, "bidirectional", "fwd", 4, 64, 16, spec.seed))
+    t, _ = times_of(lambda: mp_attention(inputs.q, inputs.k, inputs.v, rows=rows, cache=False), 0, 1)
     found["mpmath certified rows/s (N=1024, 16 sampled rows, 4 heads, fwd)"] = {
         "rows_per_s": 16 * 4 / statistics.median(t), "median_s": statistics.median(t)}
     return found
@@ -592,14 +344,14 @@ def machine() -> dict:
     except OSError:
         pass
     return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "load_1_5_15": load_average(),
-            "parent_threads": _parent_threads(), "worker_threads": 1,
+            "parent_threads": parent_threads(), "worker_threads": 1,
             "ring_backend": "nccl" if torch.cuda.is_available() else "gloo"}
 
 
 def run_bench(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every requested section: the bench document (schema "ringcheck.bench", see
     `ringcheck.documents`) without `meta`, which the command adds (`machine`)."""
-    _parent_threads()
+    parent_threads()
     doc: dict[str, Any] = {**header(BENCH_SCHEMA), "spec": asdict(spec)}
     if "speed" in spec.sections:
         doc["speed"] = run_speed(spec, rings, progress)

@@ -28,12 +28,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from reference import dense_grads, mp_attention, peer_attention
+from reference import mp_attention
 
 from ..documents import VALIDATE_SCHEMA, header
-from ..judge.check import Case, Results, judge_results, peer, truth
+from ..judge.check import Case, Results, judge_results, peer, row_results, truth
 from ..judge.distributions import DISTRIBUTIONS
-from ..judge.inputs import Inputs, make_inputs
+from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
 from ..judge.verdict import TENSORS, Verdict, float32_floors, judge
 from ..ring.layouts import shard, unshard, work_counts
 from ..spec import AttentionSpec, Budget, RingSpec
@@ -199,29 +199,6 @@ def scaled_cases(target: Target) -> list[Case]:
     return cases
 
 
-def sample_rows(seq_len: int, count: int, seed: int) -> torch.Tensor:
-    """First and last row plus random others, sorted, without repeats."""
-    g = torch.Generator().manual_seed(seed + 7919)
-    count = min(count, seq_len)
-    picked = {0, seq_len - 1} if count >= 2 else {seq_len - 1}
-    for idx in torch.randperm(seq_len, generator=g).tolist():
-        if len(picked) >= count:
-            break
-        picked.add(idx)
-    return torch.tensor(sorted(picked), dtype=torch.int64)
-
-
-def _row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low: bool) -> Results:
-    """Reference on sampled rows: float64 truth (low=False) or the same-dtype peer (low=True)."""
-    if not low:
-        return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
-                                    softmax_scale=spec.scale, rows=rows))
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    out, lse = peer_attention(q, k, v, causal=spec.causal, softmax_scale=spec.scale, rows=rows, return_lse=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout[:, rows])
-    return Results(out.detach(), lse.detach(), dq[:, rows], dk, dv)
-
-
 def _judge_rows(spec: AttentionSpec, got: Results, true: Results, peer_r: Results, rows: torch.Tensor,
                 tensors, budget: Budget, inputs: Inputs) -> Verdict:
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
@@ -329,17 +306,14 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
 
 def _sparse_full_inputs(target: Target, spec: AttentionSpec) -> tuple[Inputs, torch.Tensor]:
     """Full-length inputs whose dout is zero except on the sampled rows, and those rows."""
-    full = make_inputs(spec, seed=target.seed + 100003, distribution="normal")
     rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
-    keep = torch.zeros(spec.seq_len, dtype=full.dout.dtype)
-    keep[rows] = 1
-    return Inputs(full.q, full.k, full.v, full.dout * keep[None, :, None, None]), rows
+    return with_sampled_rows(make_inputs(spec, seed=target.seed + 100003, distribution="normal"), rows), rows
 
 
 def _certify_row_reference(spec: AttentionSpec, sparse: Inputs, rows: torch.Tensor) -> CheckRow:
     """The float64 row reference itself, against mpmath at 30 certified digits, on a few rows."""
     few = rows[torch.linspace(0, len(rows) - 1, min(4, len(rows))).round().long().unique()]
-    true = _row_results(spec, sparse, few, low=False)
+    true = row_results(spec, sparse, few, low=False)
     mp = mp_attention(sparse.q, sparse.k, sparse.v, sparse.dout, causal=spec.causal,
                       softmax_scale=spec.scale, rows=few, cache=False)
     worst = 0.0
@@ -362,8 +336,8 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
     def full_verdict():
         whole = _whole(parts, ctx.target.layout)
         got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
-        return _judge_rows(spec, got, _row_results(spec, sparse, rows, low=False),
-                           _row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
+        return _judge_rows(spec, got, row_results(spec, sparse, rows, low=False),
+                           row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
                            ctx.budget, sparse)
 
     verdict = ctx.on_root(full_verdict)

@@ -89,6 +89,18 @@ def peer(spec: AttentionSpec, inputs: Inputs) -> Results:
                                                     softmax_scale=spec.scale, return_lse=True), inputs)
 
 
+def row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low: bool = False) -> Results:
+    """Reference on sampled query rows (inputs from `with_sampled_rows`): the float64 truth, or
+    the same-dtype peer with `low`. out, lse and dq are of the rows; dk and dv of every key."""
+    if not low:
+        return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
+                                    softmax_scale=spec.scale, rows=rows))
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    out, lse = peer_attention(q, k, v, causal=spec.causal, softmax_scale=spec.scale, rows=rows, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout[:, rows])
+    return Results(out.detach(), lse.detach(), dq[:, rows], dk, dv)
+
+
 def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple[int, ...]], str]:
     """Index of a whole tensor -> 'rank r, local row i, token t, head h'."""
     owner = torch.empty(spec.seq_len, dtype=torch.int64)

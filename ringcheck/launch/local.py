@@ -263,20 +263,23 @@ class LocalRings:
         self.start_timeout = check_timeout(start_timeout)
         self._pools: list[LocalRingPool] = []
 
-    def pool(self, ring_size: int) -> LocalRingPool:
+    def pool(self, ring_size: int, *, exact: bool = False) -> LocalRingPool:
+        """A live pool that holds a ring of `ring_size`: the smallest that fits, or with `exact`
+        one of exactly that size (for rings that must span their whole world)."""
         for dead in [p for p in self._pools if not p.alive]:
             dead.close()  # a worker may have died between tasks: reap it and drop the pool
             self._pools.remove(dead)
-        fitting = [p for p in self._pools if p.size >= ring_size]
+        fitting = [p for p in self._pools if (p.size == ring_size if exact else p.size >= ring_size)]
         if fitting:
             return min(fitting, key=lambda p: p.size)
         pool = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout)
         self._pools.append(pool)
         return pool
 
-    def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None) -> list[Any]:
+    def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None,
+            exact: bool = False) -> list[Any]:
         __tracebackhide__ = True
-        return self.pool(ring_size).run(ring_size, task, *args, deadline=deadline)
+        return self.pool(ring_size, exact=exact).run(ring_size, task, *args, deadline=deadline)
 
     def close(self) -> None:
         for pool in self._pools:

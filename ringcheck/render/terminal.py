@@ -217,7 +217,9 @@ def print_bench(doc: dict, console: Console | None = None) -> None:
         for h in ("what", "result"):
             table.add_column(h)
         for name, r in doc["harness"].items():
-            if "wall_s" in r:
+            if "wall_s" in r and r["wall_s"] is None:
+                table.add_row(name, r["last_line"])
+            elif "wall_s" in r:
                 table.add_row(name, f"{r['wall_s']:.1f} s (exit {r['exit']}): {r['last_line']}"
                               + "".join(f"\n{line}" for line in r.get("failed", [])))
             else:

@@ -205,22 +205,24 @@ def ring_pool(request):
 def run_on_ring(request):
     """`run_on_ring(world_size, task, *args)` -> [task(member, *args) for every ring rank]:
     on the torchrun world (a sub-group of its last ranks) when launched by torchrun, else on a
-    local gloo ring; skips when the ring needs more ranks than the torchrun world has."""
+    local gloo ring; skips when the ring needs more ranks than the torchrun world has. With
+    `exact=True` the ring is a whole world of exactly `world_size` processes (for rings that
+    only work over the default world group)."""
     config = request.config
     world = config.stash[_WORLD]
 
-    def run(world_size, task, *args):
+    def run(world_size, task, *args, exact=False):
         __tracebackhide__ = True
         if world is not None:
-            if world_size > world.size:
-                pytest.skip(f"needs a ring of {world_size} ranks; the torchrun world has {world.size} "
-                            f"(launch with --nproc-per-node={world_size} or more)")
+            if world_size > world.size or (exact and world_size != world.size):
+                pytest.skip(f"needs a ring of {'exactly ' if exact else ''}{world_size} ranks; the torchrun "
+                            f"world has {world.size} (launch with --nproc-per-node={world_size})")
             return world.run(world_size, task, *args)
         rings = config.stash[_RINGS]
         timeout = config.getoption("--ring-timeout")
         if timeout not in rings:
             rings[timeout] = LocalRings(timeout=timeout)
-        return rings[timeout].run(world_size, task, *args)
+        return rings[timeout].run(world_size, task, *args, exact=exact)
 
     return run
 
