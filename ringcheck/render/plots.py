@@ -57,7 +57,7 @@ def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (start-up time, as above)
 
     return plt
 
