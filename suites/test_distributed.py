@@ -229,7 +229,7 @@ def test_a_failure_on_one_rank_fails_every_rank_with_one_message(run_on_ring, to
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert set(info.value.failures) == {1}
-    assert "failing ranks: 1\n" in message and "rank 1 (global rank" in message
+    assert "failing ranks: 1 — raised: 1\n" in message and "rank 1 (global rank" in message
     assert "out differs from the simulated ring in 1 of" in message
     assert elapsed < 30, f"took {elapsed:.1f} s"
     if torchrun_world is not None:  # every rank raised, and all raised the same words

@@ -109,7 +109,9 @@ def _fails_cleanly(rings, fault, says, bound):
 
 def test_a_rank_that_raises(rings):
     # reported at once; the others, stuck waiting for it, are stopped after the grace (2 s)
-    _fails_cleanly(rings, "raise", "ValueError: planted", bound=TIMEOUT)
+    error = _fails_cleanly(rings, "raise", "ValueError: planted", bound=TIMEOUT)
+    others = ", ".join(str(r) for r in range(RING) if r != VICTIM)
+    assert f"raised: {VICTIM}; stopped after the failure: {others}" in str(error).splitlines()[0], str(error)
 
 
 def test_a_rank_killed_mid_ring(rings):
@@ -124,6 +126,11 @@ def test_a_rank_that_never_sends(rings):
     assert f"no 'kv' payload arrived from rank {VICTIM}" in error.failures[nxt]
     assert f"rank {VICTIM} (global rank {VICTIM}) did not take the 'kv' payload" in error.failures[prv]
     assert "did not answer within the grace" in error.failures[VICTIM]
+    # the headline names the culprit apart from the ranks that only waited for it
+    others = ", ".join(str(r) for r in range(RING) if r != VICTIM)
+    headline = str(error).splitlines()[0]
+    assert f"never answered: {VICTIM}; timed out waiting: {others}" in headline, headline
+    assert f"rank {VICTIM} (global rank {VICTIM}) [never answered]" in str(error)
 
 
 def test_closing_leaves_no_process_behind():

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import re
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 Task = Callable[..., Any]
 
@@ -48,21 +49,48 @@ def describe_task(task: Task) -> str:
     return f"{getattr(task, '__module__', '?')}.{getattr(task, '__qualname__', repr(task))}"
 
 
-def failure_message(task: Task, where: str, world_size: int, ring_size: int, errors: dict[int, str]) -> str:
-    """One message for every process of the world (keyed by global rank) that failed: a line
-    each (the first line of its text), then what each said in full. A ring is
-    the world's last `ring_size` ranks, so ring rank = global rank - (world_size - ring_size)."""
+_TIMED_OUT = re.compile(r"timed? ?out|timeout|did not complete|no .* payload arrived", re.IGNORECASE)
+
+
+def failure_kinds(errors: dict[int, str], silent: Iterable[int] = ()) -> dict[int, str]:
+    """What each failing process did: "raised"; "timed out waiting" (on a peer that never
+    came); "never answered" (it hung: the likely culprit, when nobody raised); or "stopped
+    after the failure" (silent after another rank raised: it was waiting on that rank)."""
+    silent = set(silent)
+    kinds = {g: "timed out waiting" if _TIMED_OUT.search(text) else "raised"
+             for g, text in errors.items() if g not in silent}
+    someone_raised = "raised" in kinds.values()
+    kinds.update({g: "stopped after the failure" if someone_raised else "never answered"
+                  for g in errors if g in silent})
+    return kinds
+
+
+def failure_message(task: Task, where: str, world_size: int, ring_size: int, errors: dict[int, str], *,
+                    silent: Iterable[int] = ()) -> str:
+    """One message for every process of the world (keyed by global rank) that failed: a
+    headline naming the culprits apart from the ranks that only timed out waiting for them,
+    a line each (the first line of its text), then what each said in full. `silent`: the
+    processes that never answered. A ring is the world's last `ring_size` ranks, so ring
+    rank = global rank - (world_size - ring_size)."""
     first = world_size - ring_size
 
     def name(g: int) -> str:
         return f"rank {g - first} (global rank {g})" if g >= first else f"global rank {g} (outside the ring)"
 
+    def short(g: int) -> str:
+        return str(g - first) if g >= first else f"global {g}"
+
     ranks = sorted(errors)
+    kinds = failure_kinds(errors, silent)
+    groups = [(kind, [short(g) for g in ranks if kinds[g] == kind])
+              for kind in ("raised", "never answered", "timed out waiting", "stopped after the failure")]
+    groups = [(kind, who) for kind, who in groups if who]
+    headline = "; ".join(f"{kind}: {', '.join(who)}" for kind, who in groups)
     lines = [f"{describe_task(task)} failed on a ring of {ring_size} ({where}); failing ranks: "
-             + ", ".join(str(g - first) for g in ranks if g >= first)]
+             + ", ".join(str(g - first) for g in ranks if g >= first) + f" — {headline}"]
     for g in ranks:  # every error text starts with a one-line summary
         text = errors[g].strip() or "(no message)"
-        lines.append(f"  {name(g)}: {text.splitlines()[0]}")
+        lines.append(f"  {name(g)} [{kinds[g]}]: {text.splitlines()[0]}")
     for g in ranks:
         if "\n" in errors[g].strip():
             lines.append(f"{name(g)} in full:\n    " + errors[g].strip().replace("\n", "\n    "))

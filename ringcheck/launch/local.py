@@ -217,7 +217,7 @@ class LocalRingPool:
                    else f"did not answer within the task deadline of {limit:g} s")
             errors.update({r: f"{why}; stopped with the ring" for r in silent})
             raise RingError(failure_message(task, f"local gloo ring of {self.size} processes", self.size, ring_size,
-                                             errors), ring_failures(self.size, ring_size, errors))
+                                             errors, silent=silent), ring_failures(self.size, ring_size, errors))
         return [replies[r][1] for r in range(first, self.size)]
 
     def close(self, *, graceful: bool = True) -> None:
