@@ -1,5 +1,7 @@
+"""`python -m ringcheck`: the same entry as the `ringcheck` command (see `ringcheck.entry`)."""
+
 import sys
 
-from .cli import main
+from .entry import main
 
 sys.exit(main())

@@ -23,8 +23,10 @@ from .commands.bench import (
     DEFAULT_IMPLS,
     DEFAULT_SECTIONS,
     FULL,
+    OURS,
     QUICK,
     SECTIONS,
+    SIMULATED,
     BenchSpec,
     load_average,
     machine,
@@ -55,9 +57,10 @@ from .render.terminal import (
     print_drift_diff,
     print_drift_summary,
 )
-from .spec import Budget
+from .spec import Budget, check_timeout
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+SILENT_RANK_GRACE_S = 2.0  # under torchrun, how long a rank that failed quietly waits for rank 0 to speak
 
 
 class UsageError(Exception):
@@ -72,31 +75,69 @@ def _meta(args: argparse.Namespace, start: float, **extra) -> dict:
 
 # ---------------------------------------------------------------------------- validate
 
+# validate's flags that name a field of the target (the TOML config takes the same keys)
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
-                 "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows")
+                 "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
+                 "distributions")
+QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
+DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
+_RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
 
 
-def _target_from_args(args: argparse.Namespace):
-    values: dict = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise UsageError(f"--config {args.config}: no such file")
-        try:
-            values = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise UsageError(f"--config {args.config} is not valid TOML: {exc}") from exc
-        values = values.get("validate", values)  # a [validate] table, or top-level keys
+def _read_config(path_text: str) -> dict:
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"--config {path_text}: no such file")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path_text} is not valid TOML: {exc}") from exc
+    values = values.get("validate", values)  # a [validate] table, or top-level keys
+    return {key.replace("-", "_"): value for key, value in values.items()}
+
+
+def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
+    """The target and the timeout: the config file's keys, then the flags over them."""
+    values = _read_config(args.config) if args.config else {}
+    quick = values.pop("quick", False)
+    timeout = values.pop("timeout", None)
+    if not isinstance(quick, bool):
+        raise UsageError(f"--config {args.config}: quick must be true or false, got {quick!r}")
     for name in _TARGET_FLAGS:
         value = getattr(args, name)
         if value is not None:
             values[name] = value
-    if args.quick:
-        values.setdefault("local_lengths", [2, 6])
+    if args.quick or quick:
+        values.setdefault("local_lengths", QUICK_LENGTHS)
+    timeout = args.timeout if args.timeout is not None else timeout if timeout is not None else DEFAULT_TIMEOUT_S
     try:
-        return Target.from_mapping(values, source=args.config or "flags")
+        return Target.from_mapping(values, source=args.config or "flags"), check_timeout(timeout)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
+
+
+def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> str:
+    """The command that repeats this validate run exactly: every setting of the target as a
+    flag (config values expanded, defaults spelled out, so a change of defaults cannot change
+    what it runs) and the timeout; under torchrun, the torchrun launch of it."""
+    flags: list[str] = []
+    for name in _TARGET_FLAGS:
+        value = getattr(target, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if name == "causal":
+            flags.append("--causal" if value else "--no-causal")
+        elif name == "local_lengths":
+            flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
+        elif name == "distributions":
+            flags += [flag, ",".join(value)]
+        else:
+            flags += [flag, str(value)]
+    flags += ["--timeout", f"{timeout:g}"]
+    head = (f"torchrun --nproc-per-node={target.world_size} -m ringcheck validate" if torchrun
+            else "ringcheck validate")
+    return head + " " + shlex.join(flags)
 
 
 def _short_failures(exc) -> str:
@@ -113,14 +154,14 @@ def _short_failures(exc) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    target = _target_from_args(args)
+    target, timeout = _validate_settings(args)
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
         load_impl(target.impl, layout=target.layout, backend=target.backend).check_layout(target.layout, target.causal)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     console = make_console()
     start = time.perf_counter()
-    ring = open_ring(timeout=args.timeout, environ=os.environ)
+    ring = open_ring(timeout=timeout, environ=os.environ)
     try:
         if ring.is_torchrun and ring.size != target.world_size:
             if args.world_size is not None or args.config:
@@ -128,8 +169,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                                  f"{target.world_size}; launch with torchrun --nproc-per-node={target.world_size}")
             target = type(target).from_mapping({**target.to_dict(), "world_size": ring.size})
         main = ring.is_main
+        command = rerun_command(target, timeout, torchrun=ring.is_torchrun)
         if main:
-            console.print(f"ringcheck validate {target.describe()}")
+            console.print(command, markup=False, highlight=False, soft_wrap=True)
         with console.status("validating", spinner="dots") if main else nullcontext():
             try:
                 rows = ring.run(target.world_size, validate_task, target)[0]
@@ -140,6 +182,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not main:
         return EXIT_OK if all(r.passed for r in rows) else EXIT_FAILED
     report = report_dict(target, rows, meta=_meta(args, start))
+    report["command"] = command  # the run exactly, config values expanded
     print_check_rows(rows, report["passed"], console)
     if args.report:
         paths = write_validate_reports(report, args.report)
@@ -154,7 +197,8 @@ def _add_validate(sub) -> None:
                                    "verdict could be reached.")
     p.add_argument("--impl", help="implementation: ringcheck (default), ring_attention_pytorch, torch_cp, "
                                   "ring_flash_attn:zigzag, or package.module:function")
-    p.add_argument("--config", help="TOML file with the target (keys as the flags, e.g. seq_len = 4096)")
+    p.add_argument("--config", help="TOML file with the target: the flags' names as keys (e.g. seq_len = 4096, "
+                                    "causal = false, quick = true, timeout = 30), flags override it")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="full target sequence length (default 2048)")
     p.add_argument("--batch", type=int, help="batch (default 1)")
     p.add_argument("--heads", type=int, help="query heads (default 4)")
@@ -170,8 +214,14 @@ def _add_validate(sub) -> None:
     p.add_argument("--backend", help="block backend of our ring: torch (default), triton, flash_attn")
     p.add_argument("--seed", type=int, help="seed of every input (default 0)")
     p.add_argument("--sample-rows", dest="sample_rows", type=int, help="query rows checked at full length (default 16)")
-    p.add_argument("--quick", action="store_true", help="fewer ring-local lengths (2 and 6 tokens per rank)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank may wait on another (default 60)")
+    p.add_argument("--local-lengths", dest="local_lengths", type=_list(int),
+                   help="ring-local lengths of the scaled-down cases, tokens per rank (default 2,6,16)")
+    p.add_argument("--distributions", type=_list(str),
+                   help="logit distributions of the scaled-down cases (default: every registered one)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer ring-local lengths (2 and 6 tokens per rank; config key quick = true)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds any rank may wait on another (default {DEFAULT_TIMEOUT_S:g}; config key timeout)")
     p.add_argument("--report", metavar="DIR", help="write validate.json and validate.md to DIR")
     p.set_defaults(func=_cmd_validate)
 
@@ -333,7 +383,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print_bench(doc, console)
     if args.json:
         console.print(f"wrote {save(doc, args.json)}", highlight=False)
+    failed = our_ring_failures(doc)
+    if failed:  # measured, but not our ring: that is no benchmark of it
+        raise UsageError("our ring could not run: " + "; ".join(failed[:3]))
     return EXIT_OK
+
+
+def our_ring_failures(doc: dict) -> list[str]:
+    """The speed cells where our ring (distributed or simulated) has no time, with why."""
+    return [f"{r['system']} {r['key']}: {r.get('na')}" for r in doc.get("speed", [])
+            if r["system"] in (OURS, SIMULATED) and r.get("median_s") is None]
 
 
 def _add_bench(sub) -> None:
@@ -379,17 +438,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
+    # under torchrun every rank runs this: one of them (rank 0) says what went wrong
+    speaks = os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
     try:
         return args.func(args)
     except UsageError as exc:
-        print(f"ringcheck {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        message = f"ringcheck {args.command}: error: {exc}"
     except (ValueError, TypeError, RuntimeError) as exc:
-        print(f"ringcheck {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        message = f"ringcheck {args.command}: error: {type(exc).__name__}: {exc}"
     except KeyboardInterrupt:
-        print(f"ringcheck {args.command}: interrupted", file=sys.stderr)
-        return EXIT_USAGE
+        message = f"ringcheck {args.command}: interrupted"
+    if speaks:
+        print(message, file=sys.stderr)
+    else:  # torchrun stops every rank when the first one exits: let rank 0 say it first
+        time.sleep(SILENT_RANK_GRACE_S)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

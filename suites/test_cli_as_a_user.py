@@ -1,0 +1,121 @@
+"""The command as a new user meets it: run from beside a clone named `ringcheck`, a re-run
+command that reproduces the run, a config file with the flags' keys, one error line under
+torchrun, and bench refusing to report success without our ring."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringcheck.cli import main, our_ring_failures, rerun_command
+from ringcheck.commands.validate import Target
+
+BIN = Path(sys.executable).parent
+SMALL = ["--seq-len", "32", "--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+         "--distributions", "normal", "--sample-rows", "4"]
+USER_RING = "from ringcheck.testing.mutants import textbook as fn\n"
+
+
+@pytest.fixture
+def beside_a_clone(tmp_path):
+    """A working directory holding the user's module and a folder named ringcheck (a clone of
+    this repository: its root has no __init__.py, so Python would import it as a namespace
+    package in place of the installed one)."""
+    clone = tmp_path / "ringcheck"
+    (clone / "ringcheck").mkdir(parents=True)
+    (clone / "README.md").write_text("# a clone of ringcheck\n")
+    (clone / "ringcheck" / "placeholder.txt").write_text("not the package\n")
+    (tmp_path / "myring.py").write_text(USER_RING)
+    return tmp_path
+
+
+def _run(cmd, cwd, *, timeout=300, pythonpath="."):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = pythonpath
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_validate_from_a_directory_holding_a_folder_named_ringcheck(beside_a_clone, how):
+    head = [str(BIN / "ringcheck")] if how == "console script" else [sys.executable, "-m", "ringcheck"]
+    done = _run([*head, "validate", "--impl", "myring:fn", "--quick", *SMALL], beside_a_clone)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASSED" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_bench_from_a_directory_holding_a_folder_named_ringcheck(beside_a_clone):
+    done = _run([str(BIN / "ringcheck"), "bench", "--quick", "--sections", "speed", "--impl", "ringcheck,sdpa",
+                 "--tokens", "64", "--heads", "1", "--head-dim", "8", "--repeats", "1", "--warmup", "0"],
+                beside_a_clone)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "n/a" not in done.stdout, done.stdout
+
+
+def test_bench_never_reports_success_without_our_ring():
+    doc = {"speed": [{"system": "ringcheck", "key": "float32/P2/N64/bidirectional/fwd", "median_s": None,
+                      "na": "ImportError: cannot import name 'ring_attention'"},
+                     {"system": "sdpa", "key": "float32/P2/N64/bidirectional/fwd", "median_s": 0.1}]}
+    assert our_ring_failures(doc) == ["ringcheck float32/P2/N64/bidirectional/fwd: ImportError: cannot import "
+                                      "name 'ring_attention'"]
+    doc["speed"][0].update(median_s=0.2, na=None)
+    assert our_ring_failures(doc) == []
+
+
+def test_the_echoed_command_reproduces_the_run(tmp_path, capsys):
+    """Flags, a config file's values and the run's own flags (quick, timeout) all end up in the
+    command the terminal and the documents carry; re-running it gives the same target and the
+    same verdict."""
+    config = tmp_path / "target.toml"
+    config.write_text("[validate]\nseq_len = 32\ncausal = false\nquick = true\ntimeout = 30\nheads = 2\n"
+                      "kv_heads = 1\nhead_dim = 8\n")
+    first = tmp_path / "first"
+    code = main(["validate", "--config", str(config), "--world-size", "2", "--layout", "contiguous",
+                 "--distributions", "normal", "--sample-rows", "4", "--report", str(first)])
+    doc = json.loads((first / "validate.json").read_text())
+    command = doc["command"]
+    for flag in ("--no-causal", "--quick", "--timeout 30", "--layout contiguous", "--seq-len 32", "--head-dim 8",
+                 "--distributions normal", "--sample-rows 4", "--world-size 2"):
+        assert flag in command, command
+    assert command in capsys.readouterr().out and command in (first / "validate.md").read_text()
+    argv = shlex.split(command)
+    assert argv[:2] == ["ringcheck", "validate"]
+    second = tmp_path / "second"
+    again = main([*argv[1:], "--report", str(second)])
+    redo = json.loads((second / "validate.json").read_text())
+    assert again == code and redo["target"] == doc["target"] and redo["command"] == command
+    assert [(c["check"], c["status"]) for c in redo["checks"]] == [(c["check"], c["status"]) for c in doc["checks"]]
+
+
+def test_the_rerun_command_spells_out_every_setting():
+    command = rerun_command(Target(causal=False, local_lengths=(2, 6)), 60.0)
+    assert command.startswith("ringcheck validate --seq-len 2048 ") and "--no-causal" in command
+    assert "--quick" in command and command.endswith("--timeout 60") and "--softmax-scale" not in command
+    assert "--local-lengths 4,8" in rerun_command(Target(local_lengths=(4, 8)), 60.0)
+    assert rerun_command(Target(world_size=8), 5.0, torchrun=True).startswith(
+        "torchrun --nproc-per-node=8 -m ringcheck validate")
+
+
+@pytest.mark.parametrize("key, value, message", [("quick", '"yes"', "quick must be true or false"),
+                                                  ("timeout", "-1", "timeout must be a positive number"),
+                                                  ("colour", '"red"', "unknown key(s) ['colour']")])
+def test_a_bad_config_key_exits_2_with_one_line(tmp_path, capsys, key, value, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(f"{key} = {value}\n")
+    assert main(["validate", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_under_torchrun_a_bad_impl_is_said_once(tmp_path):
+    done = _run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=3", "-m", "ringcheck", "validate",
+                 "--impl", "nosuch:fn"], tmp_path, timeout=200, pythonpath="")
+    said = done.stderr.count("ringcheck validate: error: --impl nosuch:fn: cannot import module 'nosuch'")
+    assert said == 1, done.stderr
+    assert done.returncode == 1  # torchrun's own code for any failed rank
+    assert "exitcode: 2" in done.stderr.replace("exitcode  :", "exitcode:").replace("exitcode :", "exitcode:")
