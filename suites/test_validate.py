@@ -12,12 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from rich.console import Console
 
 from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from ringcheck.commands.adapters import Impl, load_impl
 from ringcheck.commands.validate import CheckRow, Target, report_dict, validate_task
 from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, meta
+from ringcheck.judge.check import token_owners
+from ringcheck.judge.verdict import judge
 from ringcheck.launch import RingError
 from ringcheck.render.markdown import validate_markdown
+from ringcheck.render.terminal import print_check_rows
+from ringcheck.spec import RingSpec
 from ringcheck.testing.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +70,92 @@ def test_every_mutant_fails(run_on_ring, mutant):
         assert all(c.startswith("backward") for c in failed), f"{mutant}: the forward is right, got {failed}"
 
 
+def _table(rows, **options) -> str:
+    console = Console(width=160, record=True)
+    print_check_rows(rows, all(r.passed for r in rows), console, **options)
+    return console.export_text()
+
+
+def test_a_backward_mutant_says_which_tensors_failed_and_on_which_ranks(run_on_ring):
+    """dK/dV not returned home: out, lse and dq are right, dk and dv wrong; every row, the
+    JSON document, the table and the Markdown say so per tensor, with the failing ranks."""
+    rows = _rows(run_on_ring, impl="ringcheck.testing.mutants:dkdv_not_home", distributions=("normal",))
+    forward = [r for r in rows if r.check.startswith("forward")]
+    backward = [r for r in rows if r.check.startswith("backward")]
+    assert len(forward) == len(backward) == 2  # scaled and full length
+    for r in forward:
+        assert r.status == "pass" and list(r.tensors) == ["out", "lse"] and not r.failing_ranks
+        assert all(t["passed"] for t in r.tensors.values())
+    for r in backward:
+        assert r.status == "fail" and list(r.tensors) == ["dq", "dk", "dv"], r.tensors
+        assert r.tensors["dq"]["passed"] and not r.tensors["dq"]["ranks"]
+        for name in ("dk", "dv"):
+            assert not r.tensors[name]["passed"] and r.tensors[name]["ratio"] > 1
+            assert set(r.tensors[name]["ranks"]) <= {0, 1, 2, 3} and r.tensors[name]["ranks"]
+        assert r.failing_ranks == sorted(set(r.tensors["dk"]["ranks"]) | set(r.tensors["dv"]["ranks"]))
+        assert "over budget; worst: d" in r.detail and "rank " in r.detail  # the worst element, located
+    doc = loads(dumps(report_dict(Target(**SMALL), rows)), schema=VALIDATE_SCHEMA)
+    checks = {c["check"]: c for c in doc["checks"]}
+    for r in backward:
+        assert checks[r.check]["tensors"]["dk"]["passed"] is False and checks[r.check]["tensors"]["dq"]["passed"]
+        assert checks[r.check]["failing_ranks"] == r.failing_ranks
+    ranks = ",".join(map(str, backward[0].failing_ranks))
+    for text in (_table(rows), _table(rows, compact=False), validate_markdown(doc)):
+        assert "out ok  lse ok" in text and "dq ok  dk " in text and ranks in text
+        assert "dk ok" not in text and "dv ok" not in text
+    compact = _table(rows).splitlines()
+    table_end = next(i for i, line in enumerate(compact) if "per tensor: ok" in line)
+    assert table_end < len(rows) + 8  # one line per row
+    assert any(line.startswith("FAIL backward") for line in compact[table_end:])  # detail after the table
+
+
+def test_failing_ranks_are_the_owners_of_the_wrong_elements():
+    """judge() maps the elements over budget back to ranks through the layout."""
+    ring = RingSpec(4, "zigzag")
+    owner, _ = token_owners(32, ring)
+    truth = torch.randn(1, 32, 2, 8, dtype=torch.float64)
+    got = truth.clone()
+    got[0, 5, 1, 3] += 1.0     # token 5: rank 1 of 4 under zig-zag (chunks of 4 tokens)
+    got[0, 30, 0, 0] = math.nan  # token 30: rank 0 (its second chunk)
+    verdict = judge("dk", got, truth, truth, k=3, dtype=torch.float32, owner=(1, owner))
+    assert not verdict.passed and (int(owner[5]), int(owner[30])) == (1, 0) and verdict.failing_ranks == (0, 1)
+    assert judge("dk", truth, truth, truth, k=3, dtype=torch.float32, owner=(1, owner)).failing_ranks == ()
+
+
+def _recorder(kind):
+    """An implementation with or without the `layout` keyword (or with **kwargs) that records
+    the optional keywords it was called with."""
+    calls = []
+
+    def base(q, k, v, *, causal, softmax_scale, group=None):
+        calls.append({})
+
+    def named(q, k, v, *, causal, softmax_scale, group=None, layout):
+        calls.append({"layout": layout})
+
+    def kwargs(q, k, v, *, causal, softmax_scale, group=None, **options):
+        calls.append(options)
+
+    return {"base": base, "named": named, "kwargs": kwargs}[kind], calls
+
+
+@pytest.mark.parametrize("kind, expected", [("base", {}), ("named", {"layout": "striped"}),
+                                            ("kwargs", {"layout": "striped"})])
+def test_layout_is_passed_only_to_implementations_that_accept_it(kind, expected):
+    fn, calls = _recorder(kind)
+    Impl(kind, fn).call(None, None, None, causal=True, softmax_scale=0.5, group=None, layout="striped")
+    assert calls == [expected]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_one_function_serves_every_layout_through_the_layout_keyword(run_on_ring, layout):
+    """layout_aware requires `layout` (TypeError without it) and is exact only with the right one."""
+    assert load_impl("ringcheck.testing.bad_impls:layout_aware", layout=layout).fn
+    rows = _rows(run_on_ring, impl="ringcheck.testing.bad_impls:layout_aware", layout=layout,
+                 distributions=("normal",), local_lengths=(2, 6))
+    assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
+
+
 def test_an_implementation_without_lse_is_checked_on_out_and_gradients(run_on_ring):
     rows = _rows(run_on_ring, impl="ringcheck.testing.bad_impls:only_out", distributions=("normal",))
     assert not _failed(rows)
@@ -100,6 +193,8 @@ def test_an_implementation_that_never_returns_times_out_naming_the_rank(ring_poo
     (["--heads", "4", "--kv-heads", "3"], "heads=4 is not divisible by kv_heads=3"),
     (["--config", "/nonexistent.toml"], "no such file"),
     (["--world-size", "0"], "world_size must be >= 1"),
+    (["--seq-len", "512", "--sample-rows", "1000"],
+     "sample_rows=1000 is more than the seq_len=512 query rows of the target; pass --sample-rows 512"),
 ])
 def test_bad_input_exits_2_with_a_message_and_no_traceback(capsys, argv, words):
     assert main(["validate", *argv]) == EXIT_USAGE

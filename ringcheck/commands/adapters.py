@@ -8,6 +8,12 @@ q is this rank's shard (batch, local_seq, heads, head_dim); k and v are (batch, 
 kv_heads, head_dim), laid out as `--layout` says; out has q's shape and dtype; lse, if
 returned, is (batch, heads, local_seq) float32; gradients flow to q, k and v.
 
+Optional keywords (`OPTIONAL_KEYWORDS`): an implementation whose signature names ``layout``
+(or takes ``**kwargs``) is also given ``layout=`` ("contiguous", "zigzag" or "striped", the
+layout of the shards it receives), so one function can serve every layout; one that does not
+is called without it. Variant keywords a target may add later go the same way (`Impl.call`):
+passed only where the signature accepts them.
+
 Built-in adapters (`--impl NAME` or `--impl NAME:VARIANT`):
 
 - ``ringcheck`` - our ring (`ringcheck.ring_attention`), any layout.
@@ -33,6 +39,24 @@ from .. import ring_attention
 
 ImplFn = Callable[..., Any]
 
+# keywords an implementation is given only when its signature accepts them (by name, or
+# through **kwargs): the shards' layout; the variant keywords of a target join this list
+OPTIONAL_KEYWORDS = ("layout",)
+
+
+def accepted_keywords(fn: ImplFn, names) -> tuple[str, ...]:
+    """Of `names`, those `fn` takes as keyword arguments: named in its signature (keyword-only
+    or positional-or-keyword), or all of them when it takes **kwargs; none when its signature
+    cannot be read (a builtin)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return tuple(names)
+    return tuple(n for n in names if n in params and params[n].kind in (params[n].KEYWORD_ONLY,
+                                                                        params[n].POSITIONAL_OR_KEYWORD))
+
 
 @dataclass(frozen=True)
 class Impl:
@@ -51,6 +75,12 @@ class Impl:
         if self.rule is not None:
             self.rule(layout, causal)
 
+    def call(self, q, k, v, *, causal: bool, softmax_scale: float | None, group, **optional: Any) -> Any:
+        """`fn` under the contract: q, k, v, causal, softmax_scale and group always; each of
+        `optional` (layout=, variant keywords) only when `fn` accepts it (`accepted_keywords`)."""
+        extra = {name: optional[name] for name in accepted_keywords(self.fn, optional)}
+        return self.fn(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, **extra)
+
 
 # ------------------------------------------------------------------------------------ ours
 
@@ -65,7 +95,8 @@ def _ours(layout: str, backend: str) -> ImplFn:
 
 def _ring_attention_pytorch(layout: str) -> ImplFn:
     try:
-        from ring_attention_pytorch import ring_flash_attn  # optional dependency: the peer ring
+        # optional dependency: the peer ring
+        from ring_attention_pytorch import ring_flash_attn
     except ImportError as exc:
         raise RuntimeError("--impl ring_attention_pytorch needs the package: "
                            "pip install ring-attention-pytorch==0.5.20") from exc

@@ -31,7 +31,16 @@ import torch.distributed as dist
 from reference import mp_attention
 
 from ..documents import VALIDATE_SCHEMA, header
-from ..judge.check import Case, Results, judge_results, peer, row_results, truth
+from ..judge.check import (
+    Case,
+    Results,
+    judge_results,
+    peer,
+    row_results,
+    seq_dim,
+    token_owners,
+    truth,
+)
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
 from ..judge.verdict import TENSORS, Verdict, float32_floors, judge
@@ -67,6 +76,9 @@ class Target:
         ring.check_seq_len(self.seq_len)
         if self.sample_rows < 1:
             raise ValueError(f"sample_rows must be >= 1, got {self.sample_rows}")
+        if self.sample_rows > self.seq_len:
+            raise ValueError(f"sample_rows={self.sample_rows} is more than the seq_len={self.seq_len} query rows of "
+                             f"the target; pass --sample-rows {self.seq_len} (every row) or fewer, or a longer --seq-len")
         for n in self.local_lengths:
             if n < 1 or (self.layout == "zigzag" and n % 2):
                 raise ValueError(f"local length {n} does not fit the {self.layout} layout "
@@ -112,13 +124,20 @@ class Target:
 
 @dataclass
 class CheckRow:
-    """One row of the verdict table. status: "pass", "fail" or "info" (never gates)."""
+    """One row of the verdict table. status: "pass", "fail" or "info" (never gates).
+
+    Rows that judge tensors also carry `tensors`: per tensor in order, {"passed", "ratio" (the
+    worst error / budget over the row's cases), "ranks" (the ranks holding elements over
+    budget)}, and `failing_ranks`, the union of those ranks; `detail` locates the worst
+    element."""
 
     check: str
     status: str
     error: float | None = None
     budget: float | None = None
     detail: str = ""
+    tensors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    failing_ranks: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -163,7 +182,7 @@ def _run_shards(impl: Impl, inputs: Inputs, spec: AttentionSpec, ring: RingSpec,
         return shard(t, layout=ring.layout, rank=rank, world_size=ring.world_size).to(device)
 
     q, k, v = (mine(t).detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    result = impl.fn(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group)
+    result = impl.call(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group, layout=ring.layout)
     out, lse = _unpack(result, q, impl)
     grads = torch.autograd.grad(out, (q, k, v), mine(inputs.dout), allow_unused=True)
     for name, g in zip("qkv", grads):
@@ -199,43 +218,50 @@ def scaled_cases(target: Target) -> list[Case]:
     return cases
 
 
-def _judge_rows(spec: AttentionSpec, got: Results, true: Results, peer_r: Results, rows: torch.Tensor,
-                tensors, budget: Budget, inputs: Inputs) -> Verdict:
+def _judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
+                rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
     floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, scale=spec.scale,
                             causal=spec.causal, rows=rows)
+    owner, _ = token_owners(spec.seq_len, ring)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else spec.torch_dtype
-        seq_dim = 2 if name == "lse" else 1
+        keys = name in ("dk", "dv")
+        ranks = owner if keys else owner[rows]  # out, lse, dq: of the sampled rows only
 
-        def locate(index, name=name, seq_dim=seq_dim):
-            i = index[seq_dim]
-            return f"key {i}" if name in ("dk", "dv") else f"sampled row {int(rows[i])}"
+        def locate(index, keys=keys, ranks=ranks, dim=seq_dim(name)):
+            i, head = index[dim], index[3 - dim]
+            return (f"rank {int(ranks[i])} of {ring.world_size} ({ring.layout}), "
+                    + (f"key {i}, kv head {head}" if keys else f"sampled row {int(rows[i])}, head {head}"))
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_r.get(name),
                                      k=budget.k_for(name), dtype=dtype, locate=locate,
-                                     floor=floors.get(name, 0.0)))
+                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), ranks)))
     return verdict
 
 
+def _ratio(t) -> float:
+    return t.error / t.budget if t.budget > 0 else (math.inf if t.error > 0 else 0.0)
+
+
 def _summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
-    worst, ratio = None, -1.0
-    failing = []
-    for v in verdicts:
-        for t in v.tensors:
-            if t.tensor not in tensors:
-                continue
-            r = t.error / t.budget if t.budget > 0 else (math.inf if t.error > 0 else 0.0)
-            if not t.passed:
-                failing.append((v, t))
-            if r > ratio:
-                worst, ratio = (v, t), r
-    if worst is None:
+    """One row over several cases: per tensor the worst error / budget and the failing ranks;
+    the row's error, budget and detail are those of the worst element (largest ratio)."""
+    judged = [(v, t) for v in verdicts for t in v.tensors if t.tensor in tensors]
+    if not judged:
         return CheckRow(label, "info", detail="not checked (no lse returned)")
-    v, t = failing[0] if failing else worst
+    per: dict[str, dict[str, Any]] = {}
+    for _, t in judged:
+        s = per.setdefault(t.tensor, {"passed": True, "ratio": 0.0, "ranks": []})
+        s["passed"] = s["passed"] and t.passed
+        s["ratio"] = max(s["ratio"], _ratio(t))
+        s["ranks"] = sorted(set(s["ranks"]) | set(t.failing_ranks))
+    v, t = max(judged, key=lambda vt: _ratio(vt[1]))
+    failing = [t for _, t in judged if not t.passed]
     detail = t.describe() + f" [{v.case}]"
     if failing:
-        detail = f"{len(failing)} tensor check(s) over budget; first: " + detail
-    return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail)
+        detail = f"{len(failing)} of {len(judged)} tensor checks over budget; worst: " + detail
+    return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail, per,
+                    sorted({r for s in per.values() for r in s["ranks"]}))
 
 
 @dataclass
@@ -336,7 +362,7 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
     def full_verdict():
         whole = _whole(parts, ctx.target.layout)
         got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
-        return _judge_rows(spec, got, row_results(spec, sparse, rows, low=False),
+        return _judge_rows(spec, ctx.target.ring, got, row_results(spec, sparse, rows, low=False),
                            row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
                            ctx.budget, sparse)
 

@@ -101,19 +101,31 @@ def row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low:
     return Results(out.detach(), lse.detach(), dq[:, rows], dk, dv)
 
 
-def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple[int, ...]], str]:
-    """Index of a whole tensor -> 'rank r, local row i, token t, head h'."""
-    owner = torch.empty(spec.seq_len, dtype=torch.int64)
-    local = torch.empty(spec.seq_len, dtype=torch.int64)
+def token_owners(seq_len: int, ring: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each token of the sequence, the rank that holds it under the ring's layout and its
+    local row there (keys are sharded like queries, so this is also a key's owner)."""
+    owner = torch.empty(seq_len, dtype=torch.int64)
+    local = torch.empty(seq_len, dtype=torch.int64)
     for r in range(ring.world_size):
-        pos = positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=spec.seq_len)
+        pos = positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=seq_len)
         owner[pos] = r
         local[pos] = torch.arange(len(pos))
-    seq_dim, head_dim = (2, 1) if tensor == "lse" else (1, 2)
+    return owner, local
+
+
+def seq_dim(tensor: str) -> int:
+    """The sequence dim of a whole tensor: (batch, heads, seq) for lse, (batch, seq, heads, d) otherwise."""
+    return 2 if tensor == "lse" else 1
+
+
+def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple[int, ...]], str]:
+    """Index of a whole tensor -> 'rank r, local row i, token t, head h'."""
+    owner, local = token_owners(spec.seq_len, ring)
+    s_dim, head_dim = seq_dim(tensor), 3 - seq_dim(tensor)
     head_word = "kv head" if tensor in ("dk", "dv") else "head"
 
     def locate(index: tuple[int, ...]) -> str:
-        t = index[seq_dim]
+        t = index[s_dim]
         return (f"rank {int(owner[t])} of {ring.world_size} ({ring.layout}), local row {int(local[t])}, "
                 f"token {t}, {head_word} {index[head_dim]}, batch {index[0]}")
 
@@ -128,11 +140,12 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     verdict = Verdict(case.describe())
     floors = {} if inputs is None or not use_float32_floors else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
                                                       scale=case.spec.scale, causal=case.spec.causal)
+    owner, _ = token_owners(case.spec.seq_len, case.ring)
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),
-                                     k=budget.k_for(name), dtype=dtype,
-                                     locate=locator(case.spec, case.ring, name), floor=floors.get(name, 0.0)))
+                                     k=budget.k_for(name), dtype=dtype, locate=locator(case.spec, case.ring, name),
+                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), owner)))
     return verdict
 
 

@@ -24,7 +24,8 @@ class TensorVerdict:
     """One tensor's verdict. `error` and `budget` are taken at the element with the largest
     error / allowance ratio (with a per-element float32 floor that need not be the element of
     largest error, `stats.max_abs`); `slack` is the output-dtype floor plus that element's
-    float32 floor."""
+    float32 floor. `failing_ranks`: the ranks holding the elements over budget (when `judge`
+    was given an `owner` mapping; empty when it passed or was not told)."""
 
     tensor: str
     passed: bool
@@ -37,6 +38,7 @@ class TensorVerdict:
     worst_index: tuple[int, ...] = ()
     worst_error: float | None = None
     max_allowed: float | None = None  # the largest per-element allowance (a bound for every element)
+    failing_ranks: tuple[int, ...] = ()
 
     @property
     def error(self) -> float:
@@ -68,12 +70,15 @@ class TensorVerdict:
 
 def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tensor, *,
           k: float, dtype: torch.dtype, locate: Callable[[tuple[int, ...]], str] | None = None,
-          floor: float | torch.Tensor = 0.0) -> TensorVerdict:
+          floor: float | torch.Tensor = 0.0,
+          owner: tuple[int, torch.Tensor] | None = None) -> TensorVerdict:
     """Judge `got` against `truth` with the budget set by `peer` (both compared to `truth`).
 
     Allowed per element: k x peer error + the rounding floor of `dtype` (the dtype `got` is
     delivered in) + `floor`, a float32 rounding bound the naive peer does not share (a number
     or a tensor like `truth`, see `float32_floors`). `locate` turns an index into words.
+    `owner` = (dim, ranks): the rank holding each position along `dim` (the sequence dim; for
+    dk and dv the key's owner), from which the verdict lists its `failing_ranks`.
     """
     diff, bad = abs_error(got, truth)
     stats = error_stats(got, truth, (diff, bad))
@@ -84,7 +89,8 @@ def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tenso
     floor_t = torch.as_tensor(floor, dtype=torch.float64).expand_as(diff) if not isinstance(floor, torch.Tensor) \
         else floor.double().nan_to_num(0.0, posinf=0.0)
     allowed = k * peer_stats.max_abs + out_floor + floor_t
-    over = int((diff > allowed).sum())
+    over_mask = diff > allowed
+    over = int(over_mask.sum())
     passed = over == 0 and stats.nonfinite == 0
     worst, worst_error, slack = stats.worst_index, None, out_floor
     if diff.numel():
@@ -95,7 +101,13 @@ def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tenso
         slack = out_floor + float(floor_t.flatten()[flat])
     where = locate(worst) if (locate is not None and worst) else ""
     max_allowed = float(allowed.max()) if diff.numel() else k * peer_stats.max_abs + out_floor
-    return TensorVerdict(tensor, passed, stats, peer_stats, k, slack, over, where, worst, worst_error, max_allowed)
+    failing_ranks: tuple[int, ...] = ()
+    if owner is not None and not passed:
+        dim, ranks = owner
+        hit = (over_mask | bad).movedim(dim, 0).reshape(diff.shape[dim], -1).any(1)
+        failing_ranks = tuple(sorted(set(ranks[hit].tolist())))
+    return TensorVerdict(tensor, passed, stats, peer_stats, k, slack, over, where, worst, worst_error, max_allowed,
+                         failing_ranks)
 
 
 # Higham-style a-priori bound for float32 rounding: C u A, u = 2^-24 the float32 unit roundoff

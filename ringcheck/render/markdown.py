@@ -12,15 +12,35 @@ def _md_cell(x: Any) -> str:
     return str(x).replace("|", "\\|")
 
 
+def _times(ratio: float) -> str:
+    if ratio != ratio or ratio == float("inf"):
+        return "inf"
+    return f"{ratio:.3g}x" if ratio < 10 else (f"{ratio:.0f}x" if ratio < 1e4 else f"{ratio:.0e}x")
+
+
+def tensor_words(tensors: dict[str, dict] | None) -> str:
+    """A check row's per-tensor verdicts, e.g. 'out ok  lse ok  dq ok  dk 62x  dv 40x': "ok"
+    within budget, else the worst error / budget ("inf" for a NaN/Inf or a zero budget)."""
+    return "  ".join(f"{name} {'ok' if t['passed'] else _times(t['ratio'])}" for name, t in (tensors or {}).items())
+
+
+def ranks_words(ranks: list[int] | None) -> str:
+    """The failing ranks of a row, e.g. '0,2,3' (empty when none)."""
+    return ",".join(str(r) for r in ranks or ())
+
+
 def validate_markdown(report: dict[str, Any]) -> str:
-    """The verdict, the command, one table row per check, then the run's meta."""
+    """The verdict, the command, one table row per check (with its per-tensor verdicts and
+    failing ranks), then the run's meta."""
     lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
-             f"`{report['command']}`", "", "| check | status | error | budget | detail |",
-             "|---|---|---|---|---|"]
+             f"`{report['command']}`", "",
+             "| check | status | error | budget | per tensor | failing ranks | detail |",
+             "|---|---|---|---|---|---|---|"]
     for row in report["checks"]:
         err = "" if row["error"] is None else f"{row['error']:.3g}"
         bud = "" if row["budget"] is None else f"{row['budget']:.3g}"
-        lines.append(f"| {row['check']} | {row['status']} | {err} | {bud} | {_md_cell(row['detail'])} |")
+        lines.append(f"| {row['check']} | {row['status']} | {err} | {bud} | {tensor_words(row.get('tensors'))} | "
+                     f"{ranks_words(row.get('failing_ranks'))} | {_md_cell(row['detail'])} |")
     if report.get("meta"):
         lines += ["", "Run: " + ", ".join(f"{k}={v}" for k, v in report["meta"].items())]
     return "\n".join(lines) + "\n"

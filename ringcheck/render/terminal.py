@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -18,6 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from .drift_content import (
     WORST_HEADERS,
@@ -29,6 +31,7 @@ from .drift_content import (
     worst_cases,
     worst_row,
 )
+from .markdown import ranks_words, tensor_words
 
 
 def make_console() -> Console:
@@ -40,24 +43,56 @@ def make_console() -> Console:
 # --- validate ------------------------------------------------------------------------------------
 
 
-def check_rows_table(rows, *, title: str = "ringcheck validate") -> Table:
-    table = Table(title=title)
-    for name, justify in (("check", "left"), ("verdict", "left"), ("error", "right"), ("budget", "right"),
-                          ("err/budget", "right"), ("detail", "left")):
-        table.add_column(name, justify=justify, overflow="fold")
-    colours = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": "[cyan]info[/]"}
+_VERDICT = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": "[cyan]info[/]"}
+
+
+def _ratio(r) -> str:
+    return f"{r.error / r.budget:.2f}" if (r.error is not None and r.budget) else ""
+
+
+def check_rows_table(rows, *, title: str = "ringcheck validate", compact: bool = True) -> Table:
+    """The verdict table. Compact: one line per row (check, verdict, err/budget, the
+    per-tensor verdicts, the failing ranks), no detail; otherwise also error, budget and the
+    detail of failing and info rows, wrapped."""
+    if not compact:
+        table = Table(title=title)
+        for name in ("check", "verdict", "error", "budget", "err/budget", "per tensor", "failing ranks", "detail"):
+            table.add_column(name, justify="right" if name in ("error", "budget", "err/budget") else "left",
+                             overflow="fold")
+    else:  # one line per row: on a narrow console the check's name gives way (ellipsis)
+        table = Table(title=title, box=box.SIMPLE_HEAD, caption="per tensor: ok, or its worst error / budget; "
+                      "ranks: the ranks holding elements over budget", caption_justify="left")
+        for name, justify, width in (("check", "left", 12), ("verdict", "left", 4), ("err/bud", "right", 5),
+                                     ("per tensor", "left", 22), ("ranks", "left", 5)):
+            table.add_column(name, justify=justify, no_wrap=name != "check", overflow="ellipsis", min_width=width)
     for r in rows:
-        ratio = f"{r.error / r.budget:.2f}" if (r.error is not None and r.budget) else ""
-        table.add_row(r.check, colours.get(r.status, r.status), "" if r.error is None else f"{r.error:.2e}",
-                      "" if r.budget is None else f"{r.budget:.2e}", ratio, r.detail if r.status == "fail" else
-                      (r.detail if r.status == "info" else ""))
+        words, ranks = tensor_words(r.tensors), ranks_words(r.failing_ranks)
+        if compact:
+            table.add_row(Text(r.check, no_wrap=True, overflow="ellipsis"), _VERDICT.get(r.status, r.status),
+                          _ratio(r), words, ranks)
+        else:
+            table.add_row(r.check, _VERDICT.get(r.status, r.status), "" if r.error is None else f"{r.error:.2e}",
+                          "" if r.budget is None else f"{r.budget:.2e}", _ratio(r), words, ranks,
+                          r.detail if r.status in ("fail", "info") else "")
     return table
 
 
-def print_check_rows(rows, passed: bool, console: Console | None = None) -> None:
+def print_check_rows(rows, passed: bool, console: Console | None = None, *, compact: bool = True) -> None:
+    """validate's verdict table, then the verdict line.
+
+    compact=True (the default): one short line per row, so a failing run's table stays as
+    long as the list of checks; the located detail of each failing row (the worst element:
+    tensor, rank, layout, row, error, budget, case) and the notes of info rows are printed
+    after the table. compact=False: the full table with the detail wrapped in its cells."""
     console = console or Console()
-    console.print(check_rows_table(rows))
+    console.print(check_rows_table(rows, compact=compact))
     failed = [r for r in rows if r.status == "fail"]
+    if compact:
+        for r in [r for r in rows if r.status == "info" and r.detail]:
+            value = f" {r.error:.2f};" if r.error is not None else ""
+            console.print(f"note: {r.check}:{value} {r.detail}", markup=False, highlight=False)
+        for r in failed:
+            console.print(f"FAIL {r.check}: {r.detail}", style="red", markup=False, highlight=False)
     if failed:
         console.print(f"[bold red]FAILED[/]: {len(failed)} of {len(rows)} checks")
     else:
@@ -107,6 +142,11 @@ def print_drift_summary(doc: dict, console: Console | None = None, *, worst: int
 def print_drift_diff(diff, console: Console | None = None, *, limit: int = 40) -> None:
     """What got worse from A to B (then what got better, and what only one report has)."""
     console = console or Console()
+    if diff.spec_differences:
+        console.print("[bold yellow]warning[/]: the two reports measured different settings, so the changes "
+                      "below compare different measurements (only the cases both have are compared):")
+        for line in diff.spec_differences:
+            console.print("  " + line, markup=False, highlight=False)
     if diff.identical:
         console.print("[bold green]identical[/]: the two reports agree on everything but meta")
         return

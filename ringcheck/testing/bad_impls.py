@@ -1,10 +1,12 @@
 """Implementations that break the `--impl` contract in ways `validate` must report as usage
-errors (exit code 2, a clear message, never a traceback or a hang)."""
+errors (exit code 2, a clear message, never a traceback or a hang), and correct ones that use
+its optional parts (no lse; the `layout` keyword)."""
 
 import time
 
 import torch.distributed as dist
 
+from ringcheck import ring_attention
 from ringcheck.testing.mutants import textbook
 
 NOT_CALLABLE = 42
@@ -45,3 +47,17 @@ def no_gradient_to_k(q, k, v, *, causal, softmax_scale, group=None):
 def only_out(q, k, v, *, causal, softmax_scale, group=None):
     """Correct, but returns no lse: validate must pass it and say lse was not checked."""
     return textbook(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group)[0]
+
+
+def layout_aware(q, k, v, *, causal, softmax_scale, group=None, layout):
+    """Correct on every layout, and only when told which: `layout` is a required keyword (a
+    call without it raises TypeError) and it runs our ring with the layout it is given."""
+    if layout not in ("contiguous", "zigzag", "striped"):
+        raise ValueError(f"layout_aware was given layout={layout!r}")
+    return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
+                          return_lse=True)
+
+
+def layout_through_kwargs(q, k, v, *, causal, softmax_scale, group=None, **options):
+    """`layout_aware` taking its optional keywords through **kwargs."""
+    return layout_aware(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=options["layout"])
