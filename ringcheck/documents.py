@@ -47,8 +47,11 @@ validate --report DIR` writes it as validate.json). Top-level keys in this order
   dtype, causal, layout, softmax_scale, world_size, impl, backend, seed, sample_rows,
   local_lengths, distributions);
 - `command`: the `ringcheck validate` command line that names the target;
-- `checks`: one {check, status ("pass", "fail" or "info"), error, budget, detail} per row
-  of the verdict table, in its order (error and budget null where a row has none);
+- `checks`: one {check, status ("pass", "fail" or "info"), error, budget, detail, tensors,
+  failing_ranks} per row of the verdict table, in its order (error and budget null where a
+  row has none; `tensors`: per judged tensor {passed, ratio (worst error / budget), ranks
+  (those holding elements over budget)}, empty for rows that judge no tensor;
+  `failing_ranks`: the union of those ranks; `detail` locates the worst element);
 - `meta`.
 
 `ringcheck.bench`, version 1 (`ringcheck.commands.bench.run_bench`, `ringcheck bench --json
@@ -312,6 +315,9 @@ class Diff:
     identical: bool = False
     threshold: float = 1.5
     slope_rise: float = 0.25
+    # the settings A and B were measured with that differ (`spec_differences`): then the
+    # changes compare different measurements
+    spec_differences: list[str] = field(default_factory=list)
 
     @property
     def got_worse(self) -> bool:
@@ -324,13 +330,15 @@ def diff_documents(a: dict, b: dict, *, threshold: float = 1.5, slope_rise: floa
     Worse: a case's max abs or normwise relative error grew by more than `threshold` times
     (or became non-finite); a case that was within budget is over it; a fit group gained a
     flag; a fitted slope rose by more than `slope_rise`. The mirror images are listed as
-    better. Cases or groups present in only one report are listed, not judged.
+    better. Cases or groups present in only one report are listed, not judged. When the two
+    sweeps differ in their settings, `spec_differences` names them (a warning: the two runs
+    measured different things).
     """
     if not (isinstance(threshold, (int, float)) and threshold > 1):
         raise ValueError(f"threshold must be a number > 1 (an error ratio), got {threshold!r}")
     if not (isinstance(slope_rise, (int, float)) and slope_rise > 0):
         raise ValueError(f"slope_rise must be a positive number, got {slope_rise!r}")
-    diff = Diff(threshold=threshold, slope_rise=slope_rise)
+    diff = Diff(threshold=threshold, slope_rise=slope_rise, spec_differences=spec_differences(a, b))
     diff.identical = without_meta(a) == without_meta(b) or dumps(without_meta(a)) == dumps(without_meta(b))
     for section in ("cases", "fits"):
         diff.only_in_a += sorted(set(a[section]) - set(b[section]))
@@ -368,6 +376,34 @@ def diff_documents(a: dict, b: dict, *, threshold: float = 1.5, slope_rise: floa
             elif sa - sb > slope_rise:
                 diff.better.append(Change("slope", key, "slope", sa, sb))
     return diff
+
+
+def spec_differences(a: dict, b: dict) -> list[str]:
+    """The settings two drift documents were measured with that differ, one entry each:
+    'name: A <value>, B <value>' for every key of `spec` (a nested one as 'budget.k_forward')
+    and for `implementation`; empty when both runs measured the same sweep."""
+    found = []
+
+    def compare(x: Any, y: Any, name: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in list(x) + [k for k in y if k not in x]:
+                compare(x.get(k), y.get(k), f"{name}.{k}" if name else k)
+        elif _compact(_encode(x)) != _compact(_encode(y)):
+            found.append(f"{name}: A {_compact(_encode(x))}, B {_compact(_encode(y))}")
+
+    compare(a.get("spec", {}), b.get("spec", {}), "")
+    compare(a.get("implementation"), b.get("implementation"), "implementation")
+    return found
+
+
+def require_same_spec(a: dict, b: dict) -> None:
+    """Refuse (ValueError) two drift documents measured with different settings: for a
+    reproducibility check (`report diff --exact`), which compares runs of one command."""
+    found = spec_differences(a, b)
+    if found:
+        raise ValueError(f"the two reports measured different settings ({'; '.join(found)}); --exact checks that "
+                         f"one command reproduces bit for bit: rerun one report with the other's command "
+                         f"(its meta.command), or drop --exact to see what changed")
 
 
 def exact_differences(a: dict, b: dict, *, limit: int = 20) -> list[str]:

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from rich.console import Console
 
 from reference import dense_grads
 from ringcheck.cli import main
@@ -25,11 +26,14 @@ from ringcheck.documents import (
     load,
     loads,
     meta,
+    require_same_spec,
     save,
+    spec_differences,
 )
 from ringcheck.judge.check import MODES
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.metrics import max_ulp_error, ulp, unit_roundoff
+from ringcheck.render.terminal import print_drift_diff
 from ringcheck.ring.layouts import positions
 from ringcheck.spec import AttentionSpec, RingSpec
 
@@ -272,6 +276,32 @@ def test_report_diff_ignores_meta_and_lists_unmatched_keys(tiny_doc):
     del b["cases"][dropped]
     diff = diff_documents(a, b)
     assert diff.only_in_a == [dropped] and not diff.got_worse
+
+
+def test_report_diff_of_runs_with_different_settings_warns_and_exact_refuses(tiny_doc):
+    """Two sweeps that measured different things: the diff says which settings differ before
+    its changes, and the reproducibility check refuses them."""
+    b = copy.deepcopy(tiny_doc)
+    b["spec"]["ring_sizes"] = [1, 2]
+    b["spec"]["budget"]["k_forward"] = 3.0
+    b["cases"] = {k: v for k, v in b["cases"].items() if not k.endswith("/P=4")}
+    for case in b["cases"].values():
+        case["tensors"]["out"]["max_abs"] *= 10
+    assert spec_differences(tiny_doc, b) == ["ring_sizes: A [1,2,4], B [1,2]", "budget.k_forward: A 2.0, B 3.0"]
+    diff = diff_documents(tiny_doc, b)
+    assert diff.spec_differences == spec_differences(tiny_doc, b) and diff.got_worse
+    console = Console(width=160, record=True)
+    print_drift_diff(diff, console)
+    text = console.export_text()
+    assert text.index("different settings") < text.index("ring_sizes: A [1,2,4], B [1,2]") < text.index("WORSE")
+    with pytest.raises(ValueError, match=r"measured different settings \(ring_sizes: A \[1,2,4\], B \[1,2\]; "
+                                         r"budget.k_forward: A 2.0, B 3.0\); --exact"):
+        require_same_spec(tiny_doc, b)
+    same = copy.deepcopy(tiny_doc)
+    require_same_spec(tiny_doc, same)  # the same settings pass, whatever the measurements
+    assert not diff_documents(tiny_doc, same).spec_differences
+    assert spec_differences(tiny_doc, dict(same, implementation="other")) == [
+        'implementation: A "simulated", B "other"']
 
 
 # --- command line --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ matplotlib is imported when the first figure is drawn (`_pyplot`), not when ring
 from __future__ import annotations
 
 import io
+import math
 
 from .drift_content import (
     ACC_LABEL,
@@ -91,12 +92,46 @@ def _style(acc: str) -> dict:
 
 
 def _log_log(ax, title: str) -> None:
-    """Log2 ring sizes (or steps) against a log error, titled, light grid."""
+    """Log2 ring sizes (or steps) against a log error, titled, light grid; call it after the
+    lines are drawn (the y ticks follow the range the data span, `_log_ticks`)."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    _log_ticks(ax.yaxis, *ax.get_ylim())
     ax.set_title(title, fontsize=9)
-    ax.tick_params(labelsize=7)
+    ax.tick_params(which="both", labelsize=7)
     ax.grid(True, which="major", alpha=0.3)
+
+
+def _log_ticks(axis, lo: float, hi: float) -> None:
+    """Ticks of a log axis from `lo` to `hi`: labelled decades (at most about six), unlabelled
+    minor ticks; where fewer than two decades fall in the range (the float32 panels often
+    span one or two), the 2s and 5s are labelled too (and the 3s under ~0.7 decades).
+    matplotlib's own choice there labels every minor tick in a large font, crowding them."""
+    # (start-up time: matplotlib is imported when the first figure is drawn, see _pyplot)
+    from matplotlib.ticker import (
+        FuncFormatter,
+        LogFormatterSciNotation,
+        LogLocator,
+        NullFormatter,
+    )
+
+    ok = 0 < lo < hi
+    decades = math.log10(hi / lo) if ok else 0.0
+    labelled_decades = math.floor(math.log10(hi)) - math.ceil(math.log10(lo)) + 1 if ok else 0
+    axis.set_major_locator(LogLocator(base=10, numticks=7))
+    axis.set_major_formatter(LogFormatterSciNotation(base=10))
+    axis.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10)), numticks=12))
+    if labelled_decades >= 2:
+        axis.set_minor_formatter(NullFormatter())
+        return
+    labelled = (2, 3, 5) if decades < 0.7 else (2, 5)
+
+    def minor(x: float, _pos) -> str:
+        exponent = math.floor(math.log10(x) + 1e-9)
+        mantissa = round(x / 10 ** exponent)
+        return rf"${mantissa}\times10^{{{exponent}}}$" if mantissa in labelled else ""
+
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 def _label_edges(ax, row: int, col: int, rows: int, *, ylabel: str, xlabel: str) -> None:
