@@ -59,8 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     except ShadowedPackage as exc:
         print(f"ringcheck: error: {exc}", file=sys.stderr)
         return 2
-    from .cli import (
-        main as cli_main,  # after the pin: this package's cli, whatever shadowed it
-    )
+    from .cli import main as cli_main  # after the pin: this package's cli, whatever shadowed it
 
     return cli_main(argv)

@@ -95,9 +95,10 @@ def test_spec_rejects_bad_values():
 
 def test_bench_command_writes_json(tmp_path, ring_pool, monkeypatch):
     from ringcheck import cli
+    from ringcheck.cli import bench as bench_command
 
     pool = ring_pool(2)
-    monkeypatch.setattr(cli, "LocalRings", lambda **kw: _Borrowed(pool))
+    monkeypatch.setattr(bench_command, "LocalRings", lambda **kw: _Borrowed(pool))
     path = tmp_path / "bench.json"
     code = cli.main(["bench", "--impl", "ringcheck,torch_cp,sdpa", "--dtypes", "float32", "--ring-sizes", "2",
                      "--tokens", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0",

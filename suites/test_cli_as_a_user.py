@@ -119,3 +119,21 @@ def test_under_torchrun_a_bad_impl_is_said_once(tmp_path):
     assert said == 1, done.stderr
     assert done.returncode == 1  # torchrun's own code for any failed rank
     assert "exitcode: 2" in done.stderr.replace("exitcode  :", "exitcode:").replace("exitcode :", "exitcode:")
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("layout, causal", [("zigzag", "--causal"), ("contiguous", "--no-causal"),
+                                            ("contiguous", "--causal")])
+def test_the_readme_example_ring_passes_validate_on_every_layout_it_knows(tmp_path, layout, causal):
+    """examples/my_ring.py, the module README's "Validate your own ring" shows: one function for
+    both layouts (it takes the `layout` keyword), validated as a user runs it."""
+    done = _run([str(BIN / "ringcheck"), "validate", "--impl", "my_ring:ring_fn", "--layout", layout, causal,
+                 "--quick", "--seq-len", "64", "--world-size", "2", "--heads", "4", "--kv-heads", "2",
+                 "--head-dim", "16", "--sample-rows", "8", "--report", str(tmp_path)],
+                tmp_path, pythonpath=str(EXAMPLES))
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "validate.json").read_text())
+    assert doc["passed"] and f"--layout {layout}" in doc["command"] and causal in doc["command"]
+    assert all(c["status"] != "fail" for c in doc["checks"])

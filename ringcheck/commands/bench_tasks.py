@@ -155,7 +155,7 @@ class BenchCase:
 def ring_fn(system: str, layout: str, causal: bool, scale: float, group):
     """A callable (q, k, v) -> out for a distributed system on this rank."""
     impl = load_impl(system, layout=layout)
-    return lambda q, k, v: impl.fn(q, k, v, causal=causal, softmax_scale=scale, group=group)
+    return lambda q, k, v: impl.call(q, k, v, causal=causal, softmax_scale=scale, group=group, layout=layout)
 
 
 def speed_task(member, case: BenchCase, systems: tuple[str, ...], warmup: int, repeats: int) -> dict:

@@ -1,0 +1,53 @@
+"""The `ringcheck` command line. The environment is read here and nowhere deeper.
+
+Exit codes: 0 every check passed; 1 a check failed (a verdict); 2 no verdict could be reached
+(bad flags or config, an implementation that breaks the contract, raises, hangs or dies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .bench import _add_bench, our_ring_failures
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError
+from .drift import _add_drift, _add_report
+from .validate import _add_validate, rerun_command
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "build_parser", "main", "our_ring_failures",
+           "rerun_command"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringcheck", description="Verify ring attention against exact references.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_validate(sub)
+    _add_drift(sub)
+    _add_report(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    # under torchrun every rank runs this: one of them (rank 0) says what went wrong
+    speaks = os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        message = f"ringcheck {args.command}: error: {exc}"
+    except (ValueError, TypeError, RuntimeError) as exc:
+        message = f"ringcheck {args.command}: error: {type(exc).__name__}: {exc}"
+    except KeyboardInterrupt:
+        message = f"ringcheck {args.command}: interrupted"
+    if speaks:
+        print(message, file=sys.stderr)
+    else:  # torchrun stops every rank when the first one exits: let rank 0 say it first
+        time.sleep(SILENT_RANK_GRACE_S)
+    return EXIT_USAGE
+

@@ -1,0 +1,179 @@
+"""`ringcheck validate`: its flags and config file, the re-run command, the run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+import tomllib
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..commands.adapters import load_impl
+from ..commands.validate import Target, report_dict, validate_task
+from ..launch import RingError, open_ring
+from ..render.files import write_validate_reports
+from ..render.terminal import (
+    make_console,
+    print_check_rows,
+)
+from ..spec import check_timeout
+from .common import EXIT_FAILED, EXIT_OK, UsageError, command_meta, list_of
+
+# ---------------------------------------------------------------------------- validate
+
+# validate's flags that name a field of the target (the TOML config takes the same keys)
+_TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
+                 "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
+                 "distributions")
+QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
+DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
+_RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
+
+
+def _read_config(path_text: str) -> dict:
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"--config {path_text}: no such file")
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path_text} is not valid TOML: {exc}") from exc
+    values = values.get("validate", values)  # a [validate] table, or top-level keys
+    return {key.replace("-", "_"): value for key, value in values.items()}
+
+
+def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
+    """The target and the timeout: the config file's keys, then the flags over them."""
+    values = _read_config(args.config) if args.config else {}
+    quick = values.pop("quick", False)
+    timeout = values.pop("timeout", None)
+    if not isinstance(quick, bool):
+        raise UsageError(f"--config {args.config}: quick must be true or false, got {quick!r}")
+    for name in _TARGET_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            values[name] = value
+    if args.quick or quick:
+        values.setdefault("local_lengths", QUICK_LENGTHS)
+    timeout = args.timeout if args.timeout is not None else timeout if timeout is not None else DEFAULT_TIMEOUT_S
+    try:
+        return Target.from_mapping(values, source=args.config or "flags"), check_timeout(timeout)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> str:
+    """The command that repeats this validate run exactly: every setting of the target as a
+    flag (config values expanded, defaults spelled out, so a change of defaults cannot change
+    what it runs) and the timeout; under torchrun, the torchrun launch of it."""
+    flags: list[str] = []
+    for name in _TARGET_FLAGS:
+        value = getattr(target, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if name == "causal":
+            flags.append("--causal" if value else "--no-causal")
+        elif name == "local_lengths":
+            flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
+        elif name == "distributions":
+            flags += [flag, ",".join(value)]
+        else:
+            flags += [flag, str(value)]
+    flags += ["--timeout", f"{timeout:g}"]
+    head = (f"torchrun --nproc-per-node={target.world_size} -m ringcheck validate" if torchrun
+            else "ringcheck validate")
+    return head + " " + shlex.join(flags)
+
+
+def _short_failures(exc) -> str:
+    """One line per failing rank (the exception's last line), not whole tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return str(exc)
+    lines = []
+    for rank, text in sorted(failures.items()):
+        last = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+        lines.append(f"  rank {rank}: {last[-1].strip() if last else text}")
+    head = str(exc).strip().splitlines()[0]
+    return head + "\n" + "\n".join(lines)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    target, timeout = _validate_settings(args)
+    try:  # fail fast, before any process starts, on an unknown or malformed --impl
+        load_impl(target.impl, layout=target.layout, backend=target.backend).check_layout(target.layout, target.causal)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    console = make_console()
+    start = time.perf_counter()
+    ring = open_ring(timeout=timeout, environ=os.environ)
+    try:
+        if ring.is_torchrun and ring.size != target.world_size:
+            if args.world_size is not None or args.config:
+                raise UsageError(f"the torchrun world has {ring.size} ranks but the target says world_size="
+                                 f"{target.world_size}; launch with torchrun --nproc-per-node={target.world_size}")
+            target = type(target).from_mapping({**target.to_dict(), "world_size": ring.size})
+        main = ring.is_main
+        command = rerun_command(target, timeout, torchrun=ring.is_torchrun)
+        if main:
+            console.print(command, markup=False, highlight=False, soft_wrap=True)
+        with console.status("validating", spinner="dots") if main else nullcontext():
+            try:
+                rows = ring.run(target.world_size, validate_task, target)[0]
+            except RingError as exc:
+                raise UsageError("the implementation did not complete on every rank:\n" + _short_failures(exc)) from exc
+    finally:
+        ring.close()
+    if not main:
+        return EXIT_OK if all(r.passed for r in rows) else EXIT_FAILED
+    report = report_dict(target, rows, meta=command_meta(args, start))
+    report["command"] = command  # the run exactly, config values expanded
+    print_check_rows(rows, report["passed"], console, compact=not args.full_table)
+    if args.report:
+        paths = write_validate_reports(report, args.report)
+        console.print(f"report written to {paths['json']} and {paths['md']}")
+    return EXIT_OK if report["passed"] else EXIT_FAILED
+
+
+def _add_validate(sub) -> None:
+    p = sub.add_parser("validate", help="judge a ring attention implementation against the references",
+                       description="Judge a ring attention (ours by default, or --impl) against float64 and "
+                                   "the same-dtype peer; exit 0 if every check passes, 1 if one fails, 2 if no "
+                                   "verdict could be reached.")
+    p.add_argument("--impl", help="implementation: ringcheck (default), ring_attention_pytorch, torch_cp, "
+                                  "ring_flash_attn:zigzag, or package.module:function")
+    p.add_argument("--config", help="TOML file with the target: the flags' names as keys (e.g. seq_len = 4096, "
+                                    "causal = false, quick = true, timeout = 30), flags override it")
+    p.add_argument("--seq-len", dest="seq_len", type=int, help="full target sequence length (default 2048)")
+    p.add_argument("--batch", type=int, help="batch (default 1)")
+    p.add_argument("--heads", type=int, help="query heads (default 4)")
+    p.add_argument("--kv-heads", dest="kv_heads", type=int, help="K/V heads (default 2)")
+    p.add_argument("--head-dim", dest="head_dim", type=int, help="head dim (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="input dtype (default bfloat16)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal attention (default: causal)")
+    p.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], help="sequence layout (default zigzag)")
+    p.add_argument("--softmax-scale", dest="softmax_scale", type=float, help="default 1/sqrt(head_dim)")
+    p.add_argument("--world-size", dest="world_size", type=int,
+                   help="ranks of the local gloo ring (default 4; under torchrun: the world)")
+    p.add_argument("--backend", help="block backend of our ring: torch (default), triton, flash_attn")
+    p.add_argument("--seed", type=int, help="seed of every input (default 0)")
+    p.add_argument("--sample-rows", dest="sample_rows", type=int, help="query rows checked at full length (default 16)")
+    p.add_argument("--local-lengths", dest="local_lengths", type=list_of(int),
+                   help="ring-local lengths of the scaled-down cases, tokens per rank (default 2,6,16)")
+    p.add_argument("--distributions", type=list_of(str),
+                   help="logit distributions of the scaled-down cases (default: every registered one)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer ring-local lengths (2 and 6 tokens per rank; config key quick = true)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds any rank may wait on another (default {DEFAULT_TIMEOUT_S:g}; config key timeout)")
+    p.add_argument("--report", metavar="DIR", help="write validate.json and validate.md to DIR")
+    p.add_argument("--full-table", dest="full_table", action="store_true",
+                   help="the wide table with every row's located detail in it (default: one line per check, "
+                        "the detail of failing rows after the table)")
+    p.set_defaults(func=_cmd_validate)
+
+
