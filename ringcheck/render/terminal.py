@@ -47,7 +47,10 @@ _VERDICT = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": "[cyan]inf
 
 
 def _ratio(r) -> str:
-    return f"{r.error / r.budget:.2f}" if (r.error is not None and r.budget) else ""
+    if r.error is None or not r.budget:
+        return ""
+    ratio = r.error / r.budget
+    return f"{ratio:.2f}" if ratio < 1e4 else f"{ratio:.1e}"
 
 
 def check_rows_table(rows, *, title: str = "ringcheck validate", compact: bool = True) -> Table:
