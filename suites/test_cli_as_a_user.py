@@ -137,3 +137,16 @@ def test_the_readme_example_ring_passes_validate_on_every_layout_it_knows(tmp_pa
     doc = json.loads((tmp_path / "validate.json").read_text())
     assert doc["passed"] and f"--layout {layout}" in doc["command"] and causal in doc["command"]
     assert all(c["status"] != "fail" for c in doc["checks"])
+
+
+def test_report_diff_of_different_settings_warns_and_exact_refuses(tmp_path, capsys):
+    committed = Path(__file__).resolve().parents[1] / "reports" / "cpu" / "drift.json"
+    doc = json.loads(committed.read_text())
+    doc["spec"]["ring_sizes"] = doc["spec"]["ring_sizes"][:3]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    assert main(["report", "diff", "--exact", str(committed), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "ring_sizes" in err and len(err.strip().splitlines()) == 1, err
+    main(["report", "diff", str(committed), str(other)])
+    assert "ring_sizes" in capsys.readouterr().out
