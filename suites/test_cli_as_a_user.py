@@ -150,3 +150,15 @@ def test_report_diff_of_different_settings_warns_and_exact_refuses(tmp_path, cap
     assert "ring_sizes" in err and len(err.strip().splitlines()) == 1, err
     main(["report", "diff", str(committed), str(other)])
     assert "ring_sizes" in capsys.readouterr().out
+
+
+def test_a_failing_rank_is_summarised_by_its_exception_type_and_first_line():
+    from ringcheck.cli.validate import short_failures
+    from ringcheck.launch import RingError
+
+    text = ("raised NotImplementedError: Could not run 'aten::foo' with arguments from the 'CPU' backend.\n"
+            "Traceback (most recent call last):\n  ...\nNotImplementedError: Could not run 'aten::foo'\n"
+            "PythonDispatcher: registered at /pytorch/build/aten/src/ATen/RegisterCPU.cpp:123")
+    summary = short_failures(RingError("task failed on a ring of 2; failing ranks: 0", {0: text}))
+    assert "rank 0: raised NotImplementedError: Could not run 'aten::foo' with arguments from the 'CPU'" in summary
+    assert "PythonDispatcher" not in summary

@@ -88,15 +88,17 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> 
     return head + " " + shlex.join(flags)
 
 
-def _short_failures(exc) -> str:
-    """One line per failing rank (the exception's last line), not whole tracebacks."""
+def short_failures(exc) -> str:
+    """One line per failing rank, not whole tracebacks: the first line of what the rank said,
+    which names the exception's type and the first line of its message (a multi-line
+    message's last line is often a detail, e.g. a dispatcher registration)."""
     failures = getattr(exc, "failures", None)
     if not failures:
         return str(exc)
     lines = []
     for rank, text in sorted(failures.items()):
-        last = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-        lines.append(f"  rank {rank}: {last[-1].strip() if last else text}")
+        said = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+        lines.append(f"  rank {rank}: {said[0].strip() if said else text}")
     head = str(exc).strip().splitlines()[0]
     return head + "\n" + "\n".join(lines)
 
@@ -124,7 +126,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             try:
                 rows = ring.run(target.world_size, validate_task, target)[0]
             except RingError as exc:
-                raise UsageError("the implementation did not complete on every rank:\n" + _short_failures(exc)) from exc
+                raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)) from exc
     finally:
         ring.close()
     if not main:
