@@ -24,8 +24,9 @@ from ..launch import LocalRings
 from ..render.terminal import (
     make_console,
     print_bench,
+    progress,
 )
-from .common import EXIT_OK, UsageError, command_meta, list_of
+from .common import EXIT_OK, UsageError, add_quiet, command_meta, list_of, shows_progress
 
 # ------------------------------------------------------------------------------- bench
 
@@ -48,8 +49,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     console = make_console()
     before = machine()
     start = time.perf_counter()
-    with LocalRings(timeout=args.timeout) as rings, console.status("benchmarking", spinner="dots") as status:
-        doc = run_bench(spec, rings, progress=lambda what: status.update(f"benchmarking {what}"))
+    with (LocalRings(timeout=args.timeout) as rings,
+          progress(None, console, enabled=shows_progress(args, console), label="benchmarking") as advance):
+        doc = run_bench(spec, rings, progress=advance)
     doc["meta"] = command_meta(args, start, threads=before["parent_threads"], **before, load_after=load_average())
     print_bench(doc, console)
     if args.json:
@@ -91,6 +93,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--full", action="store_true", help="the issue's whole grid (P 2,4,8; 1K,4K,16K tokens; 8 heads): long")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another (default 300)")
     p.add_argument("--json", metavar="FILE", help="write the measurements as JSON to FILE")
+    add_quiet(p)
     p.set_defaults(func=_cmd_bench)
 
 

@@ -22,6 +22,16 @@ def command_meta(args: argparse.Namespace, start: float, **extra) -> dict:
     return meta("ringcheck " + shlex.join(args.argv), elapsed_s=time.perf_counter() - start, **extra)
 
 
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress display (it is off anyway when stdout is not a terminal)")
+
+
+def shows_progress(args: argparse.Namespace, console) -> bool:
+    """Whether this run shows progress: not --quiet, and stdout a terminal (read here, at the edge)."""
+    return not args.quiet and console.is_terminal
+
+
 def list_of(kind):
     """An argparse type: a comma-separated list of `kind` (str or int)."""
     def parse(text: str):

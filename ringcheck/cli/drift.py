@@ -29,7 +29,7 @@ from ..render.terminal import (
     print_drift_summary,
 )
 from ..spec import Budget
-from .common import EXIT_FAILED, EXIT_OK, UsageError, command_meta, list_of
+from .common import EXIT_FAILED, EXIT_OK, UsageError, add_quiet, command_meta, list_of, shows_progress
 
 
 def _drift_spec(args: argparse.Namespace):
@@ -50,7 +50,7 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     implementation = IMPLEMENTATIONS[args.impl]
     console = make_console()
     start = time.perf_counter()
-    with drift_progress(count_runs(spec, implementation), console) as progress:
+    with drift_progress(count_runs(spec, implementation), console, enabled=shows_progress(args, console)) as progress:
         doc = run_drift(spec, implementation=implementation, progress=progress)
     doc["meta"] = command_meta(args, start, threads=args.threads)
     paths = write_drift_reports(doc, args.out)
@@ -130,6 +130,7 @@ def _add_drift(sub) -> None:
     p.add_argument("--k-backward", type=float, default=3.0, help="budget factor for dq, dk, dv (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: reproducible bits)")
     p.add_argument("--out", default="drift-report", help="output directory (default ./drift-report)")
+    add_quiet(p)
     p.set_defaults(func=_cmd_drift)
 
 

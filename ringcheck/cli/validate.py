@@ -11,15 +11,16 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..commands.adapters import load_impl
-from ..commands.validate import Target, report_dict, validate_task
-from ..launch import RingError, open_ring
+from ..commands.validate import Target, report_dict, validate_steps, validate_task
+from ..launch import RingError, open_ring, relay
 from ..render.files import write_validate_reports
 from ..render.terminal import (
     make_console,
     print_check_rows,
+    progress,
 )
 from ..spec import check_timeout
-from .common import EXIT_FAILED, EXIT_OK, UsageError, command_meta, list_of
+from .common import EXIT_FAILED, EXIT_OK, UsageError, add_quiet, command_meta, list_of, shows_progress
 
 # ---------------------------------------------------------------------------- validate
 
@@ -103,6 +104,14 @@ def short_failures(exc) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def _progress_channel(ring, advance, enabled: bool):
+    """How rank 0's progress notes reach `advance` here: directly under torchrun (rank 0 is this
+    process), from a local ring's worker through a file this process polls (`launch.relay`)."""
+    if not enabled:
+        return nullcontext(None)
+    return nullcontext(advance) if ring.is_torchrun else relay(advance)
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     target, timeout = _validate_settings(args)
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
@@ -122,9 +131,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         command = rerun_command(target, timeout, torchrun=ring.is_torchrun)
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
-        with console.status("validating", spinner="dots") if main else nullcontext():
+        shows = main and shows_progress(args, console)
+        with (progress(validate_steps(target), console, enabled=shows, label="validating") as advance,
+              _progress_channel(ring, advance, shows) as channel):
             try:
-                rows = ring.run(target.world_size, validate_task, target)[0]
+                rows = ring.run(target.world_size, validate_task, target, channel)[0]
             except RingError as exc:
                 raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)) from exc
     finally:
@@ -136,7 +147,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     print_check_rows(rows, report["passed"], console, compact=not args.full_table)
     if args.report:
         paths = write_validate_reports(report, args.report)
-        console.print(f"report written to {paths['json']} and {paths['md']}")
+        console.print(f"report written to {paths['json']}, {paths['md']} and {paths['html']}")
     return EXIT_OK if report["passed"] else EXIT_FAILED
 
 
@@ -176,6 +187,7 @@ def _add_validate(sub) -> None:
     p.add_argument("--full-table", dest="full_table", action="store_true",
                    help="the wide table with every row's located detail in it (default: one line per check, "
                         "the detail of failing rows after the table)")
+    add_quiet(p)
     p.set_defaults(func=_cmd_validate)
 
 

@@ -330,6 +330,11 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
     return rows, [v for vs in by_dist.values() for v in vs], returns_lse, first
 
 
+def validate_steps(target: Target) -> int:
+    """The progress notes of a run: each scaled case, the full length, its reference, determinism."""
+    return len(scaled_cases(target)) + 3
+
+
 def _sparse_full_inputs(target: Target, spec: AttentionSpec) -> tuple[Inputs, torch.Tensor]:
     """Full-length inputs whose dout is zero except on the sampled rows, and those rows."""
     rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
@@ -367,6 +372,7 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
                            ctx.budget, sparse)
 
     verdict = ctx.on_root(full_verdict)
+    ctx.note("the row reference against mpmath")
     return [ctx.on_root(lambda: _certify_row_reference(spec, sparse, rows)),
             _summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [verdict], ("out", "lse")),
             _summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
@@ -438,6 +444,7 @@ def report_dict(target: Target, rows: list[CheckRow], meta: dict[str, Any] | Non
     }
 
 
-def validate_task(member, target: Target) -> list[CheckRow]:
-    """`validate_on_rank` as a ring task (`ringcheck.launch`): member carries the group."""
-    return validate_on_rank(target, member.group)
+def validate_task(member, target: Target, progress: Callable[[str], None] | None = None) -> list[CheckRow]:
+    """`validate_on_rank` as a ring task (`ringcheck.launch`): member carries the group; `progress`
+    (picklable in a local ring: `ringcheck.launch.ProgressFile`) gets rank 0's notes."""
+    return validate_on_rank(target, member.group, progress=progress)

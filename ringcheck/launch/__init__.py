@@ -28,12 +28,13 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..spec import DEFAULT_TIMEOUT
+from .channel import ProgressFile, relay
 from .common import GRACE, START_TIMEOUT, RingError, RingMember, Task, control_timeout
 from .local import LocalRingPool, LocalRings
 from .torchrun import CLAIMED_BY, TorchrunEnv, TorchrunWorld, from_torchrun_env
 
-__all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "LocalRingPool", "LocalRings", "RingError", "RingMember",
-           "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout", "from_torchrun_env", "open_ring"]
+__all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "LocalRingPool", "LocalRings", "ProgressFile", "RingError",
+           "RingMember", "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout", "from_torchrun_env", "open_ring", "relay"]
 
 
 def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None):

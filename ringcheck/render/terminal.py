@@ -1,5 +1,5 @@
-"""Rich terminal output of every command: the console, validate's verdict table, drift's
-progress bar, summary and diff, bench's tables. With `ringcheck.render.plots` (matplotlib)
+"""Rich terminal output of every command: the console, the progress of long runs, validate's verdict table,
+drift's summary and diff, bench's tables. With `ringcheck.render.plots` (matplotlib)
 the only module that imports a presentation library.
 """
 
@@ -14,9 +14,9 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -38,6 +38,38 @@ def make_console() -> Console:
     """The console of a command: a pipe or a CI log gets a wide table instead of rich's
     80-column default."""
     return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+# --- progress of a long run -----------------------------------------------------------------------
+
+
+@contextmanager
+def progress(total: int | None, console: Console | None = None, *, enabled: bool = True, label: str = "",
+             announce: bool = True):
+    """Progress of a long run on `console`, gone when the block ends (never part of a report);
+    yields `advance(text)`. With a `total`: a bar with steps done / total, the elapsed time and
+    the current step's text; without: a spinner, the text and the elapsed time. `announce`:
+    each call names the step about to run (the one before it is done); else the step just
+    done. With `enabled` False (--quiet, or not a terminal: the caller decides) nothing is
+    shown and `advance` does nothing."""
+    if not enabled:
+        yield lambda text: None
+        return
+    head = [TextColumn(label, markup=False)] if label else []
+    text = TextColumn("{task.description}", markup=False)  # a case's text is not markup
+    if total is None:
+        columns = [SpinnerColumn(), *head, TimeElapsedColumn(), text]
+    else:
+        columns = [*head, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), text]
+    with Progress(*columns, console=console or Console(), transient=True) as bar:
+        task = bar.add_task("", total=total, completed=0)
+        calls = [0]
+
+        def advance(text: str) -> None:
+            calls[0] += 1
+            done = calls[0] - 1 if announce else calls[0]
+            bar.update(task, completed=done if total is None else min(done, total), description=str(text))
+        yield advance
 
 
 # --- validate ------------------------------------------------------------------------------------
@@ -105,14 +137,9 @@ def print_check_rows(rows, passed: bool, console: Console | None = None, *, comp
 # --- drift ---------------------------------------------------------------------------------------
 
 
-@contextmanager
-def drift_progress(total: int, console: Console | None = None):
-    """A rich progress bar; yields the callback `run_drift` takes."""
-    console = console or Console()
-    with Progress(TextColumn("drift"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), TextColumn("{task.description}"), console=console) as bar:
-        task = bar.add_task("", total=total)
-        yield lambda description: bar.update(task, advance=1, description=description)
+def drift_progress(total: int, console: Console | None = None, *, enabled: bool = True):
+    """`progress` for drift: the callback `run_drift` takes, called after every ring run."""
+    return progress(total, console, enabled=enabled, label="drift", announce=False)
 
 
 def print_drift_summary(doc: dict, console: Console | None = None, *, worst: int = 10) -> None:
