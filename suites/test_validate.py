@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, 
 from ringcheck.judge.check import token_owners
 from ringcheck.judge.verdict import judge
 from ringcheck.launch import RingError
-from ringcheck.render.markdown import validate_markdown
+from ringcheck.render.files import write_validate_reports
+from ringcheck.render.html import validate_html
+from ringcheck.render.markdown import tensor_words, validate_markdown
 from ringcheck.render.terminal import print_check_rows
 from ringcheck.spec import RingSpec
 from ringcheck.testing.mutants import MUTANTS
@@ -251,9 +254,16 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith("ringcheck validate")
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
 
-    done = _cli(*small, "--impl", "ringcheck.testing.mutants:diagonal_off_by_one")
+    assert (tmp_path / "validate.html").read_text().count("data:image/png;base64,") == 1
+
+    failing = tmp_path / "failing"
+    done = _cli(*small, "--impl", "ringcheck.testing.mutants:diagonal_off_by_one", "--report", str(failing))
     assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
-    assert "FAIL" in done.stdout and "forward" in done.stdout
+    assert "FAIL" in done.stdout and "forward" in done.stdout and "validate.html" in done.stdout
+    report, page = load(failing / "validate.json", schema=VALIDATE_SCHEMA), (failing / "validate.html").read_text()
+    assert "ringcheck validate: FAILED" in page and escape(report["command"]) in page
+    assert all(escape(c["check"]) in page for c in report["checks"])
+    assert any(c["status"] == "fail" and tensor_words(c["tensors"]).split("  ")[0] in page for c in report["checks"])
 
     done = _cli(*small, "--impl", "ringcheck.testing.bad_impls:wrong_shape", "--timeout", "20")
     assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
@@ -278,3 +288,43 @@ def test_ring_attention_pytorch_as_shipped(run_on_ring):
     assert failed and all(c.startswith("backward") for c in failed), failed
     assert all(" dk " in r.detail or " dv " in r.detail or "dk FAILED" in r.detail or "dv FAILED" in r.detail
                for r in rows if r.status == "fail")
+
+
+def _hand_made_report() -> dict:
+    """A validate document written by hand (no ring): a passing forward, a backward failing in
+    dk on ranks 1 and 3 and with an infinite dv, a row without tensors, an information row."""
+    rows = [CheckRow("forward  normal (local 2,6)", "pass", 2e-3, 1e-2, "out ok: error 2.000e-03",
+                     tensors={"out": {"passed": True, "ratio": 0.2, "ranks": []},
+                              "lse": {"passed": True, "ratio": 0.0, "ranks": []}}),
+            CheckRow("backward normal (local 2,6)", "fail", 1.5, 1e-2, "dk FAILED: error 1.500e+00 <at> [rank 1]",
+                     tensors={"dq": {"passed": True, "ratio": 0.5, "ranks": []},
+                              "dk": {"passed": False, "ratio": 150.0, "ranks": [1, 3]},
+                              "dv": {"passed": False, "ratio": math.inf, "ranks": [3]}},
+                     failing_ranks=[1, 3]),
+            CheckRow("no NaN/Inf", "pass", detail="every output finite"),
+            CheckRow("per-rank work balance (max / mean)", "info", 1.0, None, "scores per rank [8, 8]")]
+    report = report_dict(Target(**SMALL), rows, meta=meta("ringcheck validate --quick", elapsed_s=1.0))
+    report["command"] = "ringcheck validate --quick --seq-len 256"
+    return loads(dumps(report), schema=VALIDATE_SCHEMA)
+
+
+def test_html_report_of_a_hand_made_document(tmp_path):
+    """validate.html beside the JSON and Markdown: the verdict with its counts, the command,
+    every check (also those without tensors, which the plot leaves out), the per-tensor verdicts
+    of the failing row, its failing ranks, the escaped detail, the plot as an embedded PNG."""
+    doc = _hand_made_report()
+    paths = write_validate_reports(doc, tmp_path)
+    assert set(paths) == {"json", "md", "html"} and paths["html"] == tmp_path / "validate.html"
+    page = paths["html"].read_text()
+    assert page.startswith("<!DOCTYPE html>") and page == validate_html(doc)
+    assert "ringcheck validate: FAILED" in page and "1 of 4 checks failed" in page
+    assert "ringcheck validate --quick --seq-len 256" in page
+    assert all(escape(c["check"]) in page for c in doc["checks"])
+    assert "dk 150x" in page and "dv inf" in page and "dq ok" in page and ">1,3<" in page
+    assert "&lt;at&gt; [rank 1]" in page and "<at>" not in page
+    assert page.count("data:image/png;base64,") == 1 and "src='http" not in page
+
+    doc["checks"] = [c for c in doc["checks"] if not c["tensors"]]
+    doc["passed"] = True
+    page = validate_html(doc)
+    assert "ringcheck validate: PASSED" in page and "data:image/png" not in page

@@ -6,15 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..documents import save
-from .html import drift_html
+from .html import drift_html, validate_html
 from .markdown import drift_markdown, validate_markdown
 
 
 def write_validate_reports(doc: dict, out_dir: str | Path) -> dict[str, Path]:
-    """validate.json and validate.md in `out_dir`; returns their paths."""
+    """validate.json, validate.md and validate.html in `out_dir`; returns their paths."""
     out = Path(out_dir)
-    paths = {"json": save(doc, out / "validate.json"), "md": out / "validate.md"}
+    paths = {"json": save(doc, out / "validate.json"), "md": out / "validate.md", "html": out / "validate.html"}
     paths["md"].write_text(validate_markdown(doc), encoding="utf-8")
+    paths["html"].write_text(validate_html(doc), encoding="utf-8")
     return paths
 
 

@@ -1,4 +1,5 @@
-"""The drift report's plots, as PNG bytes for the HTML page (matplotlib on the Agg backend).
+"""The reports' plots, as PNG bytes for the HTML pages (matplotlib on the Agg backend): drift's
+figures (`drift_plots`) and validate's error over budget (`validate_plot`).
 
 `drift_plots` draws three kinds of figure, each built by its own function:
 
@@ -54,7 +55,7 @@ def drift_plots(doc: dict) -> list[tuple[str, bytes]]:
 def _pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     # imported here, not at the top: matplotlib adds about a second to the start of every
-    # command, and only the drift HTML draws figures
+    # command, and only the HTML reports draw figures
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,3 +264,68 @@ def _slope_points(ax, doc: dict, mode: str) -> None:
                                    marker="o" if a == "float32" else "x",
                                    color="tab:blue" if a == "float32" else "tab:red",
                                    edgecolors="none" if a == "float32" else None)
+
+
+# --- validate: error over budget -----------------------------------------------------------------
+
+_TENSOR_MARKERS = {"out": "o", "lse": "s", "dq": "^", "dk": "D", "dv": "v"}
+_GOOD, _BAD = "#1a7f37", "#c62828"
+
+
+def validate_plot(doc: dict) -> bytes | None:
+    """PNG bytes of validate's error / budget per check (rows) and tensor (a marker each, side
+    by side within the row) on a log axis, the limit 1.0 a dashed line, points over it red;
+    None when no check has per-tensor results. Checks without tensors (NaN/Inf, determinism,
+    information rows) are left out: they have no error over a budget to place."""
+    rows = [c for c in doc["checks"] if c.get("tensors")]
+    if not rows:
+        return None
+    plt = _pyplot()
+    lo, hi = _ratio_range([t["ratio"] for c in rows for t in c["tensors"].values()])
+    fig, ax = plt.subplots(figsize=(13, 0.36 * len(rows) + 1.6), layout="constrained")
+    ax.axvspan(1.0, hi, color=_BAD, alpha=0.06, linewidth=0)
+    ax.axvline(1.0, color=_BAD, linestyle="--", linewidth=1)
+    for i, row in enumerate(rows):
+        if i % 2:
+            ax.axhspan(i - 0.5, i + 0.5, color="black", alpha=0.035, linewidth=0)
+        names = list(row["tensors"])
+        for k, name in enumerate(names):
+            t = row["tensors"][name]
+            y = i + (k - (len(names) - 1) / 2) * 0.22
+            ratio = t["ratio"]
+            x = hi if not math.isfinite(ratio) else min(max(ratio, lo), hi)
+            colour = _GOOD if t["passed"] else _BAD
+            ax.scatter(x, y, marker=_TENSOR_MARKERS.get(name, "P"), s=30, color=colour, zorder=3,
+                       edgecolors="none")
+            if not t["passed"] or not math.isfinite(ratio):
+                shown = name if math.isfinite(ratio) else f"{name} {ratio}"
+                ax.annotate(shown, (x, y), xytext=(5, -1), textcoords="offset points", fontsize=7.5,
+                            color=colour, va="center", annotation_clip=False)
+    ax.set_xscale("log")
+    ax.set_xlim(lo, hi)
+    _log_ticks(ax.xaxis, lo, hi)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_yticks(range(len(rows)), [" ".join(c["check"].split()) for c in rows], fontsize=8.5)
+    for label, row in zip(ax.get_yticklabels(), rows):
+        label.set_color(_BAD if row["status"] == "fail" else "#222")
+    ax.tick_params(axis="x", which="both", labelsize=8)
+    ax.grid(True, axis="x", which="major", alpha=0.3)
+    ax.set_xlabel("worst error / budget (log; over 1 fails)", fontsize=9)
+    handles = [plt.Line2D([], [], color="#555", marker=m, linestyle="", label=n)
+               for n, m in _TENSOR_MARKERS.items() if any(n in c["tensors"] for c in rows)]
+    verdicts = {t["passed"] for c in rows for t in c["tensors"].values()}
+    handles += [plt.Line2D([], [], color=_GOOD if ok else _BAD, marker="o", linestyle="",
+                           label="within budget" if ok else "over budget") for ok in (True, False) if ok in verdicts]
+    handles.append(plt.Line2D([], [], color=_BAD, linestyle="--", label="limit: error = budget"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8.5, frameon=False)
+    fig.suptitle("Error over budget per check and tensor", fontsize=11)
+    return _figure_png(fig)
+
+
+def _ratio_range(ratios: list[float]) -> tuple[float, float]:
+    """The x range of the error / budget plot: the finite positive ratios with a margin, and
+    always 0.1 to 10 around the limit (zeros sit at the left edge, NaN/Inf at the right)."""
+    finite = [r for r in ratios if math.isfinite(r) and r > 0]
+    lo = min([0.1, *finite]) / 2
+    hi = max([10.0, *finite]) * 10  # room for the tensor's name beside the rightmost point
+    return max(lo, 1e-30), hi
