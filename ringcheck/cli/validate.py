@@ -183,7 +183,7 @@ def _add_validate(sub) -> None:
                    help="fewer ring-local lengths (2 and 6 tokens per rank; config key quick = true)")
     p.add_argument("--timeout", type=float, default=None,
                    help=f"seconds any rank may wait on another (default {DEFAULT_TIMEOUT_S:g}; config key timeout)")
-    p.add_argument("--report", metavar="DIR", help="write validate.json and validate.md to DIR")
+    p.add_argument("--report", metavar="DIR", help="write validate.json, validate.md and validate.html to DIR")
     p.add_argument("--full-table", dest="full_table", action="store_true",
                    help="the wide table with every row's located detail in it (default: one line per check, "
                         "the detail of failing rows after the table)")
