@@ -9,7 +9,7 @@
 Nothing here imports the ring code of ``ringcheck``.
 """
 
-from .dense import dense_attention, dense_grads, peer_attention
+from .dense import attention_mask, dense_attention, dense_grads, peer_attention
 from .mp import MPResult, UncertifiedError, mp_attention
 
-__all__ = ["dense_attention", "dense_grads", "peer_attention", "mp_attention", "MPResult", "UncertifiedError"]
+__all__ = ["attention_mask", "dense_attention", "dense_grads", "peer_attention", "mp_attention", "MPResult", "UncertifiedError"]

@@ -45,7 +45,10 @@ def test_the_same_argument_gets_the_same_rule_and_message_everywhere(caller, bad
 SHAPES = {
     "kv_heads_do_not_divide": (lambda: (*_qkv(heads=3, kv_heads=2),), ValueError,
                                "heads=3 (q) is not divisible by kv_heads=2 (k, v)"),
-    "k_v_shapes_differ": (lambda: (lambda q, k, v: (q, k, v[..., :2]))(*_qkv()), ValueError, "k and v must have one shape"),
+    "k_v_lengths_differ": (lambda: (lambda q, k, v: (q, k, v[:, :2]))(*_qkv()), ValueError,
+                           "k and v must agree on (batch, seq, kv_heads)"),
+    "d_v_on_k": (lambda: (lambda q, k, v: (q, k[..., :2], v[..., :2]))(*_qkv()), ValueError,
+                 "must share the query/key head dim"),
     "three_d": (lambda: (lambda q, k, v: (q[0], k, v))(*_qkv()), ValueError, "q must be 4-D"),
     "mixed_dtypes": (lambda: (lambda q, k, v: (q, k.half(), v))(*_qkv()), TypeError, "q, k, v must share one dtype"),
     "integer_dtype": (lambda: (lambda q, k, v: (q.int(), k.int(), v.int()))(*_qkv()), TypeError,
