@@ -37,7 +37,7 @@ from ..spec import DEFAULT_TIMEOUT, check_timeout, require_distributed
 
 # one tag per channel keeps the "kv" and "grad" streams apart on backends that match by tag
 # (gloo); NCCL ignores tags and matches in posting order, which every rank keeps identical
-_CHANNEL_TAGS = {"kv": 1, "grad": 2}
+_CHANNEL_TAGS = {"kv": 1, "grad": 2, "sum": 3}  # "sum": small per-rank partials (dsinks)
 
 @dataclass
 class _Exchange:

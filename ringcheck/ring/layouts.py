@@ -15,21 +15,26 @@ seen by query i iff j <= i + diagonal); a pair that sees nothing has no block at
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from ..spec import RingSpec, check_layout
+from ..spec import DOC_LAYOUTS, RingSpec, check_cu_seqlens, check_layout, check_window
 
-MASK_KINDS = ("full", "causal")
+MASK_KINDS = ("full", "causal", "band")
 
 
-def check_mask(mask: object, diagonal: object = 0) -> None:
-    """A block's mask kind and causal diagonal (the block contract of every backend)."""
+def check_mask(mask: object, diagonal: object = 0, lower: object = 0) -> None:
+    """A block's mask kind, causal diagonal and (for "band") lower diagonal: the block contract
+    of every backend. "causal": query i sees key j iff j - i <= diagonal; "band": iff
+    lower <= j - i <= diagonal (block-local indices)."""
     if mask not in MASK_KINDS:
         raise ValueError(f"mask={mask!r} is unknown; choose one of {list(MASK_KINDS)}")
-    if isinstance(diagonal, bool) or not isinstance(diagonal, int):
-        raise TypeError(f"diagonal must be an int, got {diagonal!r}")
+    for name, value in (("diagonal", diagonal), ("lower", lower)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -37,24 +42,31 @@ class Block:
     """One rectangle of attention work between a rank's queries and a visiting K/V shard.
 
     ``q`` and ``kv`` are slices of the *local* rows; with ``mask == "causal"`` query i of the
-    block sees key j of the block iff ``j <= i + diagonal``.
+    block sees key j of the block iff ``j <= i + diagonal``, with ``mask == "band"`` iff
+    ``lower <= j - i <= diagonal``.
     """
 
     q: slice
     kv: slice
     mask: str = "full"
     diagonal: int = 0
+    lower: int = 0
 
     def __post_init__(self) -> None:
-        check_mask(self.mask, self.diagonal)
+        check_mask(self.mask, self.diagonal, self.lower)
+
+    def kernel_args(self) -> dict:
+        """The mask keywords of the backend contract for this block."""
+        return {"mask": self.mask, "diagonal": self.diagonal, "lower": self.lower}
 
     def unmasked(self, local_len: int) -> int:
-        """Number of (query, key) pairs this block computes."""
+        """Number of visible (query, key) pairs of this block: the work it does."""
         nq = len(range(*self.q.indices(local_len)))
         nk = len(range(*self.kv.indices(local_len)))
         if self.mask == "full":
             return nq * nk
-        return sum(min(max(i + self.diagonal + 1, 0), nk) for i in range(nq))
+        lower = self.lower if self.mask == "band" else -nq
+        return sum(max(min(i + self.diagonal, nk - 1) - max(i + lower, 0) + 1, 0) for i in range(nq))
 
 
 def _ring(layout: str, world_size: int) -> RingSpec:
@@ -66,8 +78,30 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank={rank} is outside the ring of world_size={world_size} (0..{world_size - 1})")
 
 
-def positions(*, layout: str, rank: int, world_size: int, seq_len: int) -> torch.Tensor:
-    """Global token positions held by `rank`, in local order (int64, increasing)."""
+def _doc_chunks(cu_seqlens, world_size: int, seq_len: int) -> list[tuple[int, int]]:
+    """zigzag_docs: (start, length) of each document and of the padding tail, every length
+    divisible by 2 x world_size (a ValueError naming the document and the fix otherwise)."""
+    if cu_seqlens is None:
+        raise ValueError("layout='zigzag_docs' balances each document of a packed sequence: pass its "
+                         "cu_seqlens (global document boundaries)")
+    cu = check_cu_seqlens(cu_seqlens, seq_len)
+    pieces = [(cu[i], cu[i + 1] - cu[i]) for i in range(len(cu) - 1)] + [(cu[-1], seq_len - cu[-1])]
+    chunks = 2 * world_size
+    for i, (start, length) in enumerate(pieces):
+        if length % chunks:
+            what = (f"document {i} (tokens {start}..{start + length - 1})" if i < len(pieces) - 1
+                    else f"the padding tail (tokens {start}..{seq_len - 1})")
+            nearest = max(chunks, (length + chunks // 2) // chunks * chunks)
+            raise ValueError(
+                f"{what} has length {length}, not divisible by 2 x world_size={chunks} as the zigzag_docs "
+                f"layout needs (each document is cut into {chunks} equal chunks); pad it to a multiple of "
+                f"{chunks} (nearest valid length: {nearest})")
+    return pieces
+
+
+def positions(*, layout: str, rank: int, world_size: int, seq_len: int, cu_seqlens=None) -> torch.Tensor:
+    """Global token positions held by `rank`, in local order (int64, increasing). The
+    zigzag_docs layout needs the packed sequence's `cu_seqlens`; the others ignore it."""
     ring = _ring(layout, world_size)
     n = ring.check_seq_len(seq_len)
     _check_rank(rank, world_size)
@@ -79,11 +113,20 @@ def positions(*, layout: str, rank: int, world_size: int, seq_len: int) -> torch
             torch.arange(rank * half, (rank + 1) * half),
             torch.arange((2 * world_size - 1 - rank) * half, (2 * world_size - rank) * half),
         ])
+    if layout in DOC_LAYOUTS:  # every document (and the padding tail) dealt out like zigzag
+        parts = []
+        for start, length in _doc_chunks(cu_seqlens, world_size, seq_len):
+            c = length // (2 * world_size)
+            parts += [torch.arange(start + rank * c, start + (rank + 1) * c),
+                      torch.arange(start + (2 * world_size - 1 - rank) * c, start + (2 * world_size - rank) * c)]
+        return torch.cat(parts)
     return torch.arange(rank, seq_len, world_size)
 
 
-def shard(x: torch.Tensor, *, layout: str, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of `x` along `dim` (differentiable; a copy except for contiguous)."""
+def shard(x: torch.Tensor, *, layout: str, rank: int, world_size: int, dim: int = 1,
+          cu_seqlens=None) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (differentiable; a copy except for contiguous).
+    `cu_seqlens` (the packed sequence's document boundaries) is needed by zigzag_docs."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"shard expects a torch.Tensor, got {type(x).__name__}")
     dim = dim % x.dim()
@@ -99,10 +142,11 @@ def shard(x: torch.Tensor, *, layout: str, rank: int, world_size: int, dim: int 
             x.narrow(dim, rank * half, half),
             x.narrow(dim, (2 * world_size - 1 - rank) * half, half),
         ], dim=dim)
-    return x.index_select(dim, positions(layout=layout, rank=rank, world_size=world_size, seq_len=seq_len).to(x.device))
+    pos = positions(layout=layout, rank=rank, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens)
+    return x.index_select(dim, pos.to(x.device))
 
 
-def unshard(shards, *, layout: str, dim: int = 1) -> torch.Tensor:
+def unshard(shards, *, layout: str, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
     """Inverse of `shard`: the whole tensor from the list of every rank's shard, rank order."""
     shards = list(shards)
     if not shards:
@@ -120,16 +164,29 @@ def unshard(shards, *, layout: str, dim: int = 1) -> torch.Tensor:
         firsts = [s.narrow(dim, 0, n // 2) for s in shards]
         seconds = [s.narrow(dim, n // 2, n // 2) for s in reversed(shards)]
         return torch.cat(firsts + seconds, dim=dim)
+    if layout in DOC_LAYOUTS:
+        p = len(shards)
+        where = torch.cat([positions(layout=layout, rank=r, world_size=p, seq_len=n * p, cu_seqlens=cu_seqlens)
+                           for r in range(p)])
+        return torch.cat(shards, dim=dim).index_select(dim, torch.argsort(where).to(shards[0].device))
     stacked = torch.stack(shards, dim=dim + 1)  # (..., n, P, ...): token a*P + r
     return stacked.flatten(dim, dim + 1)
 
 
 def block_plan(*, layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
-               causal: bool) -> tuple[Block, ...]:
-    """The blocks that `q_rank`'s queries compute against `kv_rank`'s keys (empty: none)."""
+               causal: bool, cu_seqlens=None, window=(-1, -1)) -> tuple[Block, ...]:
+    """The blocks that `q_rank`'s queries compute against `kv_rank`'s keys (empty: none).
+
+    With packed documents (`cu_seqlens`, global boundaries), a sliding `window` or the
+    zigzag_docs layout the plan is cut along documents and window bands (see `masks`):
+    a pair with no visible (query, key) is no block, a fully visible one a "full" block."""
     _check_rank(q_rank, world_size)
     _check_rank(kv_rank, world_size)
     _ring(layout, world_size)
+    window = check_window(window)
+    if cu_seqlens is not None or window != (-1, -1) or layout in DOC_LAYOUTS:
+        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, local_len * world_size)
+        return variant_plan(layout, q_rank, kv_rank, world_size, local_len, causal, cu, window)
     every = slice(0, local_len)
     if not causal:
         return (Block(every, every, "full"),)
@@ -150,13 +207,95 @@ def block_plan(*, layout: str, q_rank: int, kv_rank: int, world_size: int, local
     return (Block(every, every, "causal", 0 if kv_rank <= q_rank else -1),)
 
 
-def work_counts(*, layout: str, world_size: int, seq_len: int, causal: bool) -> list[int]:
-    """Unmasked score entries each rank computes over the whole ring (index = rank)."""
+def work_counts(*, layout: str, world_size: int, seq_len: int, causal: bool, cu_seqlens=None,
+                window=(-1, -1)) -> list[int]:
+    """Visible score entries each rank computes over the whole ring (index = rank)."""
     n = _ring(layout, world_size).check_seq_len(seq_len)
     return [
         sum(block.unmasked(n)
             for kv_rank in range(world_size)
-            for block in block_plan(layout=layout, q_rank=q_rank, kv_rank=kv_rank,
-                                    world_size=world_size, local_len=n, causal=causal))
+            for block in block_plan(layout=layout, q_rank=q_rank, kv_rank=kv_rank, world_size=world_size,
+                                    local_len=n, causal=causal, cu_seqlens=cu_seqlens, window=window))
         for q_rank in range(world_size)
     ]
+
+
+# ------------------------------------------------- documents and windows: the variant plan
+#
+# A rank's tokens fall into *segments*: runs of local rows in one document whose global
+# positions step by a constant stride S (1, or P for striped). Between a query segment
+# (global positions a + S i) and a key segment of the same document (b + S j), causal and
+# window constraints are all bounds on t = j - i:
+#   key <= query + R   <=>  t <= floor((a - b + R) / S)      (R = 0 for causal, right window)
+#   key >= query - L   <=>  t >= ceil((a - b - L) / S)       (left window)
+# so each pair is one rectangle with a band mask, trimmed to the rows and columns that see
+# anything, and cut into row tiles when the band is narrow (a window of w costs O(N w)).
+
+BAND_TILE = 64  # rows per tile of a narrow band (at least the band's width)
+
+
+def _segments(pos: list[int], stride: int, cu: tuple[int, ...] | None) -> list[tuple[int, int, int, int]]:
+    """(first local row, end local row, first global position, document) of each segment;
+    padding (past the last document) belongs to none."""
+    doc_of = (lambda p: 0) if cu is None else (lambda p: bisect_right(cu, p) - 1 if p < cu[-1] else -1)
+    segments: list[tuple[int, int, int, int]] = []
+    start = 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] - pos[i - 1] != stride or doc_of(pos[i]) != doc_of(pos[start]):
+            doc = doc_of(pos[start])
+            if doc >= 0:
+                segments.append((start, i, pos[start], doc))
+            start = i
+    return segments
+
+
+def _band_blocks(q0: int, nq: int, k0: int, nk: int, upper: int | None, lower: int | None) -> list[Block]:
+    """The blocks of the rectangle rows [q0, q0+nq) x keys [k0, k0+nk) where query i sees key j
+    iff lower <= j - i <= upper (None: unbounded), trimmed, classified and tiled."""
+    if (nq <= 0 or nk <= 0 or upper is not None and upper < -(nq - 1) or lower is not None and lower > nk - 1
+            or upper is not None and lower is not None and lower > upper):
+        return []
+    up = nk - 1 if upper is None else min(upper, nk - 1)
+    lo = -(nq - 1) if lower is None else max(lower, -(nq - 1))
+    i0, i1 = max(0, -up), min(nq, nk - lo)      # rows that see some key
+    j0, j1 = max(0, lo), min(nk, nq + up)       # keys seen by some row
+    nq, nk = i1 - i0, j1 - j0
+    if nq <= 0 or nk <= 0:
+        return []
+    up, lo = up - j0 + i0, lo - j0 + i0
+    rows, keys = slice(q0 + i0, q0 + i1), slice(k0 + j0, k0 + j1)
+    whole_up, whole_lo = up >= nk - 1, lo <= -(nq - 1)
+    if whole_up and whole_lo:
+        return [Block(rows, keys, "full")]
+    if whole_lo:
+        return [Block(rows, keys, "causal", up)]
+    width = up - lo + 1
+    tile = max(BAND_TILE, width)
+    if nq <= 2 * tile or whole_up:
+        return [Block(rows, keys, "band", nk if whole_up else up, lo)]
+    blocks: list[Block] = []
+    for r in range(0, nq, tile):  # each row tile against the keys its band reaches
+        m = min(tile, nq - r)
+        c0, c1 = max(0, r + lo), min(nk, r + m + up)
+        blocks += _band_blocks(q0 + i0 + r, m, k0 + j0 + c0, c1 - c0, up - c0 + r, lo - c0 + r)
+    return blocks
+
+
+@lru_cache(maxsize=4096)
+def variant_plan(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int, causal: bool,
+                 cu: tuple[int, ...] | None, window: tuple[int, int]) -> tuple[Block, ...]:
+    """`block_plan` with documents and/or a window (arguments validated by it)."""
+    seq_len = local_len * world_size
+    stride = world_size if layout == "striped" else 1
+    qpos = positions(layout=layout, rank=q_rank, world_size=world_size, seq_len=seq_len, cu_seqlens=cu).tolist()
+    kpos = positions(layout=layout, rank=kv_rank, world_size=world_size, seq_len=seq_len, cu_seqlens=cu).tolist()
+    left, right = window
+    blocks: list[Block] = []
+    for qa, qb, qg, qdoc in _segments(qpos, stride, cu):
+        for ka, kb, kg, kdoc in _segments(kpos, stride, cu):
+            if qdoc != kdoc:
+                continue
+            uppers = [(qg - kg + r) // stride for r in ((0,) if causal else ()) + ((right,) if right >= 0 else ())]
+            lowers = [-((kg - qg + left) // stride)] if left >= 0 else []  # ceil((qg - kg - left) / S)
+            blocks += _band_blocks(qa, qb - qa, ka, kb - ka, min(uppers, default=None), max(lowers, default=None))
+    return tuple(blocks)

@@ -27,7 +27,7 @@ import torch
 
 from ..spec import RingSpec
 from .backends import BlockBackend, row_delta
-from .layouts import block_plan
+from .layouts import block_plan, positions
 from .merge import finish, merge_into, start_state
 
 ACCUMULATIONS = ("float32", "input")
@@ -101,6 +101,11 @@ class RingConfig:
     # partial output in bf16 do. For drift studies only.
     accumulate: str = "float32"
     parts: RingParts = field(default=REAL_PARTS, compare=False)
+    # attention variants (validated by the entry points): global document boundaries of the
+    # packed sequence, a sliding window (left, right) (-1: unbounded), a logit softcap
+    cu_seqlens: tuple[int, ...] | None = None
+    window: tuple[int, int] = (-1, -1)
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         RingSpec(self.world_size, self.layout)
@@ -129,15 +134,44 @@ class RankShard:
 
 
 def _plan(config: RingConfig, shard: RankShard, src: int, local_len: int):
-    return config.parts.plan(layout=config.layout, q_rank=shard.rank, kv_rank=src,
-                      world_size=config.world_size, local_len=local_len, causal=config.causal)
+    return config.parts.plan(layout=config.layout, q_rank=shard.rank, kv_rank=src, world_size=config.world_size,
+                             local_len=local_len, causal=config.causal, cu_seqlens=config.cu_seqlens,
+                             window=config.window)
+
+
+def _kernel_args(config: RingConfig, block) -> dict:
+    """The backend keywords of one block; `lower` and `softcap` only where they apply, so a
+    backend written for plain attention still takes plain blocks."""
+    args = {"scale": config.scale, "mask": block.mask, "diagonal": block.diagonal}
+    if block.mask == "band":
+        args["lower"] = block.lower
+    if config.softcap is not None:
+        args["softcap"] = config.softcap
+    return args
+
+
+def sink_rows(config: RingConfig, shard: RankShard, sinks: torch.Tensor | None, batch: int,
+              local_len: int) -> torch.Tensor | None:
+    """Each of this rank's rows' sink logit (batch, heads, local_len) float32: sinks[h], and
+    -inf on padding rows (past the last document), which get no sink. None without sinks."""
+    if sinks is None:
+        return None
+    rows = sinks.detach().float().view(1, -1, 1).expand(batch, -1, local_len)
+    if config.cu_seqlens is None:
+        return rows.contiguous()
+    pos = positions(layout=config.layout, rank=shard.rank, world_size=config.world_size,
+                    seq_len=local_len * config.world_size, cu_seqlens=config.cu_seqlens).to(sinks.device)
+    return rows.masked_fill((pos >= config.cu_seqlens[-1]).view(1, 1, -1), float("-inf"))
 
 
 def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, backend: BlockBackend, observer: StepObserver | None = None) -> RankLoop:
-    """One rank's forward; returns (out in q's dtype, lse float32, out float32)."""
-    b, n, h, d = q.shape
-    acc, m, l = start_state(b, n, h, d, device=q.device)
+                 v: torch.Tensor, backend: BlockBackend, observer: StepObserver | None = None,
+                 sinks: torch.Tensor | None = None) -> RankLoop:
+    """One rank's forward; returns (out in q's dtype, lse float32, out float32). `sinks`
+    (heads,) join every row's softmax once, in the final normalisation (`merge.finish`)."""
+    b, n, h, _ = q.shape
+    acc, m, l = start_state(b, n, h, v.shape[-1], device=q.device)
+    sink = sink_rows(config, shard, sinks, b, n)
     kv = (k, v)
     for step in range(config.world_size):
         last = step == config.world_size - 1
@@ -145,8 +179,7 @@ def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch
             yield Post("kv", kv)  # in flight while this step computes
         for block in _plan(config, shard, shard.source(step), n):
             block_out, block_lse = backend.forward(
-                q[:, block.q], kv[0][:, block.kv], kv[1][:, block.kv],
-                scale=config.scale, mask=block.mask, diagonal=block.diagonal)
+                q[:, block.q], kv[0][:, block.kv], kv[1][:, block.kv], **_kernel_args(config, block))
             rows = block.q
             a, mm, ll = config.parts.merge(acc[:, rows], m[:, :, rows], l[:, :, rows], block_out, block_lse)
             if config.accumulate == "input":  # the partial output takes a trip through q's dtype
@@ -154,20 +187,25 @@ def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch
                 a = out_rows.to(q.dtype).float() * ll.transpose(1, 2).unsqueeze(-1)
             acc[:, rows], m[:, :, rows], l[:, :, rows] = a, mm, ll
         if observer is not None:
-            observer(shard.rank, step, shard.source(step), *finish(acc, m, l))
+            observer(shard.rank, step, shard.source(step), *finish(acc, m, l, sink))
         if not last:
             kv = yield Wait("kv")
-    out, lse = finish(acc, m, l)
+    out, lse = finish(acc, m, l, sink)
     return out.to(q.dtype), lse, out
 
 
 def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                  dlse: torch.Tensor | None, backend: BlockBackend) -> RankLoop:
-    """One rank's backward; returns (dq, dk, dv) in the input dtype.
+                  dlse: torch.Tensor | None, backend: BlockBackend,
+                  sinks: torch.Tensor | None = None) -> RankLoop:
+    """One rank's backward; returns (dq, dk, dv) in the input dtype, and dsinks (heads,)
+    float32 of the whole ring (None without sinks).
 
-    `out` and `lse` are this rank's merged float32 results. A gradient flowing into lse
-    enters as dS = P (dP - delta + dlse), so it folds into delta.
+    `out` and `lse` are this rank's merged float32 results (lse includes the sink). A
+    gradient flowing into lse enters as dS = P (dP - delta + dlse), so it folds into delta;
+    the sink is a column with no value, so its dS is -exp(sink - lse) delta, summed over the
+    rows of every rank (their partials travel the ring once and are added in rank order, the
+    same sum on every rank and in the simulated ring).
     """
     n = q.shape[1]
     delta = row_delta(out, dout)
@@ -187,8 +225,7 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
         for block in _plan(config, shard, src, n):
             dq_b, dk_b, dv_b = backend.backward(
                 q[:, block.q], kv[0][:, block.kv], kv[1][:, block.kv], dout[:, block.q],
-                lse[:, :, block.q].contiguous(), delta[:, :, block.q].contiguous(),
-                scale=config.scale, mask=block.mask, diagonal=block.diagonal)
+                lse[:, :, block.q].contiguous(), delta[:, :, block.q].contiguous(), **_kernel_args(config, block))
             dq[:, block.q] += dq_b
             contributions.append((block.kv, dk_b, dv_b))
         if step > 0:
@@ -213,4 +250,27 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
         raise RuntimeError(
             f"gradients for rank {shard.rank} did not return home: after {config.world_size} "
             f"steps it holds the dK/dV of rank {int(tag)}")
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    dsinks = None
+    sink = sink_rows(config, shard, sinks, q.shape[0], n)
+    if sink is not None:
+        weight = torch.exp(sink - lse.masked_fill(torch.isneginf(lse), 0.0)).masked_fill(torch.isneginf(sink), 0.0)
+        dsinks = yield from _sum_over_ring(config, shard, -(weight * delta).sum((0, 2)))
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), dsinks
+
+
+def _sum_over_ring(config: RingConfig, shard: RankShard, mine: torch.Tensor) -> RankLoop:
+    """The sum over every rank of a small per-rank tensor, added in rank order: each partial
+    travels P - 1 hops on the "sum" channel with its origin."""
+    partials = {shard.rank: mine}
+    payload = (mine, torch.tensor([shard.rank], dtype=torch.int64, device=mine.device))
+    for _ in range(config.world_size - 1):
+        yield Post("sum", payload)
+        payload = yield Wait("sum")
+        partials[int(payload[1])] = payload[0]
+    if sorted(partials) != list(range(config.world_size)):
+        raise RuntimeError(f"rank {shard.rank}: the ring sum received the partials of ranks {sorted(partials)}, "
+                           f"expected every rank 0..{config.world_size - 1}")
+    total = torch.zeros_like(mine)
+    for r in range(config.world_size):
+        total = total + partials[r]
+    return total

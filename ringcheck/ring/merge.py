@@ -56,8 +56,19 @@ def start_state(batch: int, seq: int, heads: int, head_dim: int, *,
     return acc, m, torch.zeros_like(m)
 
 
-def finish(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of a running state; empty rows give out 0 and lse -inf."""
+def finish(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+           sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a running state; empty rows give out 0 and lse -inf.
+
+    `sink` (batch, heads, seq) float32: a logit with no value that joins each row's softmax
+    denominator here, once (-inf: none, as on padding rows). A row with no visible key but a
+    sink has out 0 and lse = the sink."""
+    if sink is not None:
+        _check(sink=sink)
+        new_m = torch.maximum(m, sink)
+        safe = new_m.masked_fill(torch.isneginf(new_m), 0.0)
+        keep = torch.exp(m - safe)
+        acc, m, l = acc * _rows(keep), new_m, l * keep + torch.exp(sink - safe)
     empty = l == 0
     out = acc / _rows(l.masked_fill(empty, 1.0))
     lse = (m + torch.log(l.masked_fill(empty, 1.0))).masked_fill(empty, float("-inf"))

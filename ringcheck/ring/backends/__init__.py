@@ -2,17 +2,21 @@
 
 The contract every backend keeps (the ring calls nothing else):
 
-``forward(q, k, v, *, scale, mask, diagonal) -> (out, lse)``
-    q is (batch, sq, heads, head_dim), k and v are (batch, sk, kv_heads, head_dim) in any
-    supported dtype; heads is a multiple of kv_heads (query head h uses K/V head
-    h // (heads // kv_heads)). Returns out (batch, sq, heads, head_dim) and lse
-    (batch, heads, sq), both float32. ``mask`` is ``"full"`` or ``"causal"`` (key j visible
-    to query i iff j <= i + diagonal); a row with no visible key has out 0 and lse -inf.
+``forward(q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None) -> (out, lse)``
+    q is (batch, sq, heads, head_dim), k (batch, sk, kv_heads, head_dim) and v (batch, sk,
+    kv_heads, v_head_dim) in any supported dtype (the value head dim may differ: MLA); heads
+    is a multiple of kv_heads (query head h uses K/V head h // (heads // kv_heads)). Returns
+    out (batch, sq, heads, v_head_dim) and lse (batch, heads, sq), both float32. ``mask`` is
+    ``"full"``, ``"causal"`` (key j visible to query i iff j - i <= diagonal) or ``"band"``
+    (iff lower <= j - i <= diagonal: sliding windows); a row with no visible key has out 0 and
+    lse -inf. The score is s = scale q.k, or with ``softcap`` (a float > 0)
+    s = softcap * tanh(scale q.k / softcap), capped before masking.
 
-``backward(q, k, v, dout, lse, delta, *, scale, mask, diagonal) -> (dq, dk, dv)``
+``backward(q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None) -> (dq, dk, dv)``
     lse is the *merged* lse of the whole ring (batch, heads, sq) and delta the merged row
     statistic rowsum(dout * out) (batch, heads, sq), both float32; the block's probabilities
-    are exp(scale q k^T - lse). Returns float32 gradients: dq like q, dk and dv like k.
+    are exp(s - lse). dS = P (dP - delta), times tanh' = 1 - tanh^2(scale q.k / softcap) under
+    a softcap. Returns float32 gradients: dq like q, dk like k, dv like v.
 
 Backends never import the references and never fall back silently to one another.
 """
@@ -30,11 +34,13 @@ class BlockBackend(Protocol):
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                mask: str, diagonal: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+                mask: str, diagonal: int = 0, lower: int = 0,
+                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                  lse: torch.Tensor, delta: torch.Tensor, *, scale: float, mask: str,
-                 diagonal: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+                 diagonal: int = 0, lower: int = 0,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 BACKENDS = ("torch", "torch_plain", "triton", "flash_attn")

@@ -9,8 +9,10 @@
   out and lse exactly as the ring's backward needs), on inputs upcast to float32 so that no
   block output is rounded to a low dtype before the merge. Used on CPU tensors for the full
   mask and the square causal diagonal (the striped layout's strict diagonal -1 too, as the
-  ordinary causal mask on slices shifted by one); anything else takes the plain path. GQA expands K/V
-  to the query heads there (the kernel wants equal head counts) and sums dK/dV back.
+  ordinary causal mask on slices shifted by one); anything else (band masks, a softcap) takes the plain path.
+  GQA expands K/V to the query heads there (the kernel wants equal head counts) and sums dK/dV back;
+  a value head dim other than the query/key one is zero-padded to the larger (zeros change no score
+  and no output column).
 """
 
 from __future__ import annotations
@@ -37,15 +39,22 @@ def _ungroup(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, s, kvh * g, d)
 
 
-def _scores(qg: torch.Tensor, kg: torch.Tensor, scale: float, mask: str, diagonal: int) -> torch.Tensor:
+def _scores(qg: torch.Tensor, kg: torch.Tensor, scale: float, mask: str, diagonal: int, lower: int = 0,
+            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Capped and masked scores, and tanh of the uncapped ones (None without a softcap)."""
+    check_mask(mask, diagonal, lower)
     s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
-    if mask == "causal":
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    if mask != "full":
         sq, sk = s.shape[-2:]
         visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(diagonal)
+        if mask == "band":
+            visible &= torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(lower)
         s = s.masked_fill(~visible, float("-inf"))
-    else:
-        check_mask(mask, diagonal)
-    return s
+    return s, t
 
 
 def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -58,6 +67,11 @@ def _flash_ok(q: torch.Tensor, k: torch.Tensor, mask: str, diagonal: int) -> boo
     if q.device.type != "cpu" or q.shape[1] == 0 or k.shape[1] == 0:
         return False
     return mask == "full" or (mask == "causal" and diagonal == 0 and q.shape[1] == k.shape[1])
+
+
+def _pad_dim(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the last dim of x to `size`."""
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
 
 
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -88,20 +102,27 @@ class TorchBackend:
         return (self.fast and mask == "causal" and diagonal == -1 and q.shape[1] == k.shape[1] >= 2
                 and q.device.type == "cpu")
 
-    def forward(self, q, k, v, *, scale, mask, diagonal=0):
+    def forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        if softcap is not None or mask == "band":
+            return self._plain_forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal, lower=lower,
+                                       softcap=softcap)
         if self._strict(q, k, mask, diagonal):
             out, lse = self.forward(q[:, 1:], k[:, :-1], v[:, :-1], scale=scale, mask="causal", diagonal=0)
             b, _, h, d = out.shape
             return (torch.cat([out.new_zeros(b, 1, h, d), out], dim=1),
                     torch.cat([lse.new_full((b, h, 1), float("-inf")), lse], dim=2))
         if self.fast and _flash_ok(q, k, mask, diagonal):
-            h = q.shape[2]
-            out, lse = _FLASH_FWD(q.float().transpose(1, 2), _heads_first(k, h), _heads_first(v, h),
-                                  0.0, mask == "causal", scale=scale)
-            return out.transpose(1, 2), lse
+            h, d, dv = q.shape[2], q.shape[3], v.shape[3]
+            width = max(d, dv)
+            out, lse = _FLASH_FWD(_pad_dim(q.float(), width).transpose(1, 2), _pad_dim(_heads_first(k, h), width),
+                                  _pad_dim(_heads_first(v, h), width), 0.0, mask == "causal", scale=scale)
+            return out.transpose(1, 2)[..., :dv], lse
         return self._plain_forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal)
 
-    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
+    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        if softcap is not None or mask == "band":
+            return self._plain_backward(q, k, v, dout, lse, delta, scale=scale, mask=mask, diagonal=diagonal,
+                                        lower=lower, softcap=softcap)
         if self._strict(q, k, mask, diagonal):
             dq, dk, dv = self.backward(q[:, 1:], k[:, :-1], v[:, :-1], dout[:, 1:], lse[:, :, 1:].contiguous(),
                                        delta[:, :, 1:].contiguous(), scale=scale, mask="causal", diagonal=0)
@@ -112,13 +133,15 @@ class TorchBackend:
             # the kernel derives delta = rowsum(dout * out) itself from the out it is given; an
             # out whose rowsum with dout is `delta` is out* = delta / |dout|^2 dout (any out with
             # that rowsum gives the same gradients), built here so the merged statistic is used
-            h, kvh = q.shape[2], k.shape[2]
-            do = dout.float().transpose(1, 2).contiguous()
+            h, kvh, d, d_v = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+            width = max(d, d_v)
+            do = _pad_dim(dout.float(), width).transpose(1, 2).contiguous()
             norm = (do * do).sum(-1, keepdim=True)
             out = torch.where(norm > 0, do * (delta.unsqueeze(-1) / norm.clamp_min(1e-30)), do)
-            dq, dk, dv = _FLASH_BWD(do, q.float().transpose(1, 2), _heads_first(k, h), _heads_first(v, h),
+            dq, dk, dv = _FLASH_BWD(do, _pad_dim(q.float(), width).transpose(1, 2),
+                                    _pad_dim(_heads_first(k, h), width), _pad_dim(_heads_first(v, h), width),
                                     out, lse.contiguous(), 0.0, mask == "causal", scale=scale)
-            return dq.transpose(1, 2), _group_sum(dk, kvh), _group_sum(dv, kvh)
+            return (dq.transpose(1, 2)[..., :d], _group_sum(dk, kvh)[..., :d], _group_sum(dv, kvh)[..., :d_v])
         return self._plain_backward(q, k, v, dout, lse, delta, scale=scale, mask=mask, diagonal=diagonal)
 
     @staticmethod
@@ -128,22 +151,25 @@ class TorchBackend:
         zero = (dout == 0).all(-1).transpose(1, 2)  # (b, h, s)
         return bool((zero & (delta != 0)).any())
 
-    def _plain_forward(self, q, k, v, *, scale, mask, diagonal=0):
+    def _plain_forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
         kvh = k.shape[2]
-        s = _scores(_grouped(q, kvh), _kv(k), scale, mask, diagonal)   # (b, kvh, g, sq, sk)
-        lse = torch.logsumexp(s, dim=-1)                                  # (b, kvh, g, sq)
+        s, _ = _scores(_grouped(q, kvh), _kv(k), scale, mask, diagonal, lower, softcap)  # (b, kvh, g, sq, sk)
+        lse = torch.logsumexp(s, dim=-1)                                                  # (b, kvh, g, sq)
         out = torch.matmul(_probabilities(s, lse), _kv(v))
         b, _, _, sq = lse.shape
         return _ungroup(out), lse.reshape(b, -1, sq)
 
-    def _plain_backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
+    def _plain_backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None):
         kvh = k.shape[2]
         qg, kg, vg, dog = _grouped(q, kvh), _kv(k), _kv(v), _grouped(dout, kvh)
         b, h, sq = lse.shape
-        p = _probabilities(_scores(qg, kg, scale, mask, diagonal), lse.view(b, kvh, h // kvh, sq))
-        dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)               # (b, kvh, sk, d)
+        s, t = _scores(qg, kg, scale, mask, diagonal, lower, softcap)
+        p = _probabilities(s, lse.view(b, kvh, h // kvh, sq))
+        dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)               # (b, kvh, sk, d_v)
         dp = torch.matmul(dog, vg.transpose(-1, -2))
         ds = p * (dp - delta.view(b, kvh, h // kvh, sq).unsqueeze(-1))
+        if t is not None:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds = ds * (1 - t * t)
         dq = torch.matmul(ds, kg) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
         return _ungroup(dq), dk.transpose(1, 2), dv.transpose(1, 2)
