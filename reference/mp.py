@@ -30,6 +30,10 @@ How
     - Row sampling: with ``rows``, only those query rows are computed, streaming over key
       tiles (two passes: the exact row maximum, then exps and sums), so memory is
       O(rows x tile + N d).
+    - Variants (`reference.mp_variants`): packed documents and windows only change which keys
+      a row sees; a sink is one more exact logit per row (and dsinks one more certified
+      tensor); a softcap's tanh is evaluated at each of the two precisions, so agreement
+      certifies it like the exps.
 
 Precision is never set globally: libmp functions receive it explicitly, so ``mpmath.mp``
 is left as it was. Results are cached on disk (`reference.cache`).
@@ -60,14 +64,15 @@ from ringcheck.spec import (
 )
 
 from .cache import ResultCache, cache_key
-from .mp_exact import _NEG_INF, _result_bits
+from .mp_exact import _NEG_INF, _mpf_array, _result_bits
 from .mp_group import DEFAULT_TILING, Tiling, _group, _Inputs
+from .mp_variants import check_variants, exact_sum, log2_sum
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # payloads gained an optional "dsinks" tensor: old entries still read the same
 DEFAULT_DIGITS = 30
 MAX_BITS = 4096  # automatic escalation stops here
 _LOG10_2 = math.log10(2.0)
-_TENSORS = ("out", "lse", "dq", "dk", "dv")
+_TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 
 class UncertifiedError(RuntimeError):
@@ -83,10 +88,11 @@ class UncertifiedError(RuntimeError):
 class MPResult:
     """float64 tensors rounded from the high-precision values.
 
-    Without ``rows``: out (batch, seq, heads, head_dim), lse (batch, heads, seq), and with
-    dout dq like q, dk and dv like k. With ``rows`` (n indices): out and dq are
-    (batch, n, heads, head_dim), lse is (batch, heads, n), dk and dv are None.
-    `certified_digits` is the minimum over `digits_by_tensor`; `precision` the bits used.
+    Without ``rows``: out (batch, seq, heads, v_head_dim), lse (batch, heads, seq), and with
+    dout dq like q, dk like k and dv like v. With ``rows`` (n indices): out and dq are
+    (batch, n, heads, ...), lse is (batch, heads, n), dk and dv are None. dsinks (heads,)
+    with sinks and dout (with ``rows``: the gradient when dout is 0 on every other row), else
+    None. `certified_digits` is the minimum over `digits_by_tensor`; `precision` the bits used.
     """
 
     out: torch.Tensor
@@ -99,20 +105,32 @@ class MPResult:
     digits_by_tensor: dict[str, float] = field(default_factory=dict)
     precision: tuple[int, int] = (0, 0)
     from_cache: bool = False
+    dsinks: torch.Tensor | None = None
 
 
 def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None = None,
                  *, causal: bool = False, softmax_scale: float | None = None,
                  rows: Iterable[int] | torch.Tensor | None = None, digits: float = DEFAULT_DIGITS,
                  precision: tuple[int, int] | None = None, cache: bool = True,
-                 cache_dir: str | Path | None = None, tiling: Tiling = DEFAULT_TILING) -> MPResult:
+                 cache_dir: str | Path | None = None, tiling: Tiling = DEFAULT_TILING,
+                 cu_seqlens=None, window: tuple[int, int] | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> MPResult:
     """Certified high-precision attention on whole tensors.
 
-    q (batch, seq_q, heads, head_dim); k, v (batch, seq_k, kv_heads, head_dim) with heads a
-    multiple of kv_heads (query head h uses K/V head h // (heads // kv_heads)); dout like q.
-    Causal: key j is visible to query i iff j <= i + seq_k - seq_q (as `dense_attention`);
-    a row with no visible key has out 0, lse -inf and zero gradients. softmax_scale defaults
-    to the float64 value 1 / sqrt(head_dim), the one every implementation uses.
+    q (batch, seq_q, heads, head_dim); k (batch, seq_k, kv_heads, head_dim), v (batch,
+    seq_k, kv_heads, v_head_dim) with heads a multiple of kv_heads (query head h uses K/V head
+    h // (heads // kv_heads)); dout like the output, q's shape with v's head dim. Query i is
+    at global position i + seq_k - seq_q (with ``rows`` too: row r is query r). Causal: key
+    j is visible to it iff j <= that (as `dense_attention`); a row with no visible key has
+    out 0, lse -inf and zero gradients. softmax_scale defaults to the float64 value
+    1 / sqrt(head_dim), the one every implementation uses.
+
+    Variants, as `dense_grads` (the ring's semantics, `ringcheck.spec`'s rules): `cu_seqlens`
+    global document boundaries (tokens from its last entry on are padding: out 0, lse -inf,
+    zero gradients, no sink), `window` (left, right) on global positions (-1 unbounded),
+    `softcap` (logits softcap tanh(scale q.k / softcap)), `sinks` (heads,) logits that join
+    each non-padding row's softmax denominator with no value (lse includes them; a row with
+    no visible key has lse = its sink; -inf means no sink); with dout, `MPResult.dsinks`.
 
     `digits`: decimal digits the result must be certified to (0 serves whatever agrees).
     `precision`: (lo, hi) working bits; None picks lo = digits * log2(10) + 32, hi = 2 lo and
@@ -123,6 +141,7 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     """
     tensors = _validate(q, k, v, dout, causal)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    variants = check_variants(q, k, cu_seqlens, window, softcap, sinks)
     sel = _rows(rows, q.shape[1])
     if isinstance(digits, bool) or not isinstance(digits, (int, float)) or not 0 <= digits < math.inf:
         raise ValueError(f"digits must be a finite number >= 0, got {digits!r}")
@@ -136,6 +155,7 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
                   "precision": None if precision is None else list(precision)}
         if tiling != DEFAULT_TILING:  # dk and dv are rounded per tile
             params["tiling"] = [tiling.key_tile, tiling.tile, tiling.keep]
+        params.update(variants.params())  # nothing for plain attention: its keys are unchanged
         key = cache_key(tensors, params)
         hit = store.get(key)
         if hit is not None:
@@ -147,7 +167,8 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     failure = None
     for lo, hi in pairs:
         with _one_blas_thread():
-            payload = _compute(qd, kd, vd, dod, sel, q.shape[1], bool(causal), scale, (lo, hi), tiling)
+            payload = _compute(qd, kd, vd, dod, sel, q.shape[1], bool(causal), scale, (lo, hi), tiling,
+                               None if variants.plain else variants)
         if payload["certified_digits"] >= digits:
             if store is not None:
                 store.put(key, payload)
@@ -174,7 +195,7 @@ def _validate(q, k, v, dout, causal) -> list[torch.Tensor]:
     check_causal(causal)
     named = [("q", q), ("k", k), ("v", v)]
     if dout is not None:
-        check_dout(dout, q)
+        check_dout(dout, q, v)
         named.append(("dout", dout))
     for name, t in named:
         if not bool(torch.isfinite(t).all()):
@@ -229,34 +250,46 @@ def _fmt_digits(d: dict[str, float]) -> str:
 # whole tensors: groups, certification, float64
 
 
-def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision, tiling: Tiling) -> dict:
+def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision, tiling: Tiling, variants=None) -> dict:
     """Both precisions; the p_hi values rounded to float64; certified bits per tensor: the
     minimum over (batch, head) slices of min(agreement of lo with hi, a-priori bits of hi,
-    bits of the mpf values)."""
+    bits of the mpf values); dsinks per head, summed exactly over batch and rows."""
     lo, hi = precision
     b_, _, h_, d = qd.shape  # qd, dod: the selected rows only
-    nk, kvh = kd.shape[1], kd.shape[2]
+    nk, kvh, dv = kd.shape[1], kd.shape[2], vd.shape[3]
     grp = h_ // kvh
     full = sel is None
     sel = np.arange(nq) if full else sel
     ns = len(sel)
     key_grads = full and dod is not None
-    names = ["out", "lse"] + (["dq"] if dod is not None else []) + (["dk", "dv"] if key_grads else [])
-    shapes = {"out": (b_, ns, h_, d), "lse": (b_, h_, ns), "dq": (b_, ns, h_, d), "dk": (b_, nk, kvh, d),
-              "dv": (b_, nk, kvh, d)}
+    sink_grads = dod is not None and variants is not None and variants.sinks is not None
+    names = ["out", "lse"] + (["dq"] if dod is not None else []) + (["dk", "dv"] if key_grads else []) \
+        + (["dsinks"] if sink_grads else [])
+    shapes = {"out": (b_, ns, h_, dv), "lse": (b_, h_, ns), "dq": (b_, ns, h_, d), "dk": (b_, nk, kvh, d),
+              "dv": (b_, nk, kvh, dv), "dsinks": (h_,)}
     vals = {n: np.zeros(shapes[n]) for n in names}
     bits = {n: math.inf for n in names}
+    dsinks = {p: [libmp.fzero] * h_ for p in (lo, hi)}  # exact sums over batch and rows
+    dsinks_bound = [_NEG_INF] * h_
     for b in range(b_):
         for kh in range(kvh):
             heads = slice(kh * grp, (kh + 1) * grp)
             # rows: (head g, position), head-major
             qg = np.ascontiguousarray(qd[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, d))
             dog = None if dod is None else \
-                np.ascontiguousarray(dod[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, d))
-            inp = _Inputs(qg, kd[b, :, kh], vd[b, :, kh], dog, np.tile(sel, grp), causal, nk - nq, scale)
+                np.ascontiguousarray(dod[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, dv))
+            inp = _Inputs(qg, kd[b, :, kh], vd[b, :, kh], dog, np.tile(sel, grp), causal, nk - nq, scale,
+                          variants, None if variants is None else list(range(kh * grp, (kh + 1) * grp)))
             res = _group(inp, (lo, hi), key_grads=key_grads, tiling=tiling)
             (vhi, bhi), (vlo, _) = res[hi], res[lo]
+            for g in range(grp if sink_grads else 0):
+                rs, h = slice(g * ns, (g + 1) * ns), kh * grp + g
+                for p, v in ((hi, vhi), (lo, vlo)):
+                    dsinks[p][h] = exact_sum(dsinks[p][h], v["dsink"][rs].tolist())
+                dsinks_bound[h] = log2_sum(dsinks_bound[h], bhi["dsink"][rs])
             for name in names:
+                if name == "dsinks":
+                    continue
                 if name in ("dk", "dv"):
                     slices = [(slice(None), (b, slice(None), kh))]
                 else:
@@ -267,6 +300,11 @@ def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision, tiling: Tiling)
                     bound = bhi[name] if np.ndim(bhi[name]) == 0 else np.max(bhi[name][rs], initial=_NEG_INF)
                     bits[name] = min(bits[name], _certified_bits(vhi[name][rs], vlo[name][rs], float(bound)),
                                      _result_bits((lo, hi)) - 1)
+    if sink_grads:
+        top, low = _mpf_array(dsinks[hi], (h_,)), _mpf_array(dsinks[lo], (h_,))
+        vals["dsinks"] = _to_float(top)
+        bits["dsinks"] = min(min(_certified_bits(top[h:h + 1], low[h:h + 1], dsinks_bound[h]) for h in range(h_)),
+                             _result_bits((lo, hi)) - 1)
     digits = {n: bits[n] * _LOG10_2 for n in names}
     return {"tensors": {n: torch.from_numpy(vals[n]) for n in names},
             "rows": None if full else torch.from_numpy(sel.copy()),
@@ -313,4 +351,5 @@ def _result_from_payload(payload: dict, device, from_cache: bool = True) -> MPRe
     return MPResult(out=t["out"], lse=t["lse"], dq=t["dq"], dk=t["dk"], dv=t["dv"], rows=payload["rows"],
                     certified_digits=float(payload["certified_digits"]),
                     digits_by_tensor={k: float(v) for k, v in payload["digits_by_tensor"].items()},
-                    precision=tuple(int(b) for b in payload["precision"]), from_cache=from_cache)
+                    precision=tuple(int(b) for b in payload["precision"]), from_cache=from_cache,
+                    dsinks=t["dsinks"])

@@ -1,5 +1,6 @@
 """One K/V head group of `reference.mp`: rows (query head g, position) against all keys,
-streamed over key tiles, with the a-priori bounds of the fixed-point exponentials."""
+streamed over key tiles, with the a-priori bounds of the fixed-point exponentials. Masks,
+sinks and a softcap (`reference.mp_variants`) enter through `_Inputs.variants`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .mp_exact import (
     grid,
     imatmul,
 )
+from .mp_variants import RowLogits, Variants, row_sinks, sink_rows, visible
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ DEFAULT_TILING = Tiling()
 
 @dataclass
 class _Inputs:
-    """One (batch, K/V head) group in exact form. q, do: (R, d) rows; k, v: (Nk, d)."""
+    """One (batch, K/V head) group in exact form. q (R, d), do (R, dv) rows; k (Nk, d), v (Nk, dv).
+    `variants`: masks, softcap and sinks (None: plain); `heads`: the query head of each block
+    of R / len(heads) rows (for the sinks)."""
 
     q: np.ndarray
     k: np.ndarray
@@ -55,10 +59,15 @@ class _Inputs:
     do: np.ndarray | None
     pos: np.ndarray  # (R,) query position of each row
     causal: bool
-    offset: int  # key j visible to row r iff j <= pos[r] + offset
+    offset: int  # global position of row r: pos[r] + offset (causal: key j visible iff j <= it)
     scale: float
+    variants: Variants | None = None
+    heads: list[int] | None = None
 
     def __post_init__(self):
+        self.qpos = self.pos + self.offset
+        self.sink = row_sinks(self.variants, self.heads, self.qpos) if self.heads is not None else None
+        self.logits = self.variants is not None and self.variants.logits
         self.ms, self.es = _dyadic(self.scale)
         self.gq, self.gk, self.gv = grid(self.q), grid(self.k), grid(self.v)
         self.go = grid(self.do) if self.do is not None else None
@@ -74,8 +83,9 @@ class _Inputs:
 def _group(inp: _Inputs, precisions: tuple[int, ...], *, key_grads: bool, tiling: Tiling = DEFAULT_TILING):
     """Per precision p: ({name: object array of mpf}, {name: log2 of an a-priori error bound}).
 
-    out (R, d), lse (R,), dq (R, d) if do is given, dk, dv (Nk, d) if key_grads. Row bounds
-    are per row ((R,) arrays); key bounds are one number for the group.
+    out (R, dv), lse (R,), dq (R, d) if do is given, dsink (R,) (each row's term of dsinks)
+    if do and sinks are, dk (Nk, d), dv (Nk, dv) if key_grads. Row bounds are per row ((R,)
+    arrays); key bounds are one number for the group.
     """
     R, d = inp.q.shape
     nk = inp.k.shape[0]
@@ -102,7 +112,7 @@ def _group(inp: _Inputs, precisions: tuple[int, ...], *, key_grads: bool, tiling
         vals[p] = {name: np.concatenate(x) for name, x in vals[p].items()}
         bounds[p] = {name: np.concatenate(x) for name, x in bounds[p].items()}
         if key_grads:
-            vals[p].update(_finish_keys(inp, key_acc[p], nk, d))
+            vals[p].update(_finish_keys(inp, key_acc[p], nk))
             bounds[p].update(key_bound[p])
         out[p] = (vals[p], bounds[p])
     return out
@@ -113,15 +123,19 @@ class _RowBlock:
 
     Pass 1: the exact row maxima m of ms * S. Pass 2, all precisions at once (scores and
     G = dO v^T are exact, so shared): fixed-point E, L = sum E, num = E v, and for dq
-    A = (E * G) k and B = E k. `key_grads` is pass 3. Tiles are kept between passes when
+    A = (E * G) k and B = E k. With a softcap or sinks (`RowLogits`), E is taken relative to
+    the row's largest logit, the sink's term joins L, and a softcap's dq, dk use E2 = E (1 - t^2)
+    in place of E. `key_grads` is pass 3. Tiles are kept between passes when
     the block is small, else recomputed (same values: everything before E is exact).
     """
 
     def __init__(self, inp: _Inputs, rows: slice, kb: int, precisions, kt, keep: int):
         self.inp, self.precisions = inp, precisions
-        nk, d = inp.k.shape
+        nk = inp.k.shape[0]
+        dv = inp.v.shape[1]
         self.tiles = [(j0, min(nk, j0 + kb)) for j0 in range(0, nk, kb)]
         self.pos = inp.pos[rows]
+        self.qpos = inp.qpos[rows]
         self.ql = float_limbs(inp.q[rows], inp.gq)
         self.dol = float_limbs(inp.do[rows], inp.go) if inp.do is not None else None
         self.do_l1 = inp.do_l1[rows] if inp.do is not None else None
@@ -130,13 +144,25 @@ class _RowBlock:
         self.keep = n * nk <= keep
         self.cache: dict = {}
         self.m = np.full(n, _NEG_INF, dtype=object)
+        nvis = np.zeros(n, dtype=np.int64)
         for t in range(len(self.tiles)):
             s, vis = self._scores(t)
             masked = s if vis is None else np.where(vis, s, _NEG_INF)
             self.m = np.maximum(self.m, masked.max(axis=1))
-        self.empty = np.array([m == _NEG_INF for m in self.m.tolist()], dtype=bool)
+            if inp.logits:
+                nvis += s.shape[1] if vis is None else vis.sum(axis=1)
+        self.rl = RowLogits(self.m, inp.ex, None if inp.sink is None else inp.sink[rows],
+                            inp.variants.softcap) if inp.logits else None
+        if self.rl is None:
+            self.empty = np.array([m == _NEG_INF for m in self.m.tolist()], dtype=bool)
+            self.N, self.multi = nk, None
+        else:
+            self.empty = self.rl.empty
+            self.N = nk + int(self.rl.has_sink.any())  # terms of a row's sum (the sink is one)
+            self.multi = nvis + self.rl.has_sink >= 2  # else dS = 0 exactly, whatever E2 is
         self.F = {p: p + 8 + nk.bit_length() for p in precisions}  # guard: sums of nk terms
         self.inexact = np.zeros(n, dtype=bool)  # rows with an E that is not exactly 0 or 2^F
+        self.inexact2 = np.zeros(n, dtype=bool)  # rows with an E2 (softcap) not exactly E
         self.L = {p: np.zeros(n, dtype=object) for p in precisions}
         self.num, self.A, self.B = ({p: None for p in precisions} for _ in range(3))
         for t, (j0, j1) in enumerate(self.tiles):
@@ -145,18 +171,28 @@ class _RowBlock:
             kl = float_limbs(inp.k[j0:j1], inp.gk) if self.dol is not None else None
             g = self._g(t) if self.dol is not None else None
             for p in precisions:
-                e = self._exp(t, p, s, vis)
+                e, e2 = self._exp(t, p, s, vis)
                 self.L[p] = self.L[p] + e.sum(axis=1)
                 el = _int_limbs(e)
                 if kl is None:
                     num = imatmul(el, vl)
-                else:  # E v and E k in one product
+                elif e2 is e:  # E v and E k in one product
                     both = imatmul(el, _cat_limbs(vl, kl))
-                    num, b = both[:, :d], both[:, d:]
+                    num, b = both[:, :dv], both[:, dv:]
                     a = imatmul(_int_limbs(e * g), kl)
+                else:  # softcap: dS carries 1 - t^2, so dq uses E2 in place of E
+                    num, b = imatmul(el, vl), imatmul(_int_limbs(e2), kl)
+                    a = imatmul(_int_limbs(e2 * g), kl)
+                if kl is not None:
                     self.A[p] = _add(self.A[p], a)
                     self.B[p] = _add(self.B[p], b)
                 self.num[p] = _add(self.num[p], num)
+        self.esink = {}
+        if inp.sink is not None:
+            for p in precisions:  # the sink: one more term of L, with no value
+                self.esink[p], inexact = self.rl.sink_exp(self.F[p])
+                self.inexact |= inexact
+                self.L[p] = self.L[p] + self.esink[p]
         for p in precisions:  # masked rows: E = 0 everywhere; L = 1 keeps formulas defined
             self.L[p][self.empty] = 1
         if self.dol is not None:
@@ -171,11 +207,7 @@ class _RowBlock:
         j0, j1 = self.tiles[t]
         kt = self.kt[:, j0:j1] if self.kt is not None else np.swapaxes(float_limbs(inp.k[j0:j1], inp.gk), 0, 1)
         s = imatmul(self.ql, kt) * inp.ms
-        vis = None
-        if inp.causal:
-            vis = np.arange(j0, j1)[None, :] <= (self.pos + inp.offset)[:, None]
-            if vis.all():
-                vis = None
+        vis = visible(self.qpos, j0, j1, inp.causal, inp.variants)
         if self.keep:
             self.cache[("s", t)] = (s, vis)
         return s, vis
@@ -190,15 +222,28 @@ class _RowBlock:
         return g
 
     def _exp(self, t, p, s=None, vis=None):
+        """(E, E2) of tile t at precision p; E2 (softcap: E (1 - t^2)) is E itself without."""
         if ("e", t, p) in self.cache:
             return self.cache[("e", t, p)]
         if s is None:
             s, vis = self._scores(t)
-        e, inexact = _exp_fixed(s, self.m, vis, self.inp.ex, self.F[p])
+        if self.rl is None:
+            e, inexact = _exp_fixed(s, self.m, vis, self.inp.ex, self.F[p])
+            e2 = e
+        else:
+            e, e2, inexact, inexact2 = self.rl.exp(s, vis, self.F[p], self.dol is not None)
+            self.inexact2 |= inexact2
         self.inexact |= inexact
         if self.keep:
-            self.cache[("e", t, p)] = e
-        return e
+            self.cache[("e", t, p)] = (e, e2)
+        return e, e2
+
+    def _bounds(self, p):
+        """`_Bounds` of the forward, and of dq, dk (which E2 enters, where it matters)."""
+        bnd = _Bounds(self.F[p], self.inexact)
+        if self.multi is None or not self.inexact2.any():
+            return bnd, bnd
+        return bnd, _Bounds(self.F[p], self.inexact | (self.inexact2 & self.multi))
 
     # -- results of the rows -------------------------------------------------------------
     def finish_rows(self, p):
@@ -206,22 +251,27 @@ class _RowBlock:
         prec = _result_bits(self.precisions)
         rnd = libmp.round_nearest
         n, d = self.ql.shape[:2]
+        dv = inp.v.shape[1]
         ev = inp.gv.e
+        ref = self.rl.reference(F) if self.rl is not None else None
         out, lse = [], []
         for r in range(n):
             if self.empty[r]:
-                out.extend([libmp.fzero] * d)
+                out.extend([libmp.fzero] * dv)
                 lse.append(libmp.fninf)
                 continue
             den = libmp.from_int(L[r])
             out.extend(libmp.mpf_div(libmp.from_man_exp(x, ev), den, prec, rnd) for x in self.num[p][r].tolist())
             log_l = libmp.mpf_log(libmp.from_man_exp(L[r], -F), p, rnd)
-            lse.append(libmp.mpf_add(libmp.from_man_exp(self.m[r], inp.ex), log_l, prec, rnd))
-        vals = {"out": _mpf_array(out, (n, d)), "lse": _mpf_array(lse, (n,))}
-        nk = inp.k.shape[0]
-        bnd = _Bounds(F, self.inexact)
-        bounds = {"out": bnd.rows(4 * nk * inp.vmax),
-                  "lse": _log2add(bnd.rows(2 * nk), np.where(self.empty, _NEG_INF, math.log2(math.log(nk + 1) + 1) - p))}
+            top = libmp.from_man_exp(self.m[r], inp.ex) if ref is None else ref[r]
+            lse.append(libmp.mpf_add(top, log_l, prec, rnd))
+        vals = {"out": _mpf_array(out, (n, dv)), "lse": _mpf_array(lse, (n,))}
+        N = self.N
+        bnd, bnd_d = self._bounds(p)
+        bounds = {"out": bnd.rows(4 * N * inp.vmax),
+                  "lse": _log2add(bnd.rows(2 * N), np.where(self.empty, _NEG_INF, math.log2(math.log(N + 1) + 1) - p))}
+        if self.rl is not None:
+            bounds["lse"] = _log2add(bounds["lse"], self.rl.reference_bound(F))
         if self.dol is not None:
             # dq = ms 2^(es+eo+ev+ek) (L A - Dn B) / L^2
             e = inp.es + inp.go.e + inp.gv.e + inp.gk.e
@@ -235,7 +285,11 @@ class _RowBlock:
                 dq.extend(libmp.mpf_div(libmp.from_man_exp(inp.ms * (lr * a - dn * b), e), den, prec, rnd)
                           for a, b in zip(self.A[p][r].tolist(), self.B[p][r].tolist()))
             vals["dq"] = _mpf_array(dq, (n, d))
-            bounds["dq"] = bnd.rows(12 * nk * abs(inp.scale) * inp.kmax * inp.vmax * self.do_l1)
+            bounds["dq"] = bnd_d.rows(12 * N * abs(inp.scale) * inp.kmax * inp.vmax * self.do_l1)
+            if self.esink:  # dsinks = -sum_r P_sink D: |d| <= 4 N delta max|v| |dO_r|_1, doubled
+                terms, rounding = sink_rows(self.esink[p], L, self.dn[p], inp.go.e + inp.gv.e, prec)
+                vals["dsink"] = _mpf_array(terms, (n,))
+                bounds["dsink"] = _log2add(bnd.rows(8 * N * inp.vmax * self.do_l1 * self.rl.has_sink), rounding)
         return vals, bounds
 
     # -- dk and dv: sums over rows, accumulated across row blocks ------------------------
@@ -243,22 +297,22 @@ class _RowBlock:
         """dV_J += P^T dO and dK_J (without ms 2^(es+eo+ev)) += dS^T q per key tile J, with
         P = E / L and dS ~ E (G L - Dn) / L^2 rounded to F bits per tile."""
         inp = self.inp
-        n, nk = len(self.pos), inp.k.shape[0]
+        n, N = len(self.pos), self.N
         for p in self.precisions:  # bounds of the E quantization, summed over the rows
-            bnd = _Bounds(self.F[p], self.inexact)
-            bound[p]["dv"] = _log2add(bound[p]["dv"], bnd.total(4 * nk * inp.domax))
-            bound[p]["dk"] = _log2add(bound[p]["dk"], bnd.total(12 * nk * abs(inp.scale) * inp.qmax * inp.vmax * self.do_l1))
+            bnd, bnd_d = self._bounds(p)
+            bound[p]["dv"] = _log2add(bound[p]["dv"], bnd.total(4 * N * inp.domax))
+            bound[p]["dk"] = _log2add(bound[p]["dk"], bnd_d.total(12 * N * abs(inp.scale) * inp.qmax * inp.vmax * self.do_l1))
         for t, (j0, j1) in enumerate(self.tiles):
             g = self._g(t)
             for p in self.precisions:
-                e = self._exp(t, p)
+                e, e2 = self._exp(t, p)
                 F, L, dn = self.F[p], self.L[p][:, None], self.dn[p][:, None]
                 pr, tp, inexact = _round_ratio(e, L, F)
                 if pr is not None:
                     _accumulate(acc[p]["dv"], j0, imatmul(_int_limbs(pr.T), self.dol), inp.go.e - tp)
                     if inexact:  # each P off by <= 2^(-T-1): n rows of |dO| <= domax
                         bound[p]["dv"] = _log2add(bound[p]["dv"], math.log2(n * inp.domax) - tp - 1)
-                ds, ts, inexact = _round_ratio(e * (g * L - dn), L * L, F)
+                ds, ts, inexact = _round_ratio(e2 * (g * L - dn), L * L, F)
                 if ds is not None:
                     _accumulate(acc[p]["dk"], j0, imatmul(_int_limbs(ds.T), self.ql), inp.gq.e - ts)
                     if inexact:  # each dS off by <= 2^(eo+ev-T-1)
@@ -297,10 +351,11 @@ class _Bounds:
         return math.log2(s) - self.F if s > 0 else _NEG_INF
 
 
-def _finish_keys(inp: _Inputs, acc, nk: int, d: int) -> dict[str, np.ndarray]:
+def _finish_keys(inp: _Inputs, acc, nk: int) -> dict[str, np.ndarray]:
     """dk and dv as mpf arrays: the accumulated integers are exact, so no rounding here."""
     out = {}
     for name in ("dk", "dv"):
+        d = (inp.k if name == "dk" else inp.v).shape[1]
         flat = [libmp.fzero] * (nk * d)
         for j0, (ints, e) in acc[name].items():
             if name == "dk":

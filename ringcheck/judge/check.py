@@ -42,15 +42,17 @@ class Case:
     def describe(self) -> str:
         s = self.spec
         mode = ("causal" if s.causal else "bidirectional")
+        variant = s.describe_variant()
         return (f"P={self.ring.world_size} {self.ring.layout} {mode} {s.dtype} batch={s.batch} "
                 f"heads={s.heads}/{s.kv_heads} seq={s.seq_len} d={s.head_dim} "
-                f"dist={self.distribution} seed={self.seed} backend={self.backend}")
+                f"dist={self.distribution} seed={self.seed} backend={self.backend}"
+                + (f" {variant}" if variant else ""))
 
     def repro(self) -> str:
         """A one-line shell command (run from the repository root) that re-runs this case
         against the simulated ring and prints its verdict."""
         return ("python -c \"from ringcheck.judge.check import Case, run_case; "
-                "from ringcheck.spec import AttentionSpec, RingSpec; "
+                "from ringcheck.spec import AttentionSpec, RingSpec, Variant; "
                 f"print(run_case({self!r}).message())\"")
 
 
@@ -64,50 +66,70 @@ class Results:
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    dsinks: torch.Tensor | None = None  # (heads,), when the case has sinks
 
     def get(self, tensor: str) -> torch.Tensor:
         return getattr(self, tensor)
 
 
 def run_whole(impl: WholeImpl, inputs: Inputs) -> Results:
-    """Run `impl` forward and backward (with the case's random dout) on detached copies."""
+    """Run `impl` forward and backward (with the case's random dout) on detached copies; with
+    sinks in the inputs, `impl` takes them as a fourth argument and dsinks is judged too."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    out, lse = impl(q, k, v)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout)
-    return Results(out.detach(), lse.detach(), dq, dk, dv)
+    if inputs.sinks is None:
+        out, lse = impl(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout)
+        return Results(out.detach(), lse.detach(), dq, dk, dv)
+    sinks = inputs.sinks.detach().clone().requires_grad_(True)
+    out, lse = impl(q, k, v, sinks)
+    dq, dk, dv, dsinks = torch.autograd.grad(out, (q, k, v, sinks), inputs.dout)
+    return Results(out.detach(), lse.detach(), dq, dk, dv, dsinks)
+
+
+def reference_kwargs(spec: AttentionSpec, inputs: Inputs) -> dict:
+    """The keyword arguments of every reference call for `spec` (scale, mask, variants, sinks)."""
+    extra = {} if inputs.sinks is None else {"sinks": inputs.sinks}
+    return {"causal": spec.causal, "softmax_scale": spec.scale, **spec.variant_kwargs(), **extra}
 
 
 def truth(spec: AttentionSpec, inputs: Inputs) -> Results:
     """float64 truth with the analytic backward."""
-    return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
-                                softmax_scale=spec.scale))
+    return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, **reference_kwargs(spec, inputs)))
+
+
+def _peer_impl(spec: AttentionSpec, inputs: Inputs, rows=None) -> WholeImpl:
+    kwargs = {k: v for k, v in reference_kwargs(spec, inputs).items() if k != "sinks"}
+
+    def impl(q, k, v, sinks=None):
+        extra = {} if sinks is None else {"sinks": sinks}
+        return peer_attention(q, k, v, return_lse=True, rows=rows, **kwargs, **extra)
+    return impl
 
 
 def peer(spec: AttentionSpec, inputs: Inputs) -> Results:
     """The same-dtype single-device peer (its error sets the budget)."""
-    return run_whole(lambda q, k, v: peer_attention(q, k, v, causal=spec.causal,
-                                                    softmax_scale=spec.scale, return_lse=True), inputs)
+    return run_whole(_peer_impl(spec, inputs), inputs)
 
 
 def row_results(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor, *, low: bool = False) -> Results:
     """Reference on sampled query rows (inputs from `with_sampled_rows`): the float64 truth, or
-    the same-dtype peer with `low`. out, lse and dq are of the rows; dk and dv of every key."""
+    the same-dtype peer with `low`. out, lse and dq are of the rows; dk, dv (and dsinks) of
+    every key (head)."""
     if not low:
-        return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, causal=spec.causal,
-                                    softmax_scale=spec.scale, rows=rows))
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    out, lse = peer_attention(q, k, v, causal=spec.causal, softmax_scale=spec.scale, rows=rows, return_lse=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.dout[:, rows])
-    return Results(out.detach(), lse.detach(), dq[:, rows], dk, dv)
+        return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, rows=rows,
+                                    **reference_kwargs(spec, inputs)))
+    got = run_whole(_peer_impl(spec, inputs, rows), Inputs(inputs.q, inputs.k, inputs.v, inputs.dout[:, rows],
+                                                         inputs.sinks))
+    return Results(got.out, got.lse, got.dq[:, rows], got.dk, got.dv, got.dsinks)
 
 
-def token_owners(seq_len: int, ring: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def token_owners(seq_len: int, ring: RingSpec, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
     """For each token of the sequence, the rank that holds it under the ring's layout and its
     local row there (keys are sharded like queries, so this is also a key's owner)."""
     owner = torch.empty(seq_len, dtype=torch.int64)
     local = torch.empty(seq_len, dtype=torch.int64)
     for r in range(ring.world_size):
-        pos = positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=seq_len)
+        pos = positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens)
         owner[pos] = r
         local[pos] = torch.arange(len(pos))
     return owner, local
@@ -120,7 +142,7 @@ def seq_dim(tensor: str) -> int:
 
 def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple[int, ...]], str]:
     """Index of a whole tensor -> 'rank r, local row i, token t, head h'."""
-    owner, local = token_owners(spec.seq_len, ring)
+    owner, local = token_owners(spec.seq_len, ring, spec.variant.cu_seqlens)
     s_dim, head_dim = seq_dim(tensor), 3 - seq_dim(tensor)
     head_word = "kv head" if tensor in ("dk", "dv") else "head"
 
@@ -138,22 +160,32 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply (unless
     `use_float32_floors` is False: the bare flash-attention rule, for the suites' findings)."""
     verdict = Verdict(case.describe())
-    floors = {} if inputs is None or not use_float32_floors else float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout,
-                                                      scale=case.spec.scale, causal=case.spec.causal)
-    owner, _ = token_owners(case.spec.seq_len, case.ring)
+    floors = {}
+    if inputs is not None and use_float32_floors:
+        kwargs = reference_kwargs(case.spec, inputs)
+        kwargs["scale"] = kwargs.pop("softmax_scale")
+        floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, **kwargs)
+    owner, _ = token_owners(case.spec.seq_len, case.ring, case.spec.variant.cu_seqlens)
+    if true.dsinks is not None and "dsinks" not in tensors:
+        tensors = (*tensors, "dsinks")
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
+        per_token = name != "dsinks"  # dsinks is per head: no rank or token to name
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),
-                                     k=budget.k_for(name), dtype=dtype, locate=locator(case.spec, case.ring, name),
-                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), owner)))
+                                     k=budget.k_for(name), dtype=dtype,
+                                     locate=locator(case.spec, case.ring, name) if per_token else None,
+                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), owner) if per_token else None))
     return verdict
 
 
 def simulated_impl(case: Case, **ring_options) -> WholeImpl:
-    def impl(q, k, v):
+    variant = case.spec.variant_kwargs()
+
+    def impl(q, k, v, sinks=None):
+        extra = {} if sinks is None else {"sinks": sinks}
         return simulate_ring(q, k, v, world_size=case.ring.world_size, causal=case.spec.causal,
                              softmax_scale=case.spec.softmax_scale, layout=case.ring.layout,
-                             backend=case.backend, return_lse=True, **ring_options)
+                             backend=case.backend, return_lse=True, **variant, **extra, **ring_options)
     return impl
 
 

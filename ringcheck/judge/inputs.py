@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import AttentionSpec, RingSpec
+from ..spec import SINK_OFFSETS, AttentionSpec, RingSpec
 from .distributions import generate
 
 
@@ -16,6 +16,7 @@ class Inputs:
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
+    sinks: torch.Tensor | None = None  # (heads,) float32 sink logits, when the spec has sinks
 
 
 def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
@@ -25,8 +26,13 @@ def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
     needed by distributions that place values by ring step (``late-max``)."""
     gen = torch.Generator().manual_seed(int(seed))
     q, k, v, dout = generate(distribution, spec, gen, ring)
+    if spec.dv != spec.head_dim:  # values (and dout) of their own head dim, same distribution
+        _, _, v, dout = generate(distribution, spec.replace(head_dim=spec.dv, v_head_dim=None), gen, ring)
+    sinks = None
+    if spec.sinks is not None:
+        sinks = (SINK_OFFSETS[spec.sinks] + torch.randn(spec.heads, generator=gen)).to(device)
     dt = spec.torch_dtype
-    return Inputs(*(t.to(dt).to(device) for t in (q, k, v, dout)))
+    return Inputs(*(t.to(dt).to(device) for t in (q, k, v, dout)), sinks=sinks)
 
 
 def sample_rows(seq_len: int, count: int, seed: int) -> torch.Tensor:
@@ -47,4 +53,5 @@ def with_sampled_rows(inputs: Inputs, rows: torch.Tensor) -> Inputs:
     key have an exact O(rows x N) reference (`judge.check.row_results`)."""
     keep = torch.zeros(inputs.dout.shape[1], dtype=inputs.dout.dtype)
     keep[rows] = 1
-    return Inputs(inputs.q, inputs.k, inputs.v, inputs.dout * keep[None, :, None, None].to(inputs.dout.device))
+    return Inputs(inputs.q, inputs.k, inputs.v, inputs.dout * keep[None, :, None, None].to(inputs.dout.device),
+                  inputs.sinks)

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from reference import attention_mask
+
 from .metrics import ErrorStats, abs_error, error_stats, rounding_floor
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -115,7 +117,9 @@ FLOAT32_FLOOR_C = 8.0
 
 
 def float32_floors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
-                   scale: float, causal: bool, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   scale: float, causal: bool, rows: torch.Tensor | None = None, cu_seqlens=None,
+                   window=None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-element float32 rounding bounds, C u A, that a ring (or any flash-style kernel)
     may carry and the naive same-dtype peer need not.
 
@@ -127,12 +131,15 @@ def float32_floors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     condition c = 1 + |lse| + max|s| (the size of the exponents whose rounding P inherits):
 
         out: c P|V|    lse: c    dv: (c P)^T |dO|
-        dq:  scale (c P (|dO||V|^T + rowsum(|dO||O|))) |K|      dk: the same with Q^T
+        dq:  scale (c P (|dO||V|^T + rowsum(|dO||O|)) t') |K|      dk: the same with Q^T
+        dsinks: sum over rows of c P_sink rowsum(|dO||O|)
 
-    With C = 8 this is negligible next to the peer's error for bf16/fp16; for float32 inputs,
-    or where the peer is exact by structure (a single visible key, an exactly one-hot row),
-    it is what a correct float32 ring needs. q, k, v, dout are whole tensors (b, s, h, d);
-    with `rows`, only those query rows (out, lse, dq for them; dk, dv from them alone).
+    with t' = 1 - tanh^2 under a softcap (1 without). With C = 8 this is negligible next to
+    the peer's error for bf16/fp16; for float32 inputs, or where the peer is exact by
+    structure (a single visible key, an exactly one-hot row), it is what a correct float32
+    ring needs. q, k, v, dout are whole tensors (b, s, h, d); with `rows`, only those query
+    rows (out, lse, dq for them; dk, dv from them alone). The variants mask and cap the
+    scores as the references do (`reference.attention_mask`).
     """
     f64 = torch.float64
     h, kvh = q.shape[2], k.shape[2]
@@ -144,27 +151,49 @@ def float32_floors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     vh = v.to(f64).transpose(1, 2).repeat_interleave(g, 1)
     doh = dor.to(f64).transpose(1, 2)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        n, sk = s.shape[-2:]
-        pos = torch.arange(sk - n, sk) if rows is None else rows
-        s = s.masked_fill(torch.arange(sk)[None, :] > pos[:, None], float("-inf"))
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0))
+    tanh_grad = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s, tanh_grad = softcap * t, 1 - t * t
+    seen = attention_mask(q.shape[1], causal=causal, cu_seqlens=cu_seqlens, window=window, rows=rows,
+                          key_len=k.shape[1])
+    s = s.masked_fill(~seen.to(s.device), float("-inf"))
+    every = s
+    if sinks is not None:  # one more column, -inf on padding rows (no query sees padding)
+        col = sinks.to(f64).view(1, h, 1, 1).expand(*s.shape[:3], 1)
+        every = torch.cat([s, col.masked_fill(_padding(seen, cu_seqlens, rows, q.shape[1]), float("-inf"))], dim=-1)
+    lse = torch.logsumexp(every, -1, keepdim=True)
+    p_all = torch.exp(every - lse.masked_fill(torch.isneginf(lse), 0.0))
+    p = p_all[..., :s.shape[-1]]
     out = torch.matmul(p, vh)
-    cond = 1 + lse.masked_fill(torch.isneginf(lse), 0.0).abs() + s.masked_fill(torch.isinf(s), 0.0).abs().amax(-1, keepdim=True)
+    cond = (1 + lse.masked_fill(torch.isneginf(lse), 0.0).abs()
+            + every.masked_fill(torch.isinf(every), 0.0).abs().amax(-1, keepdim=True))
     pc = p * cond
-    ds = pc * (torch.matmul(doh.abs(), vh.abs().transpose(-1, -2)) + (doh.abs() * out.abs()).sum(-1, keepdim=True))
+    d_abs = (doh.abs() * out.abs()).sum(-1, keepdim=True)
+    ds = pc * (torch.matmul(doh.abs(), vh.abs().transpose(-1, -2)) + d_abs)
+    if tanh_grad is not None:
+        ds = ds * tanh_grad
     dk = scale * torch.matmul(ds.transpose(-1, -2), qh.abs())
     dv = torch.matmul(pc.transpose(-1, -2), doh.abs())
     b, _, sk, d = dk.shape
 
     def group_sum(t):
-        return t.view(b, kvh, g, sk, d).sum(2).transpose(1, 2)
+        return t.view(b, kvh, g, sk, t.shape[-1]).sum(2).transpose(1, 2)
 
     cu = FLOAT32_FLOOR_C * 2.0 ** -24
-    return {"out": cu * torch.matmul(pc, vh.abs()).transpose(1, 2), "lse": cu * cond[..., 0],
-            "dq": cu * scale * torch.matmul(ds, kh.abs()).transpose(1, 2),
-            "dk": cu * group_sum(dk), "dv": cu * group_sum(dv)}
+    floors = {"out": cu * torch.matmul(pc, vh.abs()).transpose(1, 2), "lse": cu * cond[..., 0],
+              "dq": cu * scale * torch.matmul(ds, kh.abs()).transpose(1, 2),
+              "dk": cu * group_sum(dk), "dv": cu * group_sum(dv)}
+    if sinks is not None:
+        floors["dsinks"] = cu * (p_all[..., -1:] * cond * d_abs).sum((0, 2, 3))
+    return floors
+
+
+def _padding(seen: torch.Tensor, cu_seqlens, rows, seq_len: int) -> torch.Tensor:
+    """(1, 1, rows, 1) bool: query rows past the last document (no sink for them)."""
+    pos = torch.arange(seq_len) if rows is None else torch.as_tensor(rows)
+    end = seq_len if cu_seqlens is None else int(cu_seqlens[-1])
+    return (pos >= end).view(1, 1, -1, 1).to(seen.device)
 
 
 @dataclass
