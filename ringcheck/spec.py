@@ -264,9 +264,18 @@ class Variant:
         return words
 
 
-# how the (heads,) sink logits of a case are drawn: N(0, 1), or far above / below every score
-SINK_KINDS = ("normal", "high", "low")
-SINK_OFFSETS = {"normal": 0.0, "high": 40.0, "low": -40.0}
+# how the (heads,) sink logits of a case are drawn: N(0, 1) plus an offset: none, far above or
+# far below every score, or "typical": ln(seq_len), the lse of a row spread evenly over the
+# sequence, so that the sink takes a share of each row's mass that matters
+SINK_KINDS = ("normal", "high", "low", "typical")
+
+
+def sink_offset(kind: str, seq_len: int) -> float:
+    """The offset of the sink logits of `kind` (see SINK_KINDS) for a sequence of seq_len."""
+    offsets = {"normal": 0.0, "high": 40.0, "low": -40.0, "typical": math.log(seq_len)}
+    if kind not in offsets:
+        raise ValueError(f"sinks={kind!r} is unknown; choose one of {list(SINK_KINDS)}")
+    return offsets[kind]
 
 
 def check_rows(rows: object, seq_len: int) -> torch.Tensor:

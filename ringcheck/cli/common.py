@@ -6,6 +6,7 @@ import argparse
 import shlex
 import time
 
+from ..commands.variant_options import VariantOptions, parse_documents, parse_window
 from ..documents import meta
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -43,3 +44,34 @@ def list_of(kind):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
     return parse
+
+
+def _checked(parse):
+    """An argparse type from a parser that raises ValueError with the message to show."""
+    def check(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    check.__name__ = parse.__name__
+    return check
+
+
+def add_variant_flags(parser: argparse.ArgumentParser) -> None:
+    """The attention-variant flags (`ringcheck.commands.variant_options`), one meaning everywhere."""
+    g = parser.add_argument_group("attention variants (default: plain attention)")
+    g.add_argument("--documents", type=_checked(parse_documents), default=None, metavar="LEN,LEN,...|random:K",
+                   help="packed documents: explicit lengths (with --pad they add up to the sequence length) or K "
+                        "seeded random ones that include boundaries on a rank and a chunk boundary")
+    g.add_argument("--pad", type=int, default=0, metavar="N", help="padding tokens after the last document")
+    g.add_argument("--window", type=_checked(parse_window), default=None, metavar="LEFT,RIGHT",
+                   help="sliding window: query i sees keys i-LEFT..i+RIGHT (-1: unbounded)")
+    g.add_argument("--softcap", type=float, default=None, metavar="X", help="logit softcap X tanh(s / X)")
+    g.add_argument("--sinks", action="store_true", help="seeded per-head sink logits around ln(seq_len)")
+    g.add_argument("--head-dim-v", type=int, default=None, metavar="D", help="value head dim (default: head dim)")
+
+
+def variant_options(args: argparse.Namespace) -> VariantOptions:
+    """The `VariantOptions` of parsed variant flags."""
+    return VariantOptions(documents=args.documents, pad=args.pad, window=args.window, softcap=args.softcap,
+                          sinks=args.sinks, head_dim_v=args.head_dim_v)

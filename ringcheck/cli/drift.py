@@ -29,7 +29,17 @@ from ..render.terminal import (
     print_drift_summary,
 )
 from ..spec import Budget
-from .common import EXIT_FAILED, EXIT_OK, UsageError, add_quiet, command_meta, list_of, shows_progress
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_quiet,
+    add_variant_flags,
+    command_meta,
+    list_of,
+    shows_progress,
+    variant_options,
+)
 
 
 def _drift_spec(args: argparse.Namespace):
@@ -38,7 +48,7 @@ def _drift_spec(args: argparse.Namespace):
                      modes=args.modes, backends=args.backends, accumulations=args.accumulate,
                      seeds=args.seeds, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                      head_dim=args.head_dim, tokens_per_rank=args.tokens_per_rank, seq_len=args.seq_len,
-                     softmax_scale=args.softmax_scale,
+                     softmax_scale=args.softmax_scale, variants=variant_options(args),
                      budget=Budget(k_forward=args.k_forward, k_backward=args.k_backward))
 
 
@@ -126,6 +136,7 @@ def _add_drift(sub) -> None:
                         help="strong scaling instead: this total length for every P "
                              "(a multiple of P, of 2P for zigzag)")
     shape.add_argument("--softmax-scale", type=float, default=None, help="default 1/sqrt(head_dim)")
+    add_variant_flags(p)
     p.add_argument("--k-forward", type=float, default=2.0, help="budget factor for out, lse (default 2)")
     p.add_argument("--k-backward", type=float, default=3.0, help="budget factor for dq, dk, dv (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: reproducible bits)")

@@ -44,10 +44,13 @@ from ..judge.check import (
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs
 from ..ring.backends import BACKENDS
+from ..ring.layouts import positions
 from ..ring.loops import ACCUMULATIONS, StepObserver
 from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
+from .variant_options import VariantOptions
 from .drift_model import (
     FLAGS,
+    PER_HEAD_RULE,
     RULES,
     StepRecorder,
     aggregate_seeds,
@@ -63,6 +66,8 @@ DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_RING_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_DISTRIBUTIONS = ("normal", "near-uniform")
 DEFAULT_MODES = ("bidirectional", "causal", "zigzag")
+# the modes of validate and the suites, plus per-document zig-zag (needs --documents)
+DRIFT_MODES = {**MODES, "zigzag_docs": (True, "zigzag_docs")}
 DEFAULT_BACKENDS = ("torch",)
 DEFAULT_TOKENS_PER_RANK = 8
 # "float32" is the ring under test (the default merge); "input" rounds the running output to
@@ -103,11 +108,13 @@ class DriftSpec:
     seq_len: int | None = None
     softmax_scale: float | None = None
     budget: Budget = field(default_factory=Budget)
+    # documents, padding, window, softcap, sinks, value head dim (`VariantOptions`)
+    variants: VariantOptions = field(default_factory=VariantOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtypes", _names("dtypes", self.dtypes, DTYPES))
         object.__setattr__(self, "distributions", _names("distributions", self.distributions, DISTRIBUTIONS))
-        object.__setattr__(self, "modes", _names("modes", self.modes, MODES))
+        object.__setattr__(self, "modes", _names("modes", self.modes, DRIFT_MODES))
         object.__setattr__(self, "backends", _names("backends", self.backends, BACKENDS))
         object.__setattr__(self, "accumulations", _names("accumulations", self.accumulations, ACCUMULATIONS))
         sizes = tuple(self.ring_sizes)
@@ -127,23 +134,31 @@ class DriftSpec:
             object.__setattr__(self, "tokens_per_rank", DEFAULT_TOKENS_PER_RANK)
         for p in self.ring_sizes:  # every case is laid out before any runs
             for mode in self.modes:
+                RingSpec(p, DRIFT_MODES[mode][1]).check_seq_len(self.seq_len_for(p))
                 self.attention_spec(mode, self.dtypes[0], p)
-                RingSpec(p, MODES[mode][1]).check_seq_len(self.seq_len_for(p))
 
     def seq_len_for(self, world_size: int) -> int:
         return self.seq_len if self.seq_len is not None else self.tokens_per_rank * world_size
 
     def attention_spec(self, mode: str, dtype: str, world_size: int) -> AttentionSpec:
+        causal, layout = DRIFT_MODES[mode]
+        seq_len = self.seq_len_for(world_size)
+        variant, sinks, v_head_dim = self.variants.resolve(seq_len, RingSpec(world_size, layout))
+        if layout == "zigzag_docs":  # the documents' layout checks, before any run
+            positions(layout=layout, rank=0, world_size=world_size, seq_len=seq_len, cu_seqlens=variant.cu_seqlens)
         return AttentionSpec(batch=self.batch, heads=self.heads, kv_heads=self.kv_heads,
-                             seq_len=self.seq_len_for(world_size), head_dim=self.head_dim, dtype=dtype,
-                             causal=MODES[mode][0], softmax_scale=self.softmax_scale)
+                             seq_len=seq_len, head_dim=self.head_dim, dtype=dtype,
+                             causal=causal, softmax_scale=self.softmax_scale, variant=variant, sinks=sinks,
+                             v_head_dim=v_head_dim)
 
     def to_json(self) -> dict:
-        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "budget"}
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("budget", "variants")}
         for name, value in doc.items():
             if isinstance(value, tuple):
                 doc[name] = list(value)
         doc["budget"] = {"k_forward": self.budget.k_forward, "k_backward": self.budget.k_backward}
+        if self.variants.used:  # documents of plain attention stay as they were
+            doc["variants"] = self.variants.to_json()
         return doc
 
 
@@ -221,16 +236,18 @@ def run_drift(spec: DriftSpec, *, implementation: Implementation = SIMULATED,
     for mode, dtype, distribution, p, seed in itertools.product(
             spec.modes, spec.dtypes, spec.distributions, sizes, range(spec.seeds)):
         att = spec.attention_spec(mode, dtype, p)
-        ring = RingSpec(p, MODES[mode][1])
+        ring = RingSpec(p, DRIFT_MODES[mode][1])
         # inputs and references are shared by every backend and accumulation
         inputs = make_inputs(att, seed=seed, distribution=distribution)
         true, peer_results = truth(att, inputs), peer(att, inputs)
-        stepped = step_truths(att, ring, inputs) if implementation.observes_steps else None
+        # per-step truths are those of plain attention: with variants only the final results
+        observes = implementation.observes_steps and not spec.variants.used
+        stepped = step_truths(att, ring, inputs) if observes else None
         for backend, acc in itertools.product(spec.backends, accumulations):
             key = (backend, mode, dtype, distribution, acc, p)
             case = Case(att, ring, seed=seed, distribution=distribution, backend=backend)
             n = att.seq_len // p
-            recorder = (StepRecorder(p, (att.batch, n, att.heads, att.head_dim), (att.batch, att.heads, n))
+            recorder = (StepRecorder(p, (att.batch, n, att.heads, att.dv), (att.batch, att.heads, n))
                         if stepped is not None else None)
             got = implementation.run(case, inputs, acc, recorder)
             raw.setdefault(key, []).append(tensor_metrics(case, got, true, peer_results, spec.budget, inputs))
@@ -273,11 +290,12 @@ def build_document(spec: DriftSpec, implementation: str, raw: dict[tuple, list[d
         backend, mode, dtype, distribution, acc, tensor = gkey
         fit = {"implementation": implementation, "backend": backend, "mode": mode, "dtype": dtype,
                "distribution": distribution, "accumulation": acc, "tensor": tensor}
-        fit.update(significant(fit_group(points)))
+        fit.update(significant(fit_group(points, per_token=tensor != "dsinks")))
         fits[case_key(implementation, backend, mode, dtype, distribution, acc, tensor=tensor)] = fit
     cases = significant(cases)
     return {**header(DRIFT_SCHEMA), "spec": spec.to_json(),
-            "implementation": implementation, "rules": dict(RULES),
+            "implementation": implementation,
+            "rules": {**RULES, **({"per_head": PER_HEAD_RULE} if any(g[-1] == "dsinks" for g in groups) else {})},
             "cases": cases, "fits": fits,
             "summary": summarise(fits)}
 

@@ -24,6 +24,9 @@ SLOPE_FLAG = 0.8
 FLAT_BELOW = 0.25
 BIAS_SLOPE_FLAG = 0.5
 BIAS_SHARE_FLAG = 0.25
+PER_HEAD_RULE = ("dsinks has one value per head, a sum over every row of the sequence: a handful of numbers "
+                 "whose slope and mean signed error over a few ring sizes are noise, not drift, so its groups "
+                 "are flagged only for budget and non-finite values (slope and bias are shown, not flagged)")
 RULES = {
     "fit": (f"least squares of ln(error) on ln(P) over the ring sizes P >= {FIT_MIN_P} (P = 1 runs no "
             "merge and no hop, a different regime; it is shown but not fitted); error = normwise "
@@ -293,9 +296,10 @@ def _projected_crossing(ratio: SlopeFit) -> float | None:
     return math.inf if log_p > 700 else math.exp(log_p)
 
 
-def fit_group(points: dict[int, dict]) -> dict:
+def fit_group(points: dict[int, dict], *, per_token: bool = True) -> dict:
     """The model and flags of one (implementation, backend, mode, dtype, distribution,
-    accumulation, tensor) group from its per-P aggregated metrics."""
+    accumulation, tensor) group from its per-P aggregated metrics. A tensor with one value per
+    head (dsinks, `per_token=False`) gets the budget and non-finite flags only (`PER_HEAD_RULE`)."""
     sizes = sorted(points)
     rel = fit_slope(sizes, [points[p]["rel_norm"] for p in sizes])
     abs_fit = fit_slope(sizes, [points[p]["max_abs"] for p in sizes])
@@ -307,11 +311,11 @@ def fit_group(points: dict[int, dict]) -> dict:
     over = [p for p in sizes if not points[p]["passed"]]
     nonfinite = [p for p in sizes if points[p]["nonfinite"]]
     flags = []
-    if rel.slope is not None and rel.slope >= SLOPE_FLAG:
+    if per_token and rel.slope is not None and rel.slope >= SLOPE_FLAG:
         flags.append("slope")
     if over:
         flags.append("budget")
-    if bias.slope is not None and bias.slope >= BIAS_SLOPE_FLAG and bias_share >= BIAS_SHARE_FLAG:
+    if per_token and bias.slope is not None and bias.slope >= BIAS_SLOPE_FLAG and bias_share >= BIAS_SHARE_FLAG:
         flags.append("bias")
     if nonfinite:
         flags.append("nonfinite")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import SINK_OFFSETS, AttentionSpec, RingSpec
+from ..spec import AttentionSpec, RingSpec, sink_offset
 from .distributions import generate
 
 
@@ -30,7 +30,7 @@ def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
         _, _, v, dout = generate(distribution, spec.replace(head_dim=spec.dv, v_head_dim=None), gen, ring)
     sinks = None
     if spec.sinks is not None:
-        sinks = (SINK_OFFSETS[spec.sinks] + torch.randn(spec.heads, generator=gen)).to(device)
+        sinks = (sink_offset(spec.sinks, spec.seq_len) + torch.randn(spec.heads, generator=gen)).to(device)
     dt = spec.torch_dtype
     return Inputs(*(t.to(dt).to(device) for t in (q, k, v, dout)), sinks=sinks)
 

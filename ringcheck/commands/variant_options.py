@@ -1,0 +1,162 @@
+"""The attention variants a command runs at, as its users spell them: one meaning for every
+command (drift, the property suites, validate) and its flags.
+
+    --documents LEN,LEN,...   explicit document lengths (with --pad they add up to seq_len)
+    --documents random:K      K seeded random lengths that include the adversarial placements:
+                              a boundary on a rank boundary and on a zig-zag chunk boundary, a
+                              document of one token (where the layout allows it)
+    --pad N                   N padding tokens at the tail
+    --window LEFT,RIGHT       sliding window, -1 unbounded on that side
+    --softcap X               logit softcap
+    --sinks                   seeded per-head sink logits around ln(seq_len) (so they matter)
+    --head-dim-v D            a value head dim other than the query/key one
+
+`VariantOptions.resolve(seq_len, ring, seed)` turns them into the `Variant`, sink kind and
+value head dim of one case; with ``random:K`` the documents depend on the seed and on the
+ring (per-document zig-zag needs lengths in multiples of 2P).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import RingSpec, Variant, check_int, check_positive_int, check_softcap, check_window
+
+__all__ = ["VariantOptions", "parse_documents", "parse_window"]
+
+
+def parse_documents(text: str) -> str:
+    """Check a --documents value ("LEN,LEN,..." or "random:K"); returns it unchanged."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--documents takes LEN,LEN,... or random:K, got {text!r}")
+    if text.startswith("random:"):
+        count = text.split(":", 1)[1]
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--documents random:K needs a count K >= 1, got {text!r} (e.g. random:8)")
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"--documents takes document lengths (ints >= 0) separated by commas, or random:K; "
+                         f"got {text!r} (e.g. 1000,24,3072)")
+    return text
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """A --window value "LEFT,RIGHT" as a pair (-1 unbounded)."""
+    parts = text.split(",") if isinstance(text, str) else []
+    try:
+        window = tuple(int(p) for p in parts)
+    except ValueError:
+        window = ()
+    if len(window) != 2:
+        raise ValueError(f"--window takes LEFT,RIGHT (ints, -1 for unbounded), got {text!r} (e.g. 4096,0)")
+    return check_window(window)
+
+
+@dataclass(frozen=True)
+class VariantOptions:
+    """The variant flags of a command (None / False / 0: not used)."""
+
+    documents: str | None = None
+    pad: int = 0
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    head_dim_v: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.documents is not None:
+            parse_documents(self.documents)
+        check_int("pad", self.pad, low=0)
+        if self.pad and self.documents is None:
+            raise ValueError(f"--pad {self.pad} needs --documents: padding is what follows the last document "
+                             f"(e.g. --documents random:4 --pad {self.pad})")
+        if self.window is not None:
+            object.__setattr__(self, "window", check_window(tuple(self.window)))
+        check_softcap(self.softcap)
+        if not isinstance(self.sinks, bool):
+            raise TypeError(f"sinks must be True or False, got {self.sinks!r}")
+        if self.head_dim_v is not None:
+            check_positive_int("head_dim_v", self.head_dim_v)
+
+    @property
+    def used(self) -> bool:
+        return (self.documents is not None or self.window not in (None, (-1, -1)) or self.softcap is not None
+                or self.sinks or self.head_dim_v is not None)
+
+    def describe(self) -> str:
+        """The variants in words, for headers ('plain attention (no variants)' when none)."""
+        words = []
+        if self.documents is not None:
+            words.append(f"documents {self.documents}" + (f" + {self.pad} padding" if self.pad else ""))
+        if self.window not in (None, (-1, -1)):
+            words.append(f"window {self.window[0]},{self.window[1]}")
+        if self.softcap is not None:
+            words.append(f"softcap {self.softcap:g}")
+        if self.sinks:
+            words.append("sinks")
+        if self.head_dim_v is not None:
+            words.append(f"head_dim_v {self.head_dim_v}")
+        return ", ".join(words) if words else "plain attention (no variants)"
+
+    def to_json(self) -> dict:
+        """The options that are set (an empty dict for plain attention)."""
+        doc: dict = {}
+        if self.documents is not None:
+            doc.update(documents=self.documents, pad=self.pad)
+        if self.window not in (None, (-1, -1)):
+            doc["window"] = list(self.window)
+        if self.softcap is not None:
+            doc["softcap"] = self.softcap
+        if self.sinks:
+            doc["sinks"] = True
+        if self.head_dim_v is not None:
+            doc["head_dim_v"] = self.head_dim_v
+        return doc
+
+    def resolve(self, seq_len: int, ring: RingSpec, seed: int = 0) -> tuple[Variant, str | None, int | None]:
+        """(Variant, sink kind or None, value head dim or None) of one case."""
+        cu = None if self.documents is None else tuple(self._boundaries(seq_len, ring, seed))
+        if ring.layout == "zigzag_docs" and cu is None:
+            raise ValueError("the zigzag_docs layout balances documents: give --documents (e.g. random:8)")
+        variant = Variant(cu_seqlens=cu, window=self.window or (-1, -1), softcap=self.softcap)
+        return variant, ("typical" if self.sinks else None), self.head_dim_v
+
+    def _boundaries(self, seq_len: int, ring: RingSpec, seed: int) -> list[int]:
+        total = seq_len - self.pad
+        if total < 0:
+            raise ValueError(f"--pad {self.pad} is longer than the sequence (seq_len={seq_len})")
+        if self.documents.startswith("random:"):
+            lengths = _random_lengths(int(self.documents.split(":")[1]), total, seq_len, ring, seed)
+        else:
+            lengths = [int(p) for p in self.documents.split(",")]
+            if sum(lengths) != total:
+                raise ValueError(f"--documents {self.documents} adds up to {sum(lengths)} tokens, but seq_len={seq_len} "
+                                 f"minus --pad {self.pad} leaves {total}; make the lengths add up to {total}")
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return cu
+
+
+def _random_lengths(count: int, total: int, seq_len: int, ring: RingSpec, seed: int) -> list[int]:
+    """`count` seeded document lengths adding up to `total`, with boundaries on a rank and on a
+    zig-zag chunk boundary and a one-token document where the layout allows them."""
+    unit = 2 * ring.world_size if ring.layout == "zigzag_docs" else 1
+    if total % unit:
+        raise ValueError(f"the documents hold {total} tokens, not a multiple of 2 x world_size={unit} as the "
+                         f"zigzag_docs layout needs; change --seq-len or --pad")
+    wanted = [seq_len // ring.world_size, seq_len // (2 * ring.world_size)]  # a rank, a chunk boundary
+    cuts = {c for c in wanted[:count - 1] if 0 < c < total and c % unit == 0}
+    if unit == 1 and count >= 4 and total >= 4:  # a document of one token in the middle
+        cuts |= {total // 2, total // 2 + 1}
+    gen = torch.Generator().manual_seed(7919 * seed + count)
+    free = [c for c in range(unit, total, unit) if c not in cuts]
+    extra = max(count - 1 - len(cuts), 0)
+    for i in torch.randperm(len(free), generator=gen)[:extra].tolist():
+        cuts.add(free[i])
+    edges = [0, *sorted(cuts)[:count - 1], total]
+    edges += [total] * (count + 1 - len(edges))  # too short to cut: empty documents at the end
+    return [b - a for a, b in zip(edges, edges[1:])]
