@@ -1,6 +1,7 @@
 """The GPU check, one command on a CUDA machine: ``python -m benchmarks.gpu_check`` (repo root).
 
-1. Runs the backend suites (`suites/test_triton_backend.py`, `suites/test_flash_attn_backend.py`)
+1. Runs the backend suites (`suites/test_triton_backend.py`, `suites/test_triton_variants.py`: band
+   masks, softcap and d_v != d_qk, `suites/test_flash_attn_backend.py`)
    in a child pytest with the Triton kernels compiled for the GPU (TRITON_INTERPRET removed
    from its environment): the ring cases on CUDA tensors with the Triton and PyTorch backends,
    the GPU-only cases, and flash-attn where it is installed.
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SUITES = ("suites/test_triton_backend.py", "suites/test_flash_attn_backend.py")
+SUITES = ("suites/test_triton_backend.py", "suites/test_triton_variants.py", "suites/test_flash_attn_backend.py")
 HEAD_DIMS = (64, 128)
 SEQ_LENS = (4096, 16384)
 TOKENS = 16384   # batch x N

@@ -11,11 +11,14 @@ flash-attn releases (`window_size` became `window_size_left/right` in 2.7, `soft
 Three gaps between flash-attn and the contract, closed here:
 
 1. Masks. flash-attn aligns its causal mask (and its sliding window) to the *bottom-right*
-   corner: query i sees key j iff ``j <= i + sk - sq (+ window right)``. The contract's is
-   top-left with an offset: ``j <= i + diagonal``. `flash_geometry` maps one onto the other:
-   it cuts off the query rows that see no key (they get out 0, lse -inf) and the keys no row
-   sees, and on the rest uses `causal=True` when the two alignments coincide, else a window
-   `(-1, right)` with `right >= 0`. Every remaining row sees at least one key.
+   corner: query i sees key j iff ``i + sk - sq - left <= j <= i + sk - sq + right`` (window
+   ``(left, right)``, -1 unbounded). The contract's is top-left with offsets: ``j - i <= diagonal``
+   ("causal"), ``lower <= j - i <= diagonal`` ("band"). `flash_geometry` maps one onto the
+   other: it cuts off the query rows that see no key (at the top and, under a band, at the
+   bottom; they get out 0, lse -inf) and the keys no row sees (at the right and, under a band,
+   at the left), and on the rest uses `causal=True` when the two alignments coincide, else a
+   window `(left, right)` with each side >= 0 or -1 where no row reaches it. Every remaining
+   row sees at least one key.
 2. D. flash-attn's backward computes D = rowsum(dO * O) itself from the `out` it is given; the
    ring's D is that of the merged output, minus any gradient into lse. It is handed
    ``out = dO * D / |dO|^2``, whose row statistic is D (up to rounding to the input dtype,
@@ -24,6 +27,11 @@ Three gaps between flash-attn and the contract, closed here:
 3. Precision. flash-attn returns out and the gradients in the input dtype; the contract's
    float32 outputs are those values upcast, so every block pays one rounding to bf16/fp16.
    Head dims that are not a multiple of 8 are zero-padded (as flash-attn's own wrapper does).
+
+A softcap is flash-attn's own ``softcap`` argument (forward and backward, flash-attn >= 2.6:
+s = softcap tanh(scale q.k / softcap), as in the contract); an older flash-attn raises. A value
+head dim that differs from q/k's (MLA) raises NotImplementedError: flash-attn 2 requires one
+head dim for q, k and v (Dao-AILab/flash-attention#753, #952).
 
 On a machine without flash-attn, constructing the backend raises a RuntimeError that says how
 to install it; it never falls back to another backend.
@@ -37,44 +45,55 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...spec import check_softcap
 from ..layouts import check_mask
 
 MIN_VERSION = (2, 3)  # window_size (sliding-window masks) arrived in flash-attn 2.3
+SOFTCAP_VERSION = (2, 6)  # softcap (forward and backward) arrived in flash-attn 2.6
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
 class FlashGeometry:
-    """A contract block as a flash-attn call: query rows [first_row, sq) against keys
-    [0, keys), with flash-attn's bottom-right aligned `causal` flag and `window`."""
+    """A contract block as a flash-attn call: query rows [first_row, last_row) against keys
+    [first_key, keys), with flash-attn's bottom-right aligned `causal` flag and `window`."""
 
     first_row: int
     keys: int
     causal: bool
     window: tuple[int, int]
+    last_row: int
+    first_key: int
 
 
-def flash_geometry(sq: int, sk: int, mask: str, diagonal: int) -> FlashGeometry | None:
+def flash_geometry(sq: int, sk: int, mask: str, diagonal: int, lower: int = 0) -> FlashGeometry | None:
     """How the contract's mask maps onto flash-attn's; None when no query sees any key."""
-    check_mask(mask, diagonal)
+    check_mask(mask, diagonal, lower)
     if sq == 0 or sk == 0:
         return None
-    if mask == "full":
-        return FlashGeometry(0, sk, False, (-1, -1))
-    first_row = min(max(-diagonal, 0), sq)    # rows i < -diagonal see no key
-    keys = min(max(sq + diagonal, 0), sk)     # keys j > sq - 1 + diagonal are seen by no row
-    if first_row == sq or keys == 0:
+    upper = diagonal if mask in ("causal", "band") else sk   # key j is visible to query i iff
+    low = lower if mask == "band" else -sq                    # low <= j - i <= upper
+    first_row = min(max(-upper, 0), sq)   # rows i < -upper see no key
+    last_row = max(min(sq, sk - low), 0)  # rows i >= sk - low see no key
+    if low > upper or first_row >= last_row:
         return None
-    rows = sq - first_row
-    # sub-block row r (= query first_row + r) must see j <= r + first_row + diagonal;
-    # flash-attn lets it see j <= r + (keys - rows) + right
-    right = first_row + diagonal - (keys - rows)  # >= 0 since keys <= sq + diagonal
-    if right == 0:
-        return FlashGeometry(first_row, keys, True, (-1, -1))
-    if first_row + diagonal >= keys - 1:          # even the first row sees every key
-        return FlashGeometry(first_row, keys, False, (-1, -1))
-    return FlashGeometry(first_row, keys, False, (-1, right))
+    first_key = max(first_row + low, 0)   # keys below the first row's band are seen by no row
+    keys = min(last_row + upper, sk)      # keys past the last row's band are seen by no row
+    rows, n = last_row - first_row, keys - first_key
+    # sub-block row r (query first_row + r) sees sub-block key c (key first_key + c) iff
+    # low + first_row - first_key <= c - r <= upper + first_row - first_key; flash-attn lets it see
+    # offset - left <= c - r <= offset + right with offset = n - rows
+    offset = n - rows
+    right = upper + first_row - first_key - offset       # = upper + last_row - keys >= 0
+    left = offset - (low + first_row - first_key)        # = keys - last_row - low >= 0
+    if offset + right >= n - 1:       # even the first row sees the last key
+        right = -1
+    if left >= rows - 1 + offset:     # even the last row sees the first key
+        left = -1
+    if (left, right) == (-1, 0):
+        return FlashGeometry(first_row, keys, True, (-1, -1), last_row, first_key)
+    return FlashGeometry(first_row, keys, False, (left, right), last_row, first_key)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -120,32 +139,35 @@ class FlashAttnBackend:
 
     # -- the contract ----------------------------------------------------------------------
 
-    def forward(self, q, k, v, *, scale, mask, diagonal=0):
-        self._check(q, k, v, mask, diagonal)
+    def forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        softcap = self._check(q, k, v, mask, diagonal, lower, softcap)
         b, sq, h, d = q.shape
         out = torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-        g = flash_geometry(sq, k.shape[1], mask, diagonal)
+        g = flash_geometry(sq, k.shape[1], mask, diagonal, lower)
         if g is None:
             return out, lse
+        rows, keys = slice(g.first_row, g.last_row), slice(g.first_key, g.keys)
+        capped = {} if softcap is None else {"softcap": softcap}  # flash-attn < 2.6 has no such argument
         with torch.no_grad():
             o, block_lse, *_ = self._forward(
-                _pad8(q[:, g.first_row:]), _pad8(k[:, :g.keys]), _pad8(v[:, :g.keys]), dropout_p=0.0,
-                softmax_scale=float(scale), causal=g.causal, window_size=g.window, return_attn_probs=True)
-        out[:, g.first_row:] = o[..., :d].float()
-        lse[:, :, g.first_row:] = block_lse[:, :, :sq - g.first_row].float()
+                _pad8(q[:, rows]), _pad8(k[:, keys]), _pad8(v[:, keys]), dropout_p=0.0,
+                softmax_scale=float(scale), causal=g.causal, window_size=g.window, return_attn_probs=True,
+                **capped)
+        out[:, rows] = o[..., :d].float()
+        lse[:, :, rows] = block_lse[:, :, :g.last_row - g.first_row].float()
         return out, lse
 
-    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
-        self._check(q, k, v, mask, diagonal)
-        b, sq, h, d = q.shape
+    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        softcap = self._check(q, k, v, mask, diagonal, lower, softcap)
+        sq, d = q.shape[1], q.shape[3]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        g = flash_geometry(sq, k.shape[1], mask, diagonal)
+        g = flash_geometry(sq, k.shape[1], mask, diagonal, lower)
         if g is None:
             return dq, dk, dv
-        rows = slice(g.first_row, sq)
+        rows, keys = slice(g.first_row, g.last_row), slice(g.first_key, g.keys)
         do = dout[:, rows].to(q.dtype)
         row_lse, row_delta = lse[:, :, rows], delta[:, :, rows]
         # an `out` whose rowsum(dout * out) is the ring's D: out = dout * D / |dout|^2
@@ -157,18 +179,19 @@ class FlashAttnBackend:
         out_like = (do.float() * factor.transpose(1, 2).unsqueeze(-1)).to(q.dtype)
         # flash-attn marks a row without keys by lse = +inf (exp(s - lse) = 0); the ring, by -inf
         row_lse = torch.where(torch.isneginf(row_lse), float("inf"), row_lse).contiguous()
-        qs, ks, vs = (_pad8(t).contiguous() for t in (q[:, rows], k[:, :g.keys], v[:, :g.keys]))
+        qs, ks, vs = (_pad8(t).contiguous() for t in (q[:, rows], k[:, keys], v[:, keys]))
         dqs, dks, dvs = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
         self._call_backward(dout=_pad8(do).contiguous(), q=qs, k=ks, v=vs, out=_pad8(out_like).contiguous(),
-                            softmax_lse=row_lse, dq=dqs, dk=dks, dv=dvs, scale=float(scale), geometry=g)
+                            softmax_lse=row_lse, dq=dqs, dk=dks, dv=dvs, scale=float(scale), geometry=g,
+                            softcap=softcap)
         dq[:, rows] = dqs[..., :d].float()
-        dk[:, :g.keys] = dks[..., :d].float()
-        dv[:, :g.keys] = dvs[..., :d].float()
+        dk[:, keys] = dks[..., :d].float()
+        dv[:, keys] = dvs[..., :d].float()
         return dq, dk, dv
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _call_backward(self, *, dout, q, k, v, out, softmax_lse, dq, dk, dv, scale, geometry):
+    def _call_backward(self, *, dout, q, k, v, out, softmax_lse, dq, dk, dv, scale, geometry, softcap):
         kwargs = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
                       dropout_p=0.0, softmax_scale=scale, causal=geometry.causal, alibi_slopes=None,
                       deterministic=True, rng_state=None)
@@ -177,13 +200,18 @@ class FlashAttnBackend:
             kwargs["window_size"] = geometry.window
         else:                                            # 2.7+
             kwargs["window_size_left"], kwargs["window_size_right"] = geometry.window
-        if "softcap" in params:
-            kwargs["softcap"] = 0.0
+        if "softcap" in params or not params:            # 2.6+ (0.0: no cap)
+            kwargs["softcap"] = 0.0 if softcap is None else softcap
+        elif softcap is not None:
+            raise RuntimeError(f"a softcap needs flash-attn >= {'.'.join(map(str, SOFTCAP_VERSION))}, whose "
+                               f"_flash_attn_backward takes `softcap`; the installed {self.version} does not "
+                               "(`pip install -U flash-attn`, or choose backend='triton' or 'torch')")
         if params:
             kwargs = {name: value for name, value in kwargs.items() if name in params}
         self._backward(**kwargs)
 
-    def _check(self, q, k, v, mask, diagonal) -> None:
+    def _check(self, q, k, v, mask, diagonal, lower, softcap) -> float | None:
+        """Raise unless the arguments form one block flash-attn can run; returns the softcap."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim)")
@@ -191,13 +219,24 @@ class FlashAttnBackend:
         if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"flash-attn supports float16 and bfloat16 inputs, got {q.dtype}, {k.dtype}, "
                             f"{v.dtype}; use backend='triton' or 'torch' for float32")
-        if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not form one block")
+        if v.shape[3] != k.shape[3]:
+            raise NotImplementedError(
+                f"flash-attn 2 needs one head dim for q, k and v, got {k.shape[3]} (q, k) and {v.shape[3]} (v); "
+                "zero-pad the smaller one to the larger, or choose backend='triton' or 'torch', which take a "
+                "value head dim of its own")
         if q.shape[2] % k.shape[2]:
             raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
         if q.shape[3] > MAX_HEAD_DIM:
             raise ValueError(f"head_dim={q.shape[3]} is larger than flash-attn supports ({MAX_HEAD_DIM})")
-        check_mask(mask, diagonal)
+        check_mask(mask, diagonal, lower)
+        softcap = check_softcap(softcap)
+        if softcap is not None and _version(self.version) < SOFTCAP_VERSION:
+            raise RuntimeError(f"a softcap needs flash-attn >= {'.'.join(map(str, SOFTCAP_VERSION))} (its `softcap` "
+                               f"argument), found {self.version}; `pip install -U flash-attn`, or choose "
+                               "backend='triton' or 'torch'")
+        return softcap
 
     @staticmethod
     def _require_cuda(name: str, t: torch.Tensor) -> None:

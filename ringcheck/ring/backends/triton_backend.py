@@ -1,7 +1,10 @@
 """The Triton block backend: the contract of `ringcheck.ring.backends` on fused Triton kernels.
 
-Thin glue: it validates the block, decides the one numerics switch (`dot_fp32`) and calls the
-launchers of `triton_fwd` (forward) and `triton_bwd` (preprocess, dK/dV, dQ).
+Thin glue: it validates the block, maps its mask onto the kernels' switches (`mask_flags`: the
+upper bound ``CAUSAL``, the lower bound ``BAND``, each off where no row reaches it), decides the
+one numerics switch (`dot_fp32`) and calls the launchers of `triton_fwd` (forward) and
+`triton_bwd` (preprocess, dK/dV, dQ). A softcap and a value head dim of its own (MLA) are
+passed straight through: the kernels take both.
 
 Compiled or interpreted. Triton 3.x decides when a kernel is *decorated*: `@triton.jit`
 returns an interpreted function if TRITON_INTERPRET=1 is set in the environment at that
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ...spec import check_softmax_scale
+from ...spec import check_softcap, check_softmax_scale
 from ..layouts import check_mask
 
 try:
@@ -67,23 +70,27 @@ class TritonBackend:
 
     # -- the contract ----------------------------------------------------------------------
 
-    def forward(self, q, k, v, *, scale, mask, diagonal=0):
-        self._check(q=q, k=k, v=v, scale=scale, mask=mask, diagonal=diagonal)
-        return attention_forward(q, k, v, scale=scale, causal=mask == "causal", diagonal=diagonal,
-                                 dot_fp32=self.dot_fp32(q.dtype))
+    def forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        softcap = self._check(q=q, k=k, v=v, scale=scale, mask=mask, diagonal=diagonal, lower=lower,
+                              softcap=softcap)
+        flags = mask_flags(mask, diagonal, lower, q.shape[1], k.shape[1])
+        return attention_forward(q, k, v, scale=scale, **flags, softcap=softcap, dot_fp32=self.dot_fp32(q.dtype))
 
-    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0):
-        self._check(q=q, k=k, v=v, scale=scale, mask=mask, diagonal=diagonal)
+    def backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        softcap = self._check(q=q, k=k, v=v, scale=scale, mask=mask, diagonal=diagonal, lower=lower,
+                              softcap=softcap)
         b, sq, h, _ = q.shape
-        if dout.shape != q.shape or dout.device != q.device:
-            raise ValueError(f"dout must be like q {tuple(q.shape)} on {q.device}, got "
-                             f"{tuple(dout.shape)} on {dout.device}")
+        out_shape = (b, sq, h, v.shape[3])
+        if tuple(dout.shape) != out_shape or dout.device != q.device:
+            raise ValueError(f"dout must be like the output (batch, sq, heads, v_head_dim) = {out_shape} on "
+                             f"{q.device}, got {tuple(dout.shape)} on {dout.device}")
         for name, t in (("lse", lse), ("delta", delta)):
             if t.shape != (b, h, sq) or t.dtype != torch.float32 or t.device != q.device:
                 raise ValueError(f"{name} must be float32 of shape (batch, heads, sq) = {(b, h, sq)} on "
                                  f"{q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-        return attention_backward(q, k, v, dout.to(q.dtype), lse, delta, scale=scale,
-                                  causal=mask == "causal", diagonal=diagonal, dot_fp32=self.dot_fp32(q.dtype))
+        flags = mask_flags(mask, diagonal, lower, sq, k.shape[1])
+        return attention_backward(q, k, v, dout.to(q.dtype), lse, delta, scale=scale, **flags, softcap=softcap,
+                                  dot_fp32=self.dot_fp32(q.dtype))
 
     def row_delta(self, out, dout):
         """D = rowsum(dout * out), float32 (batch, heads, seq): the backward's preprocess kernel
@@ -105,7 +112,8 @@ class TritonBackend:
             "(e.g. `TRITON_INTERPRET=1 python -m pytest suites`); the test suites' conftest does that "
             "on machines without CUDA")
 
-    def _check(self, *, q, k, v, scale, mask, diagonal) -> None:
+    def _check(self, *, q, k, v, scale, mask, diagonal, lower, softcap) -> float | None:
+        """Raise unless the arguments form one block; returns the softcap (None or a float)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim), got "
@@ -115,16 +123,32 @@ class TritonBackend:
                             f"{q.dtype}, {k.dtype}, {v.dtype}")
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-        if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not form one "
-                             "block: k and v must match, and agree with q on batch and head_dim")
+                             "block: k and v must agree on (batch, seq, kv_heads), q and k on batch and "
+                             "head_dim (v may have a head dim of its own)")
         if q.shape[2] % k.shape[2]:
             raise ValueError(f"heads={q.shape[2]} (q) is not divisible by kv_heads={k.shape[2]} (k, v)")
-        if q.shape[3] > MAX_HEAD_DIM:
-            raise ValueError(f"head_dim={q.shape[3]} is larger than the Triton kernels support ({MAX_HEAD_DIM})")
-        check_mask(mask, diagonal)
+        if max(q.shape[3], v.shape[3]) > MAX_HEAD_DIM:
+            raise ValueError(f"head dims {q.shape[3]} (q, k) and {v.shape[3]} (v): the Triton kernels support "
+                             f"up to {MAX_HEAD_DIM}")
+        check_mask(mask, diagonal, lower)
         check_softmax_scale(scale, q.shape[3])
+        softcap = check_softcap(softcap)
         self._check_device(q)
+        return softcap
+
+
+def mask_flags(mask: str, diagonal: int, lower: int, sq: int, sk: int) -> dict:
+    """The kernels' mask switches for a (sq, sk) block: ``causal`` (the bound j - i <= diagonal
+    applies) and ``band`` (j - i >= lower applies), each off where no row reaches it (a band
+    whose bound lies outside the block costs no masking), and both offsets clamped to
+    [-sq, sk], which leaves the mask as it is and keeps them int32."""
+    def clamp(x: int) -> int:
+        return min(max(x, -sq), sk)
+    causal = mask in ("causal", "band") and diagonal < sk - 1   # key sk - 1 is past some row's bound
+    band = mask == "band" and lower > 1 - sq                    # key 0 is below some row's bound
+    return {"causal": causal, "band": band, "diagonal": clamp(diagonal), "lower": clamp(lower)}
 
 
 # -- ahead-of-time compilation, without a GPU -------------------------------------------------
@@ -159,45 +183,52 @@ def _ast_source(kernel, args: dict, constexprs: dict):
 
 def compile_for_gpu(*, arch: int = 90, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                     causal: bool = True, dot_fp32: bool | None = None, seq: int = 4096,
-                    heads: int = 8, kv_heads: int = 2) -> dict[str, int]:
+                    heads: int = 8, kv_heads: int = 2, v_head_dim: int | None = None,
+                    band: bool = False, softcap: bool = False) -> dict[str, int]:
     """Compile the four kernels for an NVIDIA GPU of compute capability `arch` on a machine
     without one (Triton ships ptxas), as a launch on contiguous (1, seq, heads, head_dim)
-    tensors would; returns each kernel's shared memory in bytes. This catches on a CPU what
-    the interpreter lets through (types, constexpr scoping, shared-memory size). Needs the
-    compiled kernels: a process without TRITON_INTERPRET."""
+    tensors (v: `v_head_dim`, default head_dim) would, with the mask switches `causal` and
+    `band` and the softcap switch; returns each kernel's shared memory in bytes. This catches
+    on a CPU what the interpreter lets through (types, constexpr scoping, shared-memory size).
+    Needs the compiled kernels: a process without TRITON_INTERPRET."""
     import triton  # optional dependency: triton (GPU compilation only)
     from triton.backends.compiler import GPUTarget
 
     if is_interpreted():
         raise RuntimeError("compile_for_gpu needs the compiled kernels; run it in a process without TRITON_INTERPRET")
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     flag = TritonBackend(dot_fp32=dot_fp32).dot_fp32(dtype)
-    pad = triton_fwd.head_dim_pad(head_dim)
+    pad, v_pad = triton_fwd.head_dim_pad(head_dim), triton_fwd.head_dim_pad(v_head_dim)
     target = GPUTarget("cuda", arch, 32)
     group = heads // kv_heads
 
-    def strides(prefix, h, letters="bshd"):
-        shape = dict(b=1, s=seq, h=h, d=head_dim)
+    def strides(prefix, h, d, letters="bshd"):
+        shape = dict(b=1, s=seq, h=h, d=d)
         values, step = {}, 1
         for letter in reversed(letters):  # contiguous, innermost last
             values[f"stride_{prefix}{letter}"] = step
             step *= shape[letter]
         return values
 
-    ints = dict(heads=heads, kv_heads=kv_heads, group=group, sq=seq, sk=seq, seq=seq, diagonal=0, sm_scale=0.125)
-    for prefix, h in (("q", heads), ("o", heads), ("do", heads), ("dq", heads),
-                      ("k", kv_heads), ("v", kv_heads), ("dk", kv_heads), ("dv", kv_heads)):
-        ints |= strides(prefix, h)
+    ints = dict(heads=heads, kv_heads=kv_heads, group=group, sq=seq, sk=seq, seq=seq, diagonal=0,
+                lower=-seq // 8, sm_scale=0.125, softcap=30.0)
+    for prefix, h, d in (("q", heads, head_dim), ("dq", heads, head_dim), ("o", heads, v_head_dim),
+                         ("do", heads, v_head_dim), ("k", kv_heads, head_dim), ("dk", kv_heads, head_dim),
+                         ("v", kv_heads, v_head_dim), ("dv", kv_heads, v_head_dim)):
+        ints |= strides(prefix, h, d)
     for prefix in ("l", "d"):
-        ints |= strides(prefix, heads, "bhs")
+        ints |= strides(prefix, heads, 1, "bhs")
     pointers = dict(Q=dtype, K=dtype, V=dtype, DO=dtype, Out=torch.float32, O=torch.float32, Lse=torch.float32,
                     Delta=torch.float32, DQ=torch.float32, DK=torch.float32, DV=torch.float32)
-    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, CAUSAL=causal, DOT_FP32=flag)
-    dkdv_config, dq_config = triton_bwd.bwd_config(pad, flag)
-    jobs = [("forward", triton_fwd._attn_fwd, triton_fwd.fwd_config(pad, flag), common),
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, HEAD_DIM_V=v_head_dim, HEAD_DIM_V_PAD=v_pad,
+                  CAUSAL=causal, BAND=band, SOFTCAP=softcap, DOT_FP32=flag)
+    widest = max(pad, v_pad)
+    dkdv_config, dq_config = triton_bwd.bwd_config(widest, flag)
+    jobs = [("forward", triton_fwd._attn_fwd, triton_fwd.fwd_config(widest, flag), common),
             ("backward dK/dV", triton_bwd._attn_bwd_dkdv, dkdv_config, common),
             ("backward dQ", triton_bwd._attn_bwd_dq, dq_config, common),
             ("backward preprocess", triton_bwd._attn_bwd_preprocess, dict(BLOCK_M=64),
-             dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad))]
+             dict(HEAD_DIM=v_head_dim, HEAD_DIM_PAD=v_pad))]
     shared = {}
     for name, kernel, config, consts in jobs:
         config = dict(config)

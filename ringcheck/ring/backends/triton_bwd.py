@@ -5,19 +5,23 @@ the dK/dV inner loop and kernel, the dQ inner loop and kernel, then the launcher
 
 The ring's backward differs from a single-device backward in one way: the softmax
 statistics are the *merged* ones of the whole ring. A block's probabilities are
-``P = exp(scale q k^T - lse)`` with ``lse`` the merged log-sum-exp of the query row over every
-K/V chunk, and ``dS = P (dP - D)`` with ``D = rowsum(dO * O)`` of the merged output (minus
-any gradient flowing into lse, which the ring folds into D). So these kernels take lse and D
-as inputs and recompute nothing of the forward but the block's scores.
+``P = exp(S - lse)`` (S = scale q k^T, or softcap tanh(scale q k^T / softcap) under ``SOFTCAP``)
+with ``lse`` the merged log-sum-exp of the query row over every K/V chunk, and
+``dS = P (dP - D)`` with ``D = rowsum(dO * O)`` of the merged output (minus any gradient flowing
+into lse, which the ring folds into D). So these kernels take lse and D as inputs and
+recompute nothing of the forward but the block's scores.
 
-    dV = P^T dO        dP = dO V^T        dS = P (dP - D)
+    dV = P^T dO        dP = dO V^T        dS = P (dP - D)  [x (1 - tanh^2) under a softcap]
     dQ = scale dS K    dK = scale dS^T Q
+
+dO and dV are as wide as V (``HEAD_DIM_V``), dQ and dK as q and k (``HEAD_DIM``).
 
 Rows with lse = -inf (no visible key anywhere in the ring) get P = 0, hence zero gradients.
 Grouped-query attention: a dK/dV program owns one K/V head and loops over the query heads of
 its group, so dK and dV are summed in registers, without atomics, in a fixed order (the
-result does not depend on scheduling). Masks, padding and the `DOT_FP32` switch are those of
-`triton_fwd`.
+result does not depend on scheduling). Masks (``CAUSAL``, ``BAND``; `_query_tiles` is the
+dK/dV twin of the forward's `_key_tiles`: query tiles outside the band are skipped), padding
+and the `DOT_FP32` switch are those of `triton_fwd`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _load_tile, _mm, head_dim_pad, is_interpreted
+from .triton_fwd import _key_tiles, _load_tile, _mm, _tanh, _visible, head_dim_pad, head_dims, is_interpreted
 
 # ---------------------------------------------------------------------------------------------
 # preprocess: D = rowsum(dO * O)
@@ -67,31 +71,60 @@ def _load_row_stats(Lse, Delta, offs_m, stride_ls, stride_ds, sq):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _query_tiles(n0, sq, diagonal, lower, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, BAND: tl.constexpr):
+    """For the K/V tile [n0, n0 + BLOCK_N): the rows in [lo, hi) are all that see one of its
+    keys (tiles from lo, which is tile-aligned); the query tiles in [full_lo, full_hi) see every
+    key of it (no mask), those in [lo, full_lo) and [full_hi, hi) need the mask."""
+    lo = 0
+    hi = sq
+    full_lo = 0
+    full_hi = sq
+    if CAUSAL:
+        # row i sees key n0 from i >= n0 - diagonal on, the whole tile from i >= n0 + BLOCK_N - 1 - diagonal
+        lo = tl.maximum(n0 - diagonal, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M) * BLOCK_M
+    if BAND:
+        # row i sees the last key n0 + BLOCK_N - 1 up to i <= n0 + BLOCK_N - 1 - lower, the whole tile up to n0 - lower
+        hi = tl.minimum(tl.maximum(n0 + BLOCK_N - lower, 0), sq)
+        full_hi = tl.maximum(n0 - lower + 1, 0) // BLOCK_M * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta,
                          stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_ds,
-                         offs_n, offs_d, lo, hi, sq, sk, diagonal, qk_scale,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ON_BAND: tl.constexpr,
-                         DOT_FP32: tl.constexpr):
+                         offs_n, offs_d, offs_dv, lo, hi, sq, sk, diagonal, lower, sm_scale, softcap,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                         SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(Q, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
-        do = _load_tile(DO, offs_m, offs_d, stride_dos, stride_dod, sq, HEAD_DIM)
+        do = _load_tile(DO, offs_m, offs_dv, stride_dos, stride_dod, sq, HEAD_DIM_V)
         lse2, delta = _load_row_stats(Lse, Delta, offs_m, stride_ls, stride_ds, sq)
-        # transposed scores: keys along rows, queries along columns
-        qkT = _mm(k, tl.trans(q), DOT_FP32) * qk_scale                 # (BLOCK_N, BLOCK_M)
-        visible = (offs_n[:, None] < sk) & (offs_m[None, :] < sq)
-        if ON_BAND:
-            visible = visible & (offs_n[:, None] <= offs_m[None, :] + diagonal)
-        pT = tl.math.exp2(tl.where(visible, qkT - lse2[None, :], float("-inf")))  # 0 where masked
+        # transposed scores: keys along rows, queries along columns, log2 units
+        qkT = _mm(k, tl.trans(q), DOT_FP32)                             # (BLOCK_N, BLOCK_M)
+        if SOFTCAP:
+            tT = _tanh(qkT * (sm_scale / softcap))
+            sT = tT * (softcap * 1.4426950408889634)
+        else:
+            sT = qkT * (sm_scale * 1.4426950408889634)
+        visible = _visible(offs_m[None, :], offs_n[:, None], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
+        pT = tl.math.exp2(tl.where(visible, sT - lse2[None, :], float("-inf")))  # 0 where masked
         dv += _mm(pT, do, DOT_FP32)
         dpT = _mm(v, tl.trans(do), DOT_FP32)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)                                 # tanh': d s / d (scale q.k)
         dk += _mm(dsT, q, DOT_FP32)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, diagonal,
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, softcap, diagonal, lower,
                    stride_qb, stride_qs, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
@@ -102,9 +135,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, diagonal,
                    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
                    kv_heads, group, sq, sk,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
-    tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
+                   CAUSAL: tl.constexpr, BAND: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
+    tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD and HEAD_DIM_V <= HEAD_DIM_V_PAD)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     start_n = tl.program_id(0)
     off_bkv = tl.program_id(1)
@@ -113,47 +147,46 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, diagonal,
     n0 = start_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     k = _load_tile(K + off_b * stride_kb + off_kvh.to(tl.int64) * stride_kh, offs_n, offs_d,
                    stride_ks, stride_kd, sk, HEAD_DIM)
-    v = _load_tile(V + off_b * stride_vb + off_kvh.to(tl.int64) * stride_vh, offs_n, offs_d,
-                   stride_vs, stride_vd, sk, HEAD_DIM)
+    v = _load_tile(V + off_b * stride_vb + off_kvh.to(tl.int64) * stride_vh, offs_n, offs_dv,
+                   stride_vs, stride_vd, sk, HEAD_DIM_V)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    qk_scale = sm_scale * 1.44269504  # 1/ln(2)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
 
-    if CAUSAL:
-        # the first row that sees a key of this tile: i >= n0 - diagonal
-        lo = tl.maximum(n0 - diagonal, 0) // BLOCK_M * BLOCK_M
-        # rows from `band` on see every key of the tile (i >= n0 + BLOCK_N - 1 - diagonal):
-        # off-band; the query tiles in [lo, band) are on-band
-        band = tl.maximum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diagonal, 0), BLOCK_M) * BLOCK_M, lo)
+    lo, full_lo, full_hi, hi = _query_tiles(n0, sq, diagonal, lower, BLOCK_M, BLOCK_N, CAUSAL, BAND)
     for g in range(group):  # the query heads that share this K/V head
         off_h = (off_kvh * group + g).to(tl.int64)
         Qh = Q + off_b * stride_qb + off_h * stride_qh
         DOh = DO + off_b * stride_dob + off_h * stride_doh
         Lseh = Lse + off_b * stride_lb + off_h * stride_lh
         Deltah = Delta + off_b * stride_db + off_h * stride_dh
-        if CAUSAL:
+        if CAUSAL or BAND:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah,
                                           stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_ds,
-                                          offs_n, offs_d, lo, tl.minimum(band, sq), sq, sk, diagonal, qk_scale,
-                                          HEAD_DIM, BLOCK_M, True, DOT_FP32)
+                                          offs_n, offs_d, offs_dv, lo, full_lo, sq, sk, diagonal, lower,
+                                          sm_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                          True, CAUSAL, BAND, SOFTCAP, DOT_FP32)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah,
+                                      stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_ds,
+                                      offs_n, offs_d, offs_dv, full_lo, full_hi, sq, sk, diagonal, lower,
+                                      sm_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                      False, CAUSAL, BAND, SOFTCAP, DOT_FP32)
+        if CAUSAL or BAND:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah,
                                           stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_ds,
-                                          offs_n, offs_d, band, sq, sq, sk, diagonal, qk_scale,
-                                          HEAD_DIM, BLOCK_M, False, DOT_FP32)
-        else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, Lseh, Deltah,
-                                          stride_qs, stride_qd, stride_dos, stride_dod, stride_ls, stride_ds,
-                                          offs_n, offs_d, 0, sq, sq, sk, diagonal, qk_scale,
-                                          HEAD_DIM, BLOCK_M, False, DOT_FP32)
+                                          offs_n, offs_d, offs_dv, full_hi, hi, sq, sk, diagonal, lower,
+                                          sm_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                          True, CAUSAL, BAND, SOFTCAP, DOT_FP32)
 
     dk *= sm_scale
-    mask = (offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM)
     DK += off_b * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
     DV += off_b * stride_dvb + off_kvh.to(tl.int64) * stride_dvh
-    tl.store(DK + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk, mask=mask)
-    tl.store(DV + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv, mask=mask)
+    tl.store(DK + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk,
+             mask=(offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv,
+             mask=(offs_n[:, None] < sk) & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,26 +195,32 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, diagonal,
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
-                       offs_m, offs_d, lo, hi, sq, sk, diagonal, qk_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ON_BAND: tl.constexpr,
-                       DOT_FP32: tl.constexpr):
+                       offs_m, offs_d, offs_dv, lo, hi, sq, sk, diagonal, lower, sm_scale, softcap,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MASKED: tl.constexpr, CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                       SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(K, offs_n, offs_d, stride_ks, stride_kd, sk, HEAD_DIM)
-        v = _load_tile(V, offs_n, offs_d, stride_vs, stride_vd, sk, HEAD_DIM)
-        qk = _mm(q, tl.trans(k), DOT_FP32) * qk_scale                   # (BLOCK_M, BLOCK_N)
-        visible = (offs_n[None, :] < sk) & (offs_m[:, None] < sq)
-        if ON_BAND:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + diagonal)
-        p = tl.math.exp2(tl.where(visible, qk - lse2[:, None], float("-inf")))  # 0 where masked
+        v = _load_tile(V, offs_n, offs_dv, stride_vs, stride_vd, sk, HEAD_DIM_V)
+        qk = _mm(q, tl.trans(k), DOT_FP32)                              # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:
+            t = _tanh(qk * (sm_scale / softcap))
+            s = t * (softcap * 1.4426950408889634)
+        else:
+            s = qk * (sm_scale * 1.4426950408889634)
+        visible = _visible(offs_m[:, None], offs_n[None, :], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
+        p = tl.math.exp2(tl.where(visible, s - lse2[:, None], float("-inf")))  # 0 where masked
         dp = _mm(do, tl.trans(v), DOT_FP32)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += _mm(ds, k, DOT_FP32)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, diagonal,
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, softcap, diagonal, lower,
                  stride_qb, stride_qs, stride_qh, stride_qd,
                  stride_kb, stride_ks, stride_kh, stride_kd,
                  stride_vb, stride_vs, stride_vh, stride_vd,
@@ -191,9 +230,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, diagonal,
                  stride_dqb, stride_dqs, stride_dqh, stride_dqd,
                  heads, group, sq, sk,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
-    tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
+                 CAUSAL: tl.constexpr, BAND: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
+    tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD and HEAD_DIM_V <= HEAD_DIM_V_PAD)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -206,28 +246,26 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, diagonal,
     m0 = start_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     q = _load_tile(Q + off_b * stride_qb + off_h * stride_qh, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
-    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_d, stride_dos, stride_dod,
-                    sq, HEAD_DIM)
+    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_dv, stride_dos, stride_dod,
+                    sq, HEAD_DIM_V)
     lse2, delta = _load_row_stats(Lse + off_b * stride_lb + off_h * stride_lh,
                                   Delta + off_b * stride_db + off_h * stride_dh, offs_m, stride_ls, stride_ds, sq)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    qk_scale = sm_scale * 1.44269504  # 1/ln(2)
 
-    if CAUSAL:
-        # the same split as the forward kernel
-        hi = tl.minimum(tl.maximum(m0 + BLOCK_M + diagonal, 0), sk)
-        band = tl.minimum(tl.maximum(m0 + diagonal + 1, 0) // BLOCK_N * BLOCK_N, hi)
+    # the same split as the forward kernel
+    lo, full_lo, full_hi, hi = _key_tiles(m0, sk, diagonal, lower, BLOCK_M, BLOCK_N, CAUSAL, BAND)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
+                            offs_m, offs_d, offs_dv, full_lo, full_hi, sq, sk, diagonal, lower, sm_scale, softcap,
+                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, BAND, SOFTCAP, DOT_FP32)
+    if CAUSAL or BAND:
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
-                                offs_m, offs_d, 0, band, sq, sk, diagonal, qk_scale,
-                                HEAD_DIM, BLOCK_N, False, DOT_FP32)
+                                offs_m, offs_d, offs_dv, lo, full_lo, sq, sk, diagonal, lower, sm_scale, softcap,
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, BAND, SOFTCAP, DOT_FP32)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
-                                offs_m, offs_d, band, hi, sq, sk, diagonal, qk_scale,
-                                HEAD_DIM, BLOCK_N, True, DOT_FP32)
-    else:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
-                                offs_m, offs_d, 0, sk, sq, sk, diagonal, qk_scale,
-                                HEAD_DIM, BLOCK_N, False, DOT_FP32)
+                                offs_m, offs_d, offs_dv, full_hi, hi, sq, sk, diagonal, lower, sm_scale, softcap,
+                                HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, CAUSAL, BAND, SOFTCAP, DOT_FP32)
 
     dq *= sm_scale
     DQ += off_b * stride_dqb + off_h * stride_dqh
@@ -272,11 +310,13 @@ def attention_row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                       lse: torch.Tensor, delta: torch.Tensor, *, scale: float, causal: bool,
-                       diagonal: int, dot_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       lse: torch.Tensor, delta: torch.Tensor, *, scale: float, causal: bool, band: bool,
+                       diagonal: int, lower: int, softcap: float | None,
+                       dot_fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 (dq, dk, dv) of one block given the merged lse and D (b, h, sq); inputs
-    already validated."""
-    b, sq, h, d = q.shape
+    already validated (dout (b, sq, h, dv) like the output). The mask flags and `softcap` are
+    those of `triton_fwd.attention_forward`."""
+    b, sq, h, _ = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     if min(b, sq, sk, h) == 0:
         return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
@@ -286,15 +326,17 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    pad = head_dim_pad(d)
+    dims = head_dims(q, v)
     group = h // kvh
-    common = dict(HEAD_DIM=d, HEAD_DIM_PAD=pad, CAUSAL=bool(causal), DOT_FP32=bool(dot_fp32))
+    common = dict(**dims, CAUSAL=bool(causal), BAND=bool(band), SOFTCAP=softcap is not None,
+                  DOT_FP32=bool(dot_fp32))
+    runtime = (float(scale), 1.0 if softcap is None else float(softcap), int(diagonal), int(lower))
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
-    dkdv_config, dq_config = bwd_config(pad, dot_fp32)
+    dkdv_config, dq_config = bwd_config(max(dims["HEAD_DIM_PAD"], dims["HEAD_DIM_V_PAD"]), dot_fp32)
     _attn_bwd_dkdv[(triton.cdiv(sk, dkdv_config["BLOCK_N"]), b * kvh)](
-        q, k, v, dout, lse, delta, dk, dv, float(scale), int(diagonal),
+        q, k, v, dout, lse, delta, dk, dv, *runtime,
         *strides, *dk.stride(), *dv.stride(), kvh, group, sq, sk, **common, **dkdv_config)
     _attn_bwd_dq[(triton.cdiv(sq, dq_config["BLOCK_M"]), b * h)](
-        q, k, v, dout, lse, delta, dq, float(scale), int(diagonal),
+        q, k, v, dout, lse, delta, dq, *runtime,
         *strides, *dq.stride(), h, group, sq, sk, **common, **dq_config)
     return dq, dk, dv
