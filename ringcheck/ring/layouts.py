@@ -298,4 +298,39 @@ def variant_plan(layout: str, q_rank: int, kv_rank: int, world_size: int, local_
             uppers = [(qg - kg + r) // stride for r in ((0,) if causal else ()) + ((right,) if right >= 0 else ())]
             lowers = [-((kg - qg + left) // stride)] if left >= 0 else []  # ceil((qg - kg - left) / S)
             blocks += _band_blocks(qa, qb - qa, ka, kb - ka, min(uppers, default=None), max(lowers, default=None))
-    return tuple(blocks)
+    return tuple(_coalesce(blocks))
+
+
+def _coalesce(blocks: list[Block]) -> list[Block]:
+    """Full blocks against one key range whose query rows are adjacent become one block (a
+    zig-zag rank's two chunks of a document against a visiting chunk): fewer kernel calls,
+    the same pairs."""
+    merged: list[Block] = []
+    for block in sorted(blocks, key=lambda b: (b.mask != "full", b.kv.start, b.kv.stop, b.q.start)):
+        last = merged[-1] if merged else None
+        if (last is not None and block.mask == last.mask == "full" and block.kv == last.kv
+                and block.q.start == last.q.stop):
+            merged[-1] = Block(slice(last.q.start, block.q.stop), block.kv, "full")
+        else:
+            merged.append(block)
+    return _join_diagonals(merged)
+
+
+def _join_diagonals(blocks: list[Block]) -> list[Block]:
+    """Two causal squares on the diagonal ([a, b) and [b, c), rows = keys) and the full block
+    between them (rows [b, c), keys [a, b)) are one causal square [a, c): a rank's own two
+    chunks of a document."""
+    squares = {b.q.start: b for b in blocks if b.mask == "causal" and b.diagonal == 0 and b.q == b.kv}
+    fulls = {(b.q.start, b.q.stop, b.kv.start, b.kv.stop): b for b in blocks if b.mask == "full"}
+    for start in sorted(squares):
+        first = squares.get(start)
+        second = squares.get(first.q.stop) if first is not None else None
+        between = None if second is None else fulls.get((second.q.start, second.q.stop, first.q.start,
+                                                         first.q.stop))
+        if between is None:
+            continue
+        joined = Block(slice(first.q.start, second.q.stop), slice(first.q.start, second.q.stop), "causal", 0)
+        blocks = [b for b in blocks if b is not first and b is not second and b is not between] + [joined]
+        del squares[second.q.start]
+        squares[start] = joined
+    return blocks
