@@ -7,7 +7,7 @@ import pytest
 
 from ringcheck.cli import main
 from ringcheck.commands.drift import DriftSpec, run_drift
-from ringcheck.commands.variant_options import VariantOptions, parse_documents, parse_window
+from ringcheck.judge.variant_options import VariantOptions, parse_documents, parse_window
 from ringcheck.spec import RingSpec
 
 

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import time
 
-from ..commands.variant_options import VariantOptions, parse_documents, parse_window
+from ..judge.variant_options import VariantOptions, parse_documents, parse_window
 from ..documents import meta
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -58,7 +58,7 @@ def _checked(parse):
 
 
 def add_variant_flags(parser: argparse.ArgumentParser) -> None:
-    """The attention-variant flags (`ringcheck.commands.variant_options`), one meaning everywhere."""
+    """The attention-variant flags (`ringcheck.judge.variant_options`), one meaning everywhere."""
     g = parser.add_argument_group("attention variants (default: plain attention)")
     g.add_argument("--documents", type=_checked(parse_documents), default=None, metavar="LEN,LEN,...|random:K",
                    help="packed documents: explicit lengths (with --pad they add up to the sequence length) or K "

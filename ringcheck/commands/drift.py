@@ -47,7 +47,7 @@ from ..ring.backends import BACKENDS
 from ..ring.layouts import positions
 from ..ring.loops import ACCUMULATIONS, StepObserver
 from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
-from .variant_options import VariantOptions
+from ..judge.variant_options import VariantOptions
 from .drift_model import (
     FLAGS,
     PER_HEAD_RULE,

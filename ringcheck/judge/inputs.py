@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import AttentionSpec, RingSpec, sink_offset
-from .distributions import generate
+from .distributions import generate, min_head_dim
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,11 @@ def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
     gen = torch.Generator().manual_seed(int(seed))
     q, k, v, dout = generate(distribution, spec, gen, ring)
     if spec.dv != spec.head_dim:  # values (and dout) of their own head dim, same distribution
-        _, _, v, dout = generate(distribution, spec.replace(head_dim=spec.dv, v_head_dim=None), gen, ring)
+        v_spec = spec.replace(head_dim=spec.dv, v_head_dim=None)
+        # a distribution that places its maxima in q.k directions (late-max) needs a head dim
+        # wide enough for them; v's head dim then draws normal values (v does not place maxima)
+        v_dist = distribution if spec.dv >= min_head_dim(distribution, ring) else "normal"
+        _, _, v, dout = generate(v_dist, v_spec, gen, ring)
     sinks = None
     if spec.sinks is not None:
         sinks = (sink_offset(spec.sinks, spec.seq_len) + torch.randn(spec.heads, generator=gen)).to(device)

@@ -24,6 +24,7 @@ import traceback
 import pytest
 from hypothesis import settings
 
+from ..judge.variant_options import VariantOptions, parse_window
 from ..launch import LocalRings, TorchrunWorld, from_torchrun_env
 from .strategies import PROFILES
 
@@ -70,6 +71,36 @@ def pytest_report_header(config):
 def search_profile(pytestconfig):
     """The `ringcheck.testing.strategies.Profile` selected with --profile (its size bounds)."""
     return PROFILES[pytestconfig.getoption("--profile")]
+
+
+# --- attention variants (ringcheck.judge.variant_options) -------------------------------------
+
+def _add_variant_options(parser) -> None:
+    group = parser.getgroup("ringcheck variants", "attention variants for the variant property suites "
+                                                  "(default: drawn at random)")
+    group.addoption("--documents", default=None, metavar="LEN,LEN,...|random:K",
+                    help="packed documents: explicit lengths (with --pad, the sequence) or K seeded random ones")
+    group.addoption("--pad", type=int, default=0, metavar="N", help="padding tokens after the last document")
+    group.addoption("--window", default=None, metavar="LEFT,RIGHT", help="sliding window (-1: unbounded)")
+    group.addoption("--softcap", type=float, default=None, metavar="X", help="logit softcap")
+    group.addoption("--sinks", action="store_true", default=False, help="per-head sink logits")
+    group.addoption("--head-dim-v", type=int, default=None, metavar="D", help="value head dim")
+
+
+@pytest.fixture(scope="session")
+def variant_options(pytestconfig) -> VariantOptions | None:
+    """The `VariantOptions` given on the command line (--documents, --pad, --window, --softcap,
+    --sinks, --head-dim-v; the same meaning as ringcheck drift's flags), None when none is: the
+    variant suites then draw their variants."""
+    get = pytestconfig.getoption
+    try:
+        window = get("--window")
+        options = VariantOptions(documents=get("--documents"), pad=get("--pad"),
+                                 window=None if window is None else parse_window(window),
+                                 softcap=get("--softcap"), sinks=get("--sinks"), head_dim_v=get("--head-dim-v"))
+    except (TypeError, ValueError) as exc:
+        raise pytest.UsageError(f"ringcheck variant options: {exc}") from None
+    return options if options.used else None
 
 
 # --- distributed runs (ringcheck.launch) ------------------------------------------------------
@@ -232,6 +263,7 @@ def run_on_ring(request):
 def pytest_addoption(parser):
     _add_profile_option(parser)
     _add_ring_options(parser)
+    _add_variant_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)  # the ring section must act before the terminal reporter exists

@@ -114,8 +114,10 @@ class TorchBackend:
         if self.fast and _flash_ok(q, k, mask, diagonal):
             h, d, dv = q.shape[2], q.shape[3], v.shape[3]
             width = max(d, dv)
-            out, lse = _FLASH_FWD(_pad_dim(q.float(), width).transpose(1, 2), _pad_dim(_heads_first(k, h), width),
-                                  _pad_dim(_heads_first(v, h), width), 0.0, mask == "causal", scale=scale)
+            # contiguous inputs: the fused kernel's float32 bits depend on strides, not only on values
+            out, lse = _FLASH_FWD(_pad_dim(q.float(), width).transpose(1, 2).contiguous(),
+                                  _pad_dim(_heads_first(k, h), width).contiguous(),
+                                  _pad_dim(_heads_first(v, h), width).contiguous(), 0.0, mask == "causal", scale=scale)
             return out.transpose(1, 2)[..., :dv], lse
         return self._plain_forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal)
 
@@ -138,9 +140,10 @@ class TorchBackend:
             do = _pad_dim(dout.float(), width).transpose(1, 2).contiguous()
             norm = (do * do).sum(-1, keepdim=True)
             out = torch.where(norm > 0, do * (delta.unsqueeze(-1) / norm.clamp_min(1e-30)), do)
-            dq, dk, dv = _FLASH_BWD(do, _pad_dim(q.float(), width).transpose(1, 2),
-                                    _pad_dim(_heads_first(k, h), width), _pad_dim(_heads_first(v, h), width),
-                                    out, lse.contiguous(), 0.0, mask == "causal", scale=scale)
+            dq, dk, dv = _FLASH_BWD(do, _pad_dim(q.float(), width).transpose(1, 2).contiguous(),
+                                    _pad_dim(_heads_first(k, h), width).contiguous(),
+                                    _pad_dim(_heads_first(v, h), width).contiguous(),
+                                    out.contiguous(), lse.contiguous(), 0.0, mask == "causal", scale=scale)
             return (dq.transpose(1, 2)[..., :d], _group_sum(dk, kvh)[..., :d], _group_sum(dv, kvh)[..., :d_v])
         return self._plain_backward(q, k, v, dout, lse, delta, scale=scale, mask=mask, diagonal=diagonal)
 
