@@ -82,7 +82,7 @@ def repro(check: str, case: Case, **params) -> str:
     """A one-line shell command (from the repository root) that re-runs one property."""
     args = ", ".join([repr(case)] + [f"{k}={v!r}" for k, v in params.items()])
     return (f"python -c \"from ringcheck.testing.properties import {check}; "
-            f"from ringcheck.judge.check import Case; from ringcheck.spec import AttentionSpec, RingSpec; "
+            f"from ringcheck.judge.check import Case; from ringcheck.spec import AttentionSpec, RingSpec, Variant; "
             f"{check}({args})\"")
 
 
