@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,16 +36,15 @@ from ..judge.check import (
     judge_results,
     peer,
     row_results,
-    seq_dim,
-    token_owners,
     truth,
 )
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
-from ..judge.verdict import TENSORS, Verdict, float32_floors, judge
-from ..ring.layouts import shard, unshard, work_counts
+from ..judge.verdict import TENSORS, Verdict
+from ..ring.layouts import shard, unshard
 from ..spec import AttentionSpec, Budget, RingSpec
 from .adapters import Impl, load_impl
+from .validate_rows import CheckRow, balance_row, finite_row, judge_rows, shape_row, summarise
 
 
 @dataclass(frozen=True)
@@ -120,28 +118,6 @@ class Target:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class CheckRow:
-    """One row of the verdict table. status: "pass", "fail" or "info" (never gates).
-
-    Rows that judge tensors also carry `tensors`: per tensor in order, {"passed", "ratio" (the
-    worst error / budget over the row's cases), "ranks" (the ranks holding elements over
-    budget)}, and `failing_ranks`, the union of those ranks; `detail` locates the worst
-    element."""
-
-    check: str
-    status: str
-    error: float | None = None
-    budget: float | None = None
-    detail: str = ""
-    tensors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    failing_ranks: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return self.status != "fail"
 
 
 class ContractError(ValueError):
@@ -218,52 +194,6 @@ def scaled_cases(target: Target) -> list[Case]:
     return cases
 
 
-def _judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
-                rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
-    verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
-    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, scale=spec.scale,
-                            causal=spec.causal, rows=rows)
-    owner, _ = token_owners(spec.seq_len, ring)
-    for name in tensors:
-        dtype = torch.float32 if name == "lse" else spec.torch_dtype
-        keys = name in ("dk", "dv")
-        ranks = owner if keys else owner[rows]  # out, lse, dq: of the sampled rows only
-
-        def locate(index, keys=keys, ranks=ranks, dim=seq_dim(name)):
-            i, head = index[dim], index[3 - dim]
-            return (f"rank {int(ranks[i])} of {ring.world_size} ({ring.layout}), "
-                    + (f"key {i}, kv head {head}" if keys else f"sampled row {int(rows[i])}, head {head}"))
-        verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_r.get(name),
-                                     k=budget.k_for(name), dtype=dtype, locate=locate,
-                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), ranks)))
-    return verdict
-
-
-def _ratio(t) -> float:
-    return t.error / t.budget if t.budget > 0 else (math.inf if t.error > 0 else 0.0)
-
-
-def _summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
-    """One row over several cases: per tensor the worst error / budget and the failing ranks;
-    the row's error, budget and detail are those of the worst element (largest ratio)."""
-    judged = [(v, t) for v in verdicts for t in v.tensors if t.tensor in tensors]
-    if not judged:
-        return CheckRow(label, "info", detail="not checked (no lse returned)")
-    per: dict[str, dict[str, Any]] = {}
-    for _, t in judged:
-        s = per.setdefault(t.tensor, {"passed": True, "ratio": 0.0, "ranks": []})
-        s["passed"] = s["passed"] and t.passed
-        s["ratio"] = max(s["ratio"], _ratio(t))
-        s["ranks"] = sorted(set(s["ranks"]) | set(t.failing_ranks))
-    v, t = max(judged, key=lambda vt: _ratio(vt[1]))
-    failing = [t for _, t in judged if not t.passed]
-    detail = t.describe() + f" [{v.case}]"
-    if failing:
-        detail = f"{len(failing)} of {len(judged)} tensor checks over budget; worst: " + detail
-    return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail, per,
-                    sorted({r for s in per.values() for r in s["ranks"]}))
-
-
 @dataclass
 class _Rank:
     """This rank's view of one validate run: the target, the loaded implementation and the
@@ -325,8 +255,8 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
     lengths = ",".join(str(n) for n in target.local_lengths)
     rows = []
     for name, verdicts in by_dist.items():
-        rows.append(_summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
-        rows.append(_summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv")))
+        rows.append(summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
+        rows.append(summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv")))
     return rows, [v for vs in by_dist.values() for v in vs], returns_lse, first
 
 
@@ -367,23 +297,16 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
     def full_verdict():
         whole = _whole(parts, ctx.target.layout)
         got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
-        return _judge_rows(spec, ctx.target.ring, got, row_results(spec, sparse, rows, low=False),
+        return judge_rows(spec, ctx.target.ring, got, row_results(spec, sparse, rows, low=False),
                            row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
                            ctx.budget, sparse)
 
     verdict = ctx.on_root(full_verdict)
     ctx.note("the row reference against mpmath")
     return [ctx.on_root(lambda: _certify_row_reference(spec, sparse, rows)),
-            _summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [verdict], ("out", "lse")),
-            _summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
+            summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [verdict], ("out", "lse")),
+            summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
                        ("dq", "dk", "dv"))], verdict
-
-
-def _finite_row(verdicts: list[Verdict]) -> CheckRow:
-    bad = [(v.case, t.tensor, t.stats.nonfinite) for v in verdicts for t in v.tensors if t.stats.nonfinite]
-    return CheckRow("no NaN/Inf", "fail" if bad else "pass", detail=(
-        "; ".join(f"{n} non-finite in {t} [{c}]" for c, t, n in bad[:3]) if bad else
-        f"{len(verdicts)} runs, every output and gradient finite"))
 
 
 def _determinism_row(ctx: _Rank, first: _FirstRun) -> CheckRow:
@@ -395,21 +318,6 @@ def _determinism_row(ctx: _Rank, first: _FirstRun) -> CheckRow:
         for a, b in zip(first.parts, again) for t in TENSORS)
     return CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
                     detail=f"[{first.case.describe()}]")
-
-
-def _shape_row(returns_lse: bool) -> CheckRow:
-    """Shape and dtype: a violation raised ContractError already."""
-    return CheckRow("output shape and dtype", "pass",
-                    detail="out like q" + ("; lse (batch, heads, local_seq) float32" if returns_lse
-                                           else "; no lse returned (lse not checked)"))
-
-
-def _balance_row(target: Target, world: int) -> CheckRow:
-    """The layout's per-rank work balance (information, not a gate)."""
-    spec = target.full_spec()
-    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal)
-    return CheckRow("per-rank work balance (max / mean)", "info", max(counts) / (sum(counts) / len(counts)), None,
-                    f"{target.layout}{' causal' if spec.causal else ''}: unmasked scores per rank {counts}")
 
 
 def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
@@ -425,8 +333,8 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
     ctx = _Rank(target, impl, group, rank, world, root, budget, progress)
     scaled_rows, scaled_verdicts, returns_lse, first = _check_scaled_cases(ctx)
     full_rows, full_verdict = _check_full_length(ctx, returns_lse)
-    return [*scaled_rows, *full_rows, _finite_row([*scaled_verdicts, full_verdict]),
-            _determinism_row(ctx, first), _shape_row(returns_lse), _balance_row(target, world)]
+    return [*scaled_rows, *full_rows, finite_row([*scaled_verdicts, full_verdict]),
+            _determinism_row(ctx, first), shape_row(returns_lse), balance_row(target, world)]
 
 
 # ------------------------------------------------------------------------------- reports

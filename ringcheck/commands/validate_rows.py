@@ -1,0 +1,108 @@
+"""The rows of validate's verdict table: `CheckRow`, and how judged cases become rows (the
+worst error / budget per tensor, the failing ranks), plus the rows that judge no tensor
+(finiteness, shape, work balance)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..judge.check import Results, seq_dim, token_owners
+from ..judge.inputs import Inputs
+from ..judge.verdict import Verdict, float32_floors, judge
+from ..ring.layouts import work_counts
+from ..spec import AttentionSpec, Budget, RingSpec
+
+
+@dataclass
+class CheckRow:
+    """One row of the verdict table. status: "pass", "fail" or "info" (never gates).
+
+    Rows that judge tensors also carry `tensors`: per tensor in order, {"passed", "ratio" (the
+    worst error / budget over the row's cases), "ranks" (the ranks holding elements over
+    budget)}, and `failing_ranks`, the union of those ranks; `detail` locates the worst
+    element."""
+
+    check: str
+    status: str
+    error: float | None = None
+    budget: float | None = None
+    detail: str = ""
+    tensors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    failing_ranks: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+
+def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
+                rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
+    verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
+    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, scale=spec.scale,
+                            causal=spec.causal, rows=rows)
+    owner, _ = token_owners(spec.seq_len, ring)
+    for name in tensors:
+        dtype = torch.float32 if name == "lse" else spec.torch_dtype
+        keys = name in ("dk", "dv")
+        ranks = owner if keys else owner[rows]  # out, lse, dq: of the sampled rows only
+
+        def locate(index, keys=keys, ranks=ranks, dim=seq_dim(name)):
+            i, head = index[dim], index[3 - dim]
+            return (f"rank {int(ranks[i])} of {ring.world_size} ({ring.layout}), "
+                    + (f"key {i}, kv head {head}" if keys else f"sampled row {int(rows[i])}, head {head}"))
+        verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_r.get(name),
+                                     k=budget.k_for(name), dtype=dtype, locate=locate,
+                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), ranks)))
+    return verdict
+
+
+def _ratio(t) -> float:
+    return t.error / t.budget if t.budget > 0 else (math.inf if t.error > 0 else 0.0)
+
+
+def summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
+    """One row over several cases: per tensor the worst error / budget and the failing ranks;
+    the row's error, budget and detail are those of the worst element (largest ratio)."""
+    judged = [(v, t) for v in verdicts for t in v.tensors if t.tensor in tensors]
+    if not judged:
+        return CheckRow(label, "info", detail="not checked (no lse returned)")
+    per: dict[str, dict[str, Any]] = {}
+    for _, t in judged:
+        s = per.setdefault(t.tensor, {"passed": True, "ratio": 0.0, "ranks": []})
+        s["passed"] = s["passed"] and t.passed
+        s["ratio"] = max(s["ratio"], _ratio(t))
+        s["ranks"] = sorted(set(s["ranks"]) | set(t.failing_ranks))
+    v, t = max(judged, key=lambda vt: _ratio(vt[1]))
+    failing = [t for _, t in judged if not t.passed]
+    detail = t.describe() + f" [{v.case}]"
+    if failing:
+        detail = f"{len(failing)} of {len(judged)} tensor checks over budget; worst: " + detail
+    return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail, per,
+                    sorted({r for s in per.values() for r in s["ranks"]}))
+
+
+def finite_row(verdicts: list[Verdict]) -> CheckRow:
+    bad = [(v.case, t.tensor, t.stats.nonfinite) for v in verdicts for t in v.tensors if t.stats.nonfinite]
+    return CheckRow("no NaN/Inf", "fail" if bad else "pass", detail=(
+        "; ".join(f"{n} non-finite in {t} [{c}]" for c, t, n in bad[:3]) if bad else
+        f"{len(verdicts)} runs, every output and gradient finite"))
+
+
+def shape_row(returns_lse: bool) -> CheckRow:
+    """Shape and dtype: a violation raised ContractError already."""
+    return CheckRow("output shape and dtype", "pass",
+                    detail="out like q" + ("; lse (batch, heads, local_seq) float32" if returns_lse
+                                           else "; no lse returned (lse not checked)"))
+
+
+def balance_row(target: Any, world: int) -> CheckRow:
+    """The layout's per-rank work balance (information, not a gate)."""
+    spec = target.full_spec()
+    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal)
+    return CheckRow("per-rank work balance (max / mean)", "info", max(counts) / (sum(counts) / len(counts)), None,
+                    f"{target.layout}{' causal' if spec.causal else ''}: unmasked scores per rank {counts}")
