@@ -57,17 +57,20 @@ def _checked(parse):
     return check
 
 
-def add_variant_flags(parser: argparse.ArgumentParser) -> None:
-    """The attention-variant flags (`ringcheck.judge.variant_options`), one meaning everywhere."""
+def add_variant_flags(parser: argparse.ArgumentParser, *, unset=False) -> None:
+    """The attention-variant flags (`ringcheck.judge.variant_options`), one meaning everywhere.
+    With `unset`, --pad and --sinks default to None (so a config file's values stand)."""
     g = parser.add_argument_group("attention variants (default: plain attention)")
     g.add_argument("--documents", type=_checked(parse_documents), default=None, metavar="LEN,LEN,...|random:K",
                    help="packed documents: explicit lengths (with --pad they add up to the sequence length) or K "
                         "seeded random ones that include boundaries on a rank and a chunk boundary")
-    g.add_argument("--pad", type=int, default=0, metavar="N", help="padding tokens after the last document")
+    g.add_argument("--pad", type=int, default=None if unset else 0, metavar="N",
+                   help="padding tokens after the last document")
     g.add_argument("--window", type=_checked(parse_window), default=None, metavar="LEFT,RIGHT",
                    help="sliding window: query i sees keys i-LEFT..i+RIGHT (-1: unbounded)")
     g.add_argument("--softcap", type=float, default=None, metavar="X", help="logit softcap X tanh(s / X)")
-    g.add_argument("--sinks", action="store_true", help="seeded per-head sink logits around ln(seq_len)")
+    g.add_argument("--sinks", action="store_true", default=None if unset else False,
+                   help="seeded per-head sink logits around ln(seq_len)")
     g.add_argument("--head-dim-v", type=int, default=None, metavar="D", help="value head dim (default: head dim)")
 
 

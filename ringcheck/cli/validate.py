@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..commands.adapters import load_impl
-from ..commands.validate import Target, report_dict, validate_steps, validate_task
+from ..commands.validate import Target, check_variant_keywords, report_dict, validate_steps, validate_task
 from ..launch import RingError, open_ring, relay
 from ..render.files import write_validate_reports
 from ..render.terminal import (
@@ -20,14 +20,23 @@ from ..render.terminal import (
     progress,
 )
 from ..spec import check_timeout
-from .common import EXIT_FAILED, EXIT_OK, UsageError, add_quiet, command_meta, list_of, shows_progress
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_quiet,
+    add_variant_flags,
+    command_meta,
+    list_of,
+    shows_progress,
+)
 
 # ---------------------------------------------------------------------------- validate
 
 # validate's flags that name a field of the target (the TOML config takes the same keys)
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
-                 "distributions")
+                 "distributions", "documents", "pad", "window", "softcap", "sinks", "head_dim_v")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
@@ -77,6 +86,12 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> 
             continue
         if name == "causal":
             flags.append("--causal" if value else "--no-causal")
+        elif name == "sinks":
+            flags += ["--sinks"] if value else []
+        elif name == "pad":
+            flags += [flag, str(value)] if value else []
+        elif name == "window":
+            flags += [flag, f"{value[0]},{value[1]}"]
         elif name == "local_lengths":
             flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
         elif name == "distributions":
@@ -115,7 +130,9 @@ def _progress_channel(ring, advance, enabled: bool):
 def _cmd_validate(args: argparse.Namespace) -> int:
     target, timeout = _validate_settings(args)
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
-        load_impl(target.impl, layout=target.layout, backend=target.backend).check_layout(target.layout, target.causal)
+        impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
+        impl.check_layout(target.layout, target.causal)
+        check_variant_keywords(impl, target)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     console = make_console()
@@ -131,6 +148,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         command = rerun_command(target, timeout, torchrun=ring.is_torchrun)
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
+            console.print(f"variants: {target.variants.describe()}", markup=False, highlight=False)
         shows = main and shows_progress(args, console)
         with (progress(validate_steps(target), console, enabled=shows, label="validating") as advance,
               _progress_channel(ring, advance, shows) as channel):
@@ -168,7 +186,8 @@ def _add_validate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="input dtype (default bfloat16)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal attention (default: causal)")
-    p.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], help="sequence layout (default zigzag)")
+    p.add_argument("--layout", choices=["contiguous", "zigzag", "striped", "zigzag_docs"],
+                   help="sequence layout (default zigzag; zigzag_docs balances each document, needs --documents)")
     p.add_argument("--softmax-scale", dest="softmax_scale", type=float, help="default 1/sqrt(head_dim)")
     p.add_argument("--world-size", dest="world_size", type=int,
                    help="ranks of the local gloo ring (default 4; under torchrun: the world)")
@@ -183,6 +202,7 @@ def _add_validate(sub) -> None:
                    help="fewer ring-local lengths (2 and 6 tokens per rank; config key quick = true)")
     p.add_argument("--timeout", type=float, default=None,
                    help=f"seconds any rank may wait on another (default {DEFAULT_TIMEOUT_S:g}; config key timeout)")
+    add_variant_flags(p, unset=True)
     p.add_argument("--report", metavar="DIR", help="write validate.json, validate.md and validate.html to DIR")
     p.add_argument("--full-table", dest="full_table", action="store_true",
                    help="the wide table with every row's located detail in it (default: one line per check, "

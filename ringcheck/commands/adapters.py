@@ -85,9 +85,11 @@ class Impl:
 # ------------------------------------------------------------------------------------ ours
 
 def _ours(layout: str, backend: str) -> ImplFn:
-    def ringcheck_ring(q, k, v, *, causal, softmax_scale, group=None):
+    def ringcheck_ring(q, k, v, *, causal, softmax_scale, group=None, cu_seqlens=None, window=None, softcap=None,
+                       sinks=None):
         return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
-                              layout=layout, backend=backend, return_lse=True)
+                              layout=layout, backend=backend, return_lse=True, cu_seqlens=cu_seqlens,
+                              window=window, softcap=softcap, sinks=sinks)
     return ringcheck_ring
 
 

@@ -35,15 +35,17 @@ from ..judge.check import (
     Results,
     judge_results,
     peer,
+    reference_kwargs,
     row_results,
     truth,
 )
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
+from ..judge.variant_options import VariantOptions
 from ..judge.verdict import TENSORS, Verdict
-from ..ring.layouts import shard, unshard
+from ..ring.layouts import positions, shard, unshard
 from ..spec import AttentionSpec, Budget, RingSpec
-from .adapters import Impl, load_impl
+from .adapters import Impl, accepted_keywords, load_impl
 from .validate_rows import CheckRow, balance_row, finite_row, judge_rows, shape_row, summarise
 
 
@@ -67,18 +69,30 @@ class Target:
     sample_rows: int = 16
     local_lengths: tuple[int, ...] = (2, 6, 16)
     distributions: tuple[str, ...] | None = None  # None: every registered distribution
+    # attention variants (`VariantOptions`; none by default): the training configuration
+    documents: str | None = None
+    pad: int = 0
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
-        self.full_spec()  # validates shape, dtype, heads / kv_heads
+        if isinstance(self.window, list):
+            object.__setattr__(self, "window", tuple(self.window))
         ring = RingSpec(self.world_size, self.layout)
         ring.check_seq_len(self.seq_len)
+        self.full_spec()  # validates shape, dtype, heads / kv_heads and the variant at full length
+        for n in self.local_lengths:  # and at every scaled length
+            if n >= 1 and not (self.layout in ("zigzag", "zigzag_docs") and n % 2):
+                self.spec(n * self.world_size)
         if self.sample_rows < 1:
             raise ValueError(f"sample_rows must be >= 1, got {self.sample_rows}")
         if self.sample_rows > self.seq_len:
             raise ValueError(f"sample_rows={self.sample_rows} is more than the seq_len={self.seq_len} query rows of "
                              f"the target; pass --sample-rows {self.seq_len} (every row) or fewer, or a longer --seq-len")
         for n in self.local_lengths:
-            if n < 1 or (self.layout == "zigzag" and n % 2):
+            if n < 1 or (self.layout in ("zigzag", "zigzag_docs") and n % 2):
                 raise ValueError(f"local length {n} does not fit the {self.layout} layout "
                                  f"(zigzag needs an even number of tokens per rank)")
         for name in self.distributions or ():
@@ -88,21 +102,41 @@ class Target:
     def full_spec(self) -> AttentionSpec:
         return self.spec(self.seq_len, self.batch)
 
-    def spec(self, seq_len: int, batch: int = 1) -> AttentionSpec:
-        return AttentionSpec(batch=batch, heads=self.heads, kv_heads=self.kv_heads, seq_len=seq_len,
+    @property
+    def variants(self) -> VariantOptions:
+        return VariantOptions(documents=self.documents, pad=self.pad, window=self.window, softcap=self.softcap,
+                              sinks=self.sinks, head_dim_v=self.head_dim_v)
+
+    def spec(self, seq_len: int, batch: int = 1, seed: int | None = None) -> AttentionSpec:
+        """The target's problem at `seq_len`: at the full length with the variant as given, at a
+        scaled-down length with it scaled (`scaled_variants`); `seed` places random documents."""
+        options = self.variants.scaled(seq_len, self.seq_len, self.ring)
+        variant, sinks, v_head_dim = options.resolve(seq_len, self.ring, self.seed if seed is None else seed)
+        spec = AttentionSpec(batch=batch, heads=self.heads, kv_heads=self.kv_heads, seq_len=seq_len,
                              head_dim=self.head_dim, dtype=self.dtype, causal=self.causal,
-                             softmax_scale=self.softmax_scale)
+                             softmax_scale=self.softmax_scale, variant=variant, sinks=sinks, v_head_dim=v_head_dim)
+        if self.layout == "zigzag_docs":  # every document must cut into 2P chunks
+            positions(layout=self.layout, rank=0, world_size=self.world_size, seq_len=seq_len,
+                      cu_seqlens=variant.cu_seqlens)
+        return spec
 
     @property
     def ring(self) -> RingSpec:
         return RingSpec(self.world_size, self.layout)
 
     def describe(self) -> str:
+        v = self.variants
         return (f"--impl {self.impl} --world-size {self.world_size} --layout {self.layout} "
                 f"--seq-len {self.seq_len} --batch {self.batch} --heads {self.heads} "
                 f"--kv-heads {self.kv_heads} --head-dim {self.head_dim} --dtype {self.dtype}"
                 + (" --causal" if self.causal else "")
-                + (f" --softmax-scale {self.softmax_scale}" if self.softmax_scale is not None else ""))
+                + (f" --softmax-scale {self.softmax_scale}" if self.softmax_scale is not None else "")
+                + (f" --documents {v.documents}" if v.documents is not None else "")
+                + (f" --pad {v.pad}" if v.pad else "")
+                + (f" --window {v.window[0]},{v.window[1]}" if v.window is not None else "")
+                + (f" --softcap {v.softcap:g}" if v.softcap is not None else "")
+                + (" --sinks" if v.sinks else "")
+                + (f" --head-dim-v {v.head_dim_v}" if v.head_dim_v is not None else ""))
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], *, source: str = "config") -> "Target":
@@ -130,7 +164,7 @@ def _rank_info(group) -> tuple[int, int, int]:
     return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
 
 
-def _unpack(result: Any, q: torch.Tensor, impl: Impl) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _unpack(result: Any, q: torch.Tensor, v: torch.Tensor, impl: Impl) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(result, torch.Tensor):
         out, lse = result, None
     elif isinstance(result, (tuple, list)) and len(result) >= 1 and isinstance(result[0], torch.Tensor):
@@ -139,9 +173,10 @@ def _unpack(result: Any, q: torch.Tensor, impl: Impl) -> tuple[torch.Tensor, tor
     else:
         raise ContractError(f"--impl {impl.name} returned {type(result).__name__}; the contract is "
                             f"out or (out, lse) tensors")
-    if out.shape != q.shape or out.dtype != q.dtype:
+    want_out = (*q.shape[:3], v.shape[3])
+    if tuple(out.shape) != want_out or out.dtype != q.dtype:
         raise ContractError(f"--impl {impl.name} returned out of shape {tuple(out.shape)} and dtype "
-                            f"{out.dtype}; the contract is q's shape {tuple(q.shape)} and dtype {q.dtype}")
+                            f"{out.dtype}; the contract is q's shape with v's head dim {want_out} and dtype {q.dtype}")
     if lse is not None:
         want = (q.shape[0], q.shape[2], q.shape[1])
         if tuple(lse.shape) != want:
@@ -151,22 +186,52 @@ def _unpack(result: Any, q: torch.Tensor, impl: Impl) -> tuple[torch.Tensor, tor
     return out, lse
 
 
+# the variant keywords of the contract, and the flag that asks for each
+VARIANT_FLAGS = {"cu_seqlens": "--documents", "window": "--window", "softcap": "--softcap", "sinks": "--sinks"}
+
+
+def _variant_keywords(spec: AttentionSpec, sinks: torch.Tensor | None) -> dict[str, Any]:
+    return {**spec.variant_kwargs(), **({} if sinks is None else {"sinks": sinks})}
+
+
+def check_variant_keywords(impl: Impl, target: Target) -> None:
+    """ValueError naming the keyword and its flag when the target uses a variant keyword the
+    implementation does not accept (nor **kwargs): before any rank starts."""
+    spec = target.full_spec()
+    needed = [*spec.variant_kwargs(), *(["sinks"] if spec.sinks else [])]
+    missing = [name for name in needed if name not in accepted_keywords(impl.fn, needed)]
+    if missing:
+        said = ", ".join(f"{name} (asked for by {VARIANT_FLAGS[name]})" for name in missing)
+        raise ValueError(f"--impl {impl.name} does not accept the keyword(s) {said}: add them to its signature "
+                         f"(fn(q, k, v, *, causal, softmax_scale, group, {', '.join(missing)}=None, ...)) or drop "
+                         f"the flag(s)")
+
+
 def _run_shards(impl: Impl, inputs: Inputs, spec: AttentionSpec, ring: RingSpec, rank: int, group,
                 device: torch.device) -> dict[str, torch.Tensor | None]:
-    """This rank's forward and backward; returns its shards of out, lse, dq, dk, dv on the CPU."""
+    """This rank's forward and backward; returns its shards of out, lse, dq, dk, dv (and the
+    dsinks it received) on the CPU."""
+    cu = spec.variant.cu_seqlens
+
     def mine(t):
-        return shard(t, layout=ring.layout, rank=rank, world_size=ring.world_size).to(device)
+        return shard(t, layout=ring.layout, rank=rank, world_size=ring.world_size, cu_seqlens=cu).to(device)
 
     q, k, v = (mine(t).detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    result = impl.call(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group, layout=ring.layout)
-    out, lse = _unpack(result, q, impl)
-    grads = torch.autograd.grad(out, (q, k, v), mine(inputs.dout), allow_unused=True)
-    for name, g in zip("qkv", grads):
+    sinks = None if inputs.sinks is None else inputs.sinks.detach().clone().to(device).requires_grad_(True)
+    variant = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
+               for name, value in _variant_keywords(spec, sinks).items()}
+    result = impl.call(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group, layout=ring.layout,
+                       **variant)
+    out, lse = _unpack(result, q, v, impl)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grads = torch.autograd.grad(out, leaves, mine(inputs.dout), allow_unused=True)
+    for name, g in zip(("q", "k", "v", "sinks"), grads):
         if g is None:
             raise ContractError(f"--impl {impl.name}: no gradient flows to {name} (it must be differentiable "
-                                f"in q, k and v)")
+                                f"in q, k, v{' and sinks' if sinks is not None else ''})")
     return {"out": out.detach().cpu(), "lse": None if lse is None else lse.detach().cpu(),
-            "dq": grads[0].cpu(), "dk": grads[1].cpu(), "dv": grads[2].cpu()}
+            "dq": grads[0].cpu(), "dk": grads[1].cpu(), "dv": grads[2].cpu(),
+            "dsinks": None if sinks is None else grads[3].cpu()}
 
 
 def _gather(local: dict, group, world_size: int) -> list[dict]:
@@ -175,21 +240,29 @@ def _gather(local: dict, group, world_size: int) -> list[dict]:
     return everyone
 
 
-def _whole(parts: list[dict], layout: str) -> Results | None:
-    """Unshard every rank's shards into whole tensors (lse may be missing: then zeros, unjudged)."""
+def _whole(parts: list[dict], layout: str, cu_seqlens=None) -> Results | None:
+    """Unshard every rank's shards into whole tensors (lse may be missing: then zeros, unjudged);
+    dsinks is rank 0's (every rank must hold the whole sequence's: the contract)."""
     def cat(name, dim):
-        return unshard([p[name] for p in parts], layout=layout, dim=dim)
+        return unshard([p[name] for p in parts], layout=layout, dim=dim, cu_seqlens=cu_seqlens)
     lse = cat("lse", 2) if parts[0]["lse"] is not None else None
     out = cat("out", 1)
     return Results(out, lse if lse is not None else torch.zeros(out.shape[0], out.shape[2], out.shape[1]),
-                   cat("dq", 1), cat("dk", 1), cat("dv", 1))
+                   cat("dq", 1), cat("dk", 1), cat("dv", 1), parts[0].get("dsinks"))
+
+
+# distributions that place every row's maximum on one key per ring step that every row of a
+# group sees: with documents or a window no such key exists, so they are left out there
+WHOLE_SEQUENCE_ONLY = ("late-max",)
 
 
 def scaled_cases(target: Target) -> list[Case]:
     dists = target.distributions or tuple(DISTRIBUTIONS)
+    if target.full_spec().variant.masks_tokens:
+        dists = tuple(d for d in dists if d not in WHOLE_SEQUENCE_ONLY) or ("normal",)
     cases = []
     for i, (dist_name, n) in enumerate(itertools.product(dists, target.local_lengths)):
-        spec = target.spec(n * target.world_size)
+        spec = target.spec(n * target.world_size, seed=target.seed + i)
         cases.append(Case(spec, target.ring, seed=target.seed + i, distribution=dist_name, backend=target.backend))
     return cases
 
@@ -248,7 +321,8 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
         returns_lse = parts[0]["lse"] is not None
         first = first or _FirstRun(case, inputs, parts)
         tensors = _judged_tensors(returns_lse)
-        verdict = ctx.on_root(lambda: judge_results(case, _whole(parts, case.ring.layout), truth(case.spec, inputs),
+        verdict = ctx.on_root(lambda: judge_results(case, _whole(parts, case.ring.layout, case.spec.variant.cu_seqlens),
+                                                    truth(case.spec, inputs),
                                                     peer(case.spec, inputs), budget=ctx.budget, tensors=tensors,
                                                     inputs=inputs))
         by_dist.setdefault(case.distribution, []).append(verdict)
@@ -256,7 +330,7 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
     rows = []
     for name, verdicts in by_dist.items():
         rows.append(summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
-        rows.append(summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv")))
+        rows.append(summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv", "dsinks")))
     return rows, [v for vs in by_dist.values() for v in vs], returns_lse, first
 
 
@@ -268,15 +342,16 @@ def validate_steps(target: Target) -> int:
 def _sparse_full_inputs(target: Target, spec: AttentionSpec) -> tuple[Inputs, torch.Tensor]:
     """Full-length inputs whose dout is zero except on the sampled rows, and those rows."""
     rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
-    return with_sampled_rows(make_inputs(spec, seed=target.seed + 100003, distribution="normal"), rows), rows
+    return with_sampled_rows(make_inputs(spec, seed=target.seed + 100003, distribution="normal", ring=target.ring),
+                             rows), rows
 
 
 def _certify_row_reference(spec: AttentionSpec, sparse: Inputs, rows: torch.Tensor) -> CheckRow:
     """The float64 row reference itself, against mpmath at 30 certified digits, on a few rows."""
     few = rows[torch.linspace(0, len(rows) - 1, min(4, len(rows))).round().long().unique()]
     true = row_results(spec, sparse, few, low=False)
-    mp = mp_attention(sparse.q, sparse.k, sparse.v, sparse.dout, causal=spec.causal,
-                      softmax_scale=spec.scale, rows=few, cache=False)
+    mp = mp_attention(sparse.q, sparse.k, sparse.v, sparse.dout, rows=few, cache=False,
+                      **reference_kwargs(spec, sparse))
     worst = 0.0
     for a, b in ((true.out, mp.out), (true.lse, mp.lse), (true.dq, mp.dq)):
         ok = torch.isfinite(b)
@@ -295,8 +370,8 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
     parts = ctx.run(sparse, spec, ctx.target.ring)
 
     def full_verdict():
-        whole = _whole(parts, ctx.target.layout)
-        got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv)
+        whole = _whole(parts, ctx.target.layout, spec.variant.cu_seqlens)
+        got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv, whole.dsinks)
         return judge_rows(spec, ctx.target.ring, got, row_results(spec, sparse, rows, low=False),
                            row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
                            ctx.budget, sparse)
@@ -306,7 +381,7 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
     return [ctx.on_root(lambda: _certify_row_reference(spec, sparse, rows)),
             summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [verdict], ("out", "lse")),
             summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
-                       ("dq", "dk", "dv"))], verdict
+                       ("dq", "dk", "dv", "dsinks"))], verdict
 
 
 def _determinism_row(ctx: _Rank, first: _FirstRun) -> CheckRow:
@@ -315,7 +390,7 @@ def _determinism_row(ctx: _Rank, first: _FirstRun) -> CheckRow:
     again = ctx.run(first.inputs, first.case.spec, first.case.ring)
     same = all(
         (a[t] is None and b[t] is None) or (a[t] is not None and b[t] is not None and torch.equal(a[t], b[t]))
-        for a, b in zip(first.parts, again) for t in TENSORS)
+        for a, b in zip(first.parts, again) for t in (*TENSORS, "dsinks") if t in a)
     return CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
                     detail=f"[{first.case.describe()}]")
 
@@ -330,6 +405,7 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
                          f"launch with torchrun --nproc-per-node={target.world_size} or pass --world-size {world}")
     impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
     impl.check_layout(target.layout, target.causal)
+    check_variant_keywords(impl, target)
     ctx = _Rank(target, impl, group, rank, world, root, budget, progress)
     scaled_rows, scaled_verdicts, returns_lse, first = _check_scaled_cases(ctx)
     full_rows, full_verdict = _check_full_length(ctx, returns_lse)
@@ -346,6 +422,7 @@ def report_dict(target: Target, rows: list[CheckRow], meta: dict[str, Any] | Non
         **header(VALIDATE_SCHEMA),
         "passed": all(r.passed for r in rows),
         "target": target.to_dict(),
+        "variants": target.variants.describe(),
         "command": f"ringcheck validate {target.describe()}",
         "checks": [dataclasses.asdict(r) for r in rows],
         "meta": meta or {},

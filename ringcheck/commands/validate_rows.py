@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..judge.check import Results, seq_dim, token_owners
+from ..judge.check import Results, reference_kwargs, seq_dim, token_owners
 from ..judge.inputs import Inputs
 from ..judge.verdict import Verdict, float32_floors, judge
 from ..ring.layouts import work_counts
@@ -41,13 +41,20 @@ class CheckRow:
 
 
 def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
-                rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
+               rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
-    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, scale=spec.scale,
-                            causal=spec.causal, rows=rows)
-    owner, _ = token_owners(spec.seq_len, ring)
+    kwargs = reference_kwargs(spec, inputs)
+    kwargs["scale"] = kwargs.pop("softmax_scale")
+    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, rows=rows, **kwargs)
+    owner, _ = token_owners(spec.seq_len, ring, spec.variant.cu_seqlens)
+    if true.dsinks is not None:
+        tensors = (*tensors, "dsinks")
     for name in tensors:
         dtype = torch.float32 if name == "lse" else spec.torch_dtype
+        if name == "dsinks":  # one value per head: no rank or row to name
+            verdict.tensors.append(judge(name, got.dsinks, true.dsinks, peer_r.dsinks, k=budget.k_for(name),
+                                         dtype=dtype, floor=floors.get(name, 0.0)))
+            continue
         keys = name in ("dk", "dv")
         ranks = owner if keys else owner[rows]  # out, lse, dq: of the sampled rows only
 
@@ -103,6 +110,8 @@ def shape_row(returns_lse: bool) -> CheckRow:
 def balance_row(target: Any, world: int) -> CheckRow:
     """The layout's per-rank work balance (information, not a gate)."""
     spec = target.full_spec()
-    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal)
-    return CheckRow("per-rank work balance (max / mean)", "info", max(counts) / (sum(counts) / len(counts)), None,
-                    f"{target.layout}{' causal' if spec.causal else ''}: unmasked scores per rank {counts}")
+    counts = work_counts(layout=target.layout, world_size=world, seq_len=spec.seq_len, causal=spec.causal,
+                         cu_seqlens=spec.variant.cu_seqlens, window=spec.variant.window)
+    mean = sum(counts) / len(counts)
+    return CheckRow("per-rank work balance (max / mean)", "info", max(counts) / mean if mean else 1.0, None,
+                    f"{target.layout}{' causal' if spec.causal else ''}: visible scores per rank {counts}")

@@ -32,8 +32,10 @@ from typing import Callable
 
 import torch
 
+from reference import attention_mask
+
 from ..ring.layouts import positions
-from ..spec import AttentionSpec, RingSpec
+from ..spec import AttentionSpec, RingSpec, Variant
 
 Generator = Callable[..., tuple[torch.Tensor, ...]]  # (spec, gen, ring=None) -> (q, k, v, dout)
 
@@ -204,20 +206,24 @@ def sink(spec: AttentionSpec, gen: torch.Generator, ring: RingSpec | None = None
 LATE_MAX_MARGIN = (16.0, 120.0)
 
 
-def owners(ring: RingSpec, seq_len: int) -> torch.Tensor:
-    """Rank holding each token position (int64, (seq_len,))."""
+def owners(ring: RingSpec, seq_len: int, cu_seqlens=None) -> torch.Tensor:
+    """Rank holding each token position (int64, (seq_len,)); zigzag_docs needs `cu_seqlens`."""
     owner = torch.empty(seq_len, dtype=torch.int64)
     for r in range(ring.world_size):
-        owner[positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=seq_len)] = r
+        owner[positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=seq_len,
+                        cu_seqlens=cu_seqlens)] = r
     return owner
 
 
-def arrival_steps(ring: RingSpec, seq_len: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def arrival_steps(ring: RingSpec, seq_len: int, causal: bool,
+                  variant: Variant = Variant()) -> tuple[torch.Tensor, torch.Tensor]:
     """(step, visible), both (seq_len, seq_len) indexed [query position, key position]: the
     ring step at which the key's K/V reaches the query's rank (rank r holds the K/V of rank
-    (r - s) mod P at step s) and whether the query sees the key."""
-    owner = owners(ring, seq_len)
+    (r - s) mod P at step s) and whether the query sees the key (documents and window too)."""
+    owner = owners(ring, seq_len, variant.cu_seqlens)
     step = (owner[:, None] - owner[None, :]) % ring.world_size
+    if variant.masks_tokens:
+        return step, attention_mask(seq_len, causal=causal, cu_seqlens=variant.cu_seqlens, window=variant.window)
     t = torch.arange(seq_len)
     visible = (t[None, :] <= t[:, None]) if causal else torch.ones(seq_len, seq_len, dtype=torch.bool)
     return step, visible
@@ -259,9 +265,9 @@ def late_max(spec: AttentionSpec, gen: torch.Generator, ring: RingSpec | None = 
                          "ring: make_inputs(spec, seed=..., distribution='late-max', ring=RingSpec(...))")
     ring.check_seq_len(spec.seq_len)
     q, k, v, dout = normal(spec, gen)
-    step, visible = arrival_steps(ring, spec.seq_len, spec.causal)
+    step, visible = arrival_steps(ring, spec.seq_len, spec.causal, spec.variant)
     last = step.masked_fill(~visible, -1).max(dim=1).values
-    owner = owners(ring, spec.seq_len)
+    owner = owners(ring, spec.seq_len, spec.variant.cu_seqlens)
     source = (owner - last) % ring.world_size            # the rank whose chunk each row sees last
     groups = torch.unique(source)                         # sorted
     row_target = torch.searchsorted(groups, source)

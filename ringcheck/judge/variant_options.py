@@ -116,6 +116,25 @@ class VariantOptions:
             doc["head_dim_v"] = self.head_dim_v
         return doc
 
+    def scaled(self, seq_len: int, full_len: int, ring: RingSpec) -> "VariantOptions":
+        """The options at a scaled-down length of a `full_len` target (validate's small cases):
+        documents become ``random:K`` (K as many as asked for, as many as fit), so every scale
+        meets the placements ``random`` makes; --pad and the window's sides scale with the
+        length (0 and -1 stay)."""
+        if not self.used or seq_len == full_len:
+            return self
+        unit = 2 * ring.world_size if ring.layout == "zigzag_docs" else 1
+        documents, pad = None, 0
+        if self.documents is not None:
+            asked = (int(self.documents.split(":")[1]) if self.documents.startswith("random:")
+                     else len(self.documents.split(",")))
+            pad = min(round(self.pad * seq_len / full_len / unit) * unit, seq_len - unit)
+            documents = f"random:{max(1, min(asked, (seq_len - pad) // unit))}"
+        window = None if self.window is None else tuple(
+            side if side <= 0 else max(1, round(side * seq_len / full_len)) for side in self.window)
+        return VariantOptions(documents=documents, pad=pad, window=window, softcap=self.softcap, sinks=self.sinks,
+                              head_dim_v=self.head_dim_v)
+
     def resolve(self, seq_len: int, ring: RingSpec, seed: int = 0) -> tuple[Variant, str | None, int | None]:
         """(Variant, sink kind or None, value head dim or None) of one case."""
         cu = None if self.documents is None else tuple(self._boundaries(seq_len, ring, seed))

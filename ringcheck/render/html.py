@@ -115,6 +115,7 @@ def validate_html(doc: dict, *, plot: bool = True) -> str:
              f"<h1 class='{'good' if doc['passed'] else 'bad'}'>ringcheck validate: {verdict}</h1>",
              f"<p><b class='{'good' if doc['passed'] else 'bad'}'>{verdict}</b>: {escape(summary)}</p>",
              "<h2>Command</h2>", f"<pre><code>{escape(doc['command'])}</code></pre>",
+             *([f"<p>Variants validated: {escape(doc['variants'])}</p>"] if doc.get("variants") else []),
              "<h2>Target</h2>", _kv_table(doc["target"]), "<h2>Verdicts</h2>",
              "<table><thead><tr><th>check</th><th>verdict</th><th>err/budget</th><th>per tensor</th>"
              "<th>failing ranks</th><th>detail</th></tr></thead><tbody>"]

@@ -34,6 +34,7 @@ def validate_markdown(report: dict[str, Any]) -> str:
     failing ranks), then the run's meta."""
     lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
              f"`{report['command']}`", "",
+             *([f"Variants validated: {report['variants']}", ""] if report.get("variants") else []),
              "| check | status | error | budget | per tensor | failing ranks | detail |",
              "|---|---|---|---|---|---|---|"]
     for row in report["checks"]:
