@@ -11,6 +11,8 @@ from ringcheck import ring_attention
 from ringcheck.cli import main
 from ringcheck.cli.validate import rerun_command
 from ringcheck.commands.validate import Target, scaled_cases, validate_task
+from ringcheck.launch import RingError
+from ringcheck.testing.variant_mutants import VARIANT_MUTANTS
 
 VARIANT_TARGET = dict(seq_len=128, world_size=4, layout="zigzag_docs", documents="random:4", pad=16,
                       window=(24, 0), softcap=20.0, sinks=True, head_dim_v=16, head_dim=32,
@@ -96,3 +98,53 @@ def test_the_report_says_which_variants_were_validated(tmp_path):
     assert "Variants validated: documents 10,6,9 + 7 padding" in (tmp_path / "validate.md").read_text()
     plain = json.loads(json.dumps({"variants": Target().variants.describe()}))
     assert plain["variants"] == "plain attention (no variants)"
+
+
+# ---------------------------------------------------------- the variant mutants under validate
+
+# the flags each variant keyword needs; documents are odd lengths with padding so a rank boundary,
+# an odd document and a rank of padding (the last rank's chunks) all occur at seq 64 on 4 ranks
+_FLAGS = {"cu_seqlens": dict(documents="7,17,1,23", pad=16), "window": dict(window=(5, 0)),
+          "softcap": dict(softcap=0.5), "sinks": dict(sinks=True)}
+MUTANT_TARGET = dict(seq_len=64, world_size=4, head_dim=16, local_lengths=(4,), distributions=("normal", "wide"),
+                     sample_rows=8)
+
+
+def _mutant_target(name: str) -> Target:
+    flags = {}
+    for keyword in VARIANT_MUTANTS[name][1] if name in VARIANT_MUTANTS else ():
+        flags.update(_FLAGS[keyword])
+    return Target(**MUTANT_TARGET, **flags, impl=f"ringcheck.testing.variant_mutants:{name}")
+
+
+def test_the_textbook_varlen_ring_passes_validate_with_every_variant(run_on_ring):
+    t = Target(**MUTANT_TARGET, **{k: v for f in _FLAGS.values() for k, v in f.items()},
+               impl="ringcheck.testing.variant_mutants:textbook_varlen")
+    rows = run_on_ring(t.world_size, validate_task, t)[0]
+    assert all(r.passed for r in rows), [(r.check, r.detail) for r in rows if not r.passed]
+
+
+# mutants validate refuses as a broken contract (exit 2, a ContractError naming the defect)
+# rather than judging: a ring whose sinks get no gradient at all
+CONTRACT_CAUGHT = {"sinks_no_grad": "no gradient flows to sinks"}
+
+
+def _mutant_outcome(run_on_ring, name):
+    """The rows of validate on the mutant, or the error it was refused with."""
+    try:
+        return run_on_ring(4, validate_task, _mutant_target(name))[0]
+    except RingError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_MUTANTS))
+def test_every_variant_mutant_fails_validate(run_on_ring, name):
+    outcome = _mutant_outcome(run_on_ring, name)
+    if name in CONTRACT_CAUGHT:
+        assert isinstance(outcome, str) and CONTRACT_CAUGHT[name] in outcome, outcome
+        return
+    assert not isinstance(outcome, str), outcome
+    failed = [r.check for r in outcome if r.status == "fail"]
+    assert failed, f"validate passed the mutant {name} ({VARIANT_MUTANTS[name][2]})"
+    # which check row catches it first (the table of README "Validate your own ring")
+    print(f"{name}: caught by '{failed[0]}' ({len(failed)} of {len(outcome)} rows fail)")

@@ -167,10 +167,15 @@ def _random_lengths(count: int, total: int, seq_len: int, ring: RingSpec, seed: 
     if total % unit:
         raise ValueError(f"the documents hold {total} tokens, not a multiple of 2 x world_size={unit} as the "
                          f"zigzag_docs layout needs; change --seq-len or --pad")
-    wanted = [seq_len // ring.world_size, seq_len // (2 * ring.world_size)]  # a rank, a chunk boundary
-    cuts = {c for c in wanted[:count - 1] if 0 < c < total and c % unit == 0}
-    if unit == 1 and count >= 4 and total >= 4:  # a document of one token in the middle
-        cuts |= {total // 2, total // 2 + 1}
+    # the adversarial cuts, most telling first: a rank boundary, a one-token document (two cuts;
+    # odd lengths are where per-document splitting drops tokens), a zig-zag chunk boundary
+    wanted = [[seq_len // ring.world_size], [total // 2, total // 2 + 1] if unit == 1 else [],
+              [seq_len // (2 * ring.world_size)]]
+    cuts: set[int] = set()
+    for group in wanted:
+        fresh = [c for c in group if 0 < c < total and c % unit == 0 and c not in cuts]
+        if group and len(fresh) == len(group) and len(cuts) + len(fresh) <= count - 1:
+            cuts |= set(fresh)
     gen = torch.Generator().manual_seed(7919 * seed + count)
     free = [c for c in range(unit, total, unit) if c not in cuts]
     extra = max(count - 1 - len(cuts), 0)
