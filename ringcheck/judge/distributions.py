@@ -32,8 +32,6 @@ from typing import Callable
 
 import torch
 
-from reference import attention_mask
-
 from ..ring.layouts import positions
 from ..spec import AttentionSpec, RingSpec, Variant
 
@@ -219,11 +217,12 @@ def arrival_steps(ring: RingSpec, seq_len: int, causal: bool,
                   variant: Variant = Variant()) -> tuple[torch.Tensor, torch.Tensor]:
     """(step, visible), both (seq_len, seq_len) indexed [query position, key position]: the
     ring step at which the key's K/V reaches the query's rank (rank r holds the K/V of rank
-    (r - s) mod P at step s) and whether the query sees the key (documents and window too)."""
+    (r - s) mod P at step s) and whether the query sees the key in one unbroken sequence;
+    `variant` gives the documents the zigzag_docs layout deals out."""
     owner = owners(ring, seq_len, variant.cu_seqlens)
     step = (owner[:, None] - owner[None, :]) % ring.world_size
-    if variant.masks_tokens:
-        return step, attention_mask(seq_len, causal=causal, cu_seqlens=variant.cu_seqlens, window=variant.window)
+    # visibility is that of one unbroken sequence: with documents or a window the placement is
+    # still valid input, only less adversarial (validate leaves late-max out there)
     t = torch.arange(seq_len)
     visible = (t[None, :] <= t[:, None]) if causal else torch.ones(seq_len, seq_len, dtype=torch.bool)
     return step, visible

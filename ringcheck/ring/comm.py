@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,8 @@ from ..spec import DEFAULT_TIMEOUT, check_timeout, require_distributed
 
 # one tag per channel keeps the "kv" and "grad" streams apart on backends that match by tag
 # (gloo); NCCL ignores tags and matches in posting order, which every rank keeps identical
+# exchanges abandoned after a failure, kept referenced until the backend is done with them
+_ABANDONED: deque = deque(maxlen=64)
 _CHANNEL_TAGS = {"kv": 1, "grad": 2, "sum": 3}  # "sum": small per-rank partials (dsinks)
 
 @dataclass
@@ -146,5 +149,9 @@ class RingComm:
         return tuple(buf.view(dtype).view(shape) for buf, (dtype, shape) in zip(exchange.recvs, exchange.meta))
 
     def abandon(self) -> None:
-        """Forget exchanges still in flight (after a failure; their peers will time out)."""
+        """Forget exchanges still in flight (after a failure; their peers will time out). Their
+        requests and buffers stay referenced (`_ABANDONED`, the last few), never freed under a
+        transfer the backend may still complete: a later exchange on the same group (a process
+        group lives longer than one ring call) then finds it clean."""
+        _ABANDONED.extend(self._in_flight.values())
         self._in_flight.clear()
