@@ -275,6 +275,12 @@ def test_pytorch_context_parallel_ring_passes(run_on_ring):
     assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
 
 
+def test_pytorch_context_parallel_causal_without_load_balancing_passes(run_on_ring):
+    # contiguous causal shards: torch_cp runs with enable_load_balance off
+    rows = _rows(run_on_ring, impl="torch_cp", layout="contiguous", causal=True, distributions=("normal",))
+    assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
+
+
 def test_ring_attention_pytorch_as_shipped(run_on_ring):
     """What the README reports for ring-attention-pytorch 0.5.20 on CPU: bf16 does not run,
     float32 has an exact forward and wrong dk/dv."""

@@ -22,7 +22,8 @@ Built-in adapters (`--impl NAME` or `--impl NAME:VARIANT`):
 - ``ring_flash_attn:zigzag|basic|stripe`` - zhuzilin's ring-flash-attention (CUDA only).
 - ``torch_cp`` - PyTorch's own context-parallel ring (the private
   `_templated_ring_attention`, with the CPU flash kernels on CPU); layouts contiguous
-  (bidirectional) and zigzag (causal, its head-tail load balancing).
+  (bidirectional, and causal without load balancing) and zigzag (causal, its head-tail load
+  balancing).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class _TorchCPRing(torch.autograd.Function):
     """PyTorch's `_templated_ring_attention` forward and its backward, on (b, h, n, d)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group):
+    def forward(ctx, q, k, v, causal, scale, group, balance):
         # optional: torch's private context-parallel API, present only in some torch versions
         from torch.distributed.tensor.experimental._attention import _cp_options
         from torch.distributed.tensor.experimental._context_parallel._attention import (
@@ -155,7 +156,7 @@ class _TorchCPRing(torch.autograd.Function):
         )
 
         old = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = causal
+        _cp_options.enable_load_balance = balance
         try:
             out, lse = _templated_ring_attention(
                 group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -163,7 +164,7 @@ class _TorchCPRing(torch.autograd.Function):
         finally:
             _cp_options.enable_load_balance = old
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.scale, ctx.group, ctx.balance = causal, scale, group, balance
         return out, lse
 
     @staticmethod
@@ -176,7 +177,7 @@ class _TorchCPRing(torch.autograd.Function):
 
         q, k, v, out, lse = ctx.saved_tensors
         old = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = ctx.causal
+        _cp_options.enable_load_balance = ctx.balance
         try:
             dq, dk, dv = _templated_ring_attention_backward(
                 ctx.group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
@@ -184,18 +185,18 @@ class _TorchCPRing(torch.autograd.Function):
                 logsumexp=lse, is_causal=ctx.causal, dropout_p=0.0, scale=ctx.scale)[:3]
         finally:
             _cp_options.enable_load_balance = old
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _torch_cp_rule(layout: str, causal: bool) -> None:
-    if causal != (layout == "zigzag"):
-        raise ValueError("--impl torch_cp balances causal work with its head-tail (zigzag) layout "
-                         "and runs bidirectional attention contiguous: use --layout zigzag --causal "
-                         "or --layout contiguous without --causal")
+    if not causal and layout != "contiguous":
+        raise ValueError("--impl torch_cp runs bidirectional attention on contiguous shards: use --layout "
+                         "contiguous without --causal (causal runs contiguous, or zigzag with its head-tail "
+                         "load balancing)")
 
 
 def _torch_cp() -> ImplFn:
-    def torch_cp(q, k, v, *, causal, softmax_scale, group=None):
+    def torch_cp(q, k, v, *, causal, softmax_scale, group=None, layout="zigzag"):
         group = group if group is not None else dist.group.WORLD
         if q.device.type == "cuda":
             raise RuntimeError("--impl torch_cp is wired to the CPU flash kernels; on CUDA use "
@@ -205,7 +206,8 @@ def _torch_cp() -> ImplFn:
         qt = q.transpose(1, 2)
         kt = k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
         vt = v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-        out, lse = _TorchCPRing.apply(qt, kt, vt, causal, softmax_scale, group)
+        # head-tail load balancing on zigzag shards; plain contiguous shards without it
+        out, lse = _TorchCPRing.apply(qt, kt, vt, causal, softmax_scale, group, causal and layout == "zigzag")
         return out.transpose(1, 2), lse.float()
     return torch_cp
 
