@@ -6,8 +6,8 @@ import argparse
 import shlex
 import time
 
-from ..judge.variant_options import VariantOptions, parse_documents, parse_window
 from ..documents import meta
+from ..judge.variant_options import VariantOptions, parse_documents, parse_window
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SILENT_RANK_GRACE_S = 2.0  # under torchrun, how long a rank that failed quietly waits for rank 0 to speak

@@ -34,9 +34,10 @@ from .common import (
 # ---------------------------------------------------------------------------- validate
 
 # validate's flags that name a field of the target (the TOML config takes the same keys)
+_VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v")  # `VariantOptions`
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
-                 "distributions", "documents", "pad", "window", "softcap", "sinks", "head_dim_v")
+                 "distributions", *_VARIANT_FLAGS)
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
@@ -82,22 +83,17 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> 
     for name in _TARGET_FLAGS:
         value = getattr(target, name)
         flag = "--" + name.replace("_", "-")
-        if value is None:
+        if value is None or name in _VARIANT_FLAGS:
             continue
         if name == "causal":
             flags.append("--causal" if value else "--no-causal")
-        elif name == "sinks":
-            flags += ["--sinks"] if value else []
-        elif name == "pad":
-            flags += [flag, str(value)] if value else []
-        elif name == "window":
-            flags += [flag, f"{value[0]},{value[1]}"]
         elif name == "local_lengths":
             flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
         elif name == "distributions":
             flags += [flag, ",".join(value)]
         else:
             flags += [flag, str(value)]
+    flags += target.variants.flags()
     flags += ["--timeout", f"{timeout:g}"]
     head = (f"torchrun --nproc-per-node={target.world_size} -m ringcheck validate" if torchrun
             else "ringcheck validate")

@@ -43,11 +43,11 @@ from ..judge.check import (
 )
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs
+from ..judge.variant_options import VariantOptions
 from ..ring.backends import BACKENDS
 from ..ring.layouts import positions
 from ..ring.loops import ACCUMULATIONS, StepObserver
 from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
-from ..judge.variant_options import VariantOptions
 from .drift_model import (
     FLAGS,
     PER_HEAD_RULE,

@@ -125,18 +125,13 @@ class Target:
         return RingSpec(self.world_size, self.layout)
 
     def describe(self) -> str:
-        v = self.variants
-        return (f"--impl {self.impl} --world-size {self.world_size} --layout {self.layout} "
-                f"--seq-len {self.seq_len} --batch {self.batch} --heads {self.heads} "
-                f"--kv-heads {self.kv_heads} --head-dim {self.head_dim} --dtype {self.dtype}"
-                + (" --causal" if self.causal else "")
-                + (f" --softmax-scale {self.softmax_scale}" if self.softmax_scale is not None else "")
-                + (f" --documents {v.documents}" if v.documents is not None else "")
-                + (f" --pad {v.pad}" if v.pad else "")
-                + (f" --window {v.window[0]},{v.window[1]}" if v.window is not None else "")
-                + (f" --softcap {v.softcap:g}" if v.softcap is not None else "")
-                + (" --sinks" if v.sinks else "")
-                + (f" --head-dim-v {v.head_dim_v}" if v.head_dim_v is not None else ""))
+        return " ".join([
+            f"--impl {self.impl} --world-size {self.world_size} --layout {self.layout} "
+            f"--seq-len {self.seq_len} --batch {self.batch} --heads {self.heads} "
+            f"--kv-heads {self.kv_heads} --head-dim {self.head_dim} --dtype {self.dtype}"
+            + (" --causal" if self.causal else "")
+            + (f" --softmax-scale {self.softmax_scale}" if self.softmax_scale is not None else ""),
+            *self.variants.flags()])
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], *, source: str = "config") -> "Target":

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ..judge.check import Results, reference_kwargs, seq_dim, token_owners
+from ..judge.check import Results, seq_dim, spec_floors, token_owners
 from ..judge.inputs import Inputs
-from ..judge.verdict import Verdict, float32_floors, judge
+from ..judge.verdict import Verdict, judge
 from ..ring.layouts import work_counts
 from ..spec import AttentionSpec, Budget, RingSpec
 
@@ -43,9 +43,7 @@ class CheckRow:
 def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
                rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
-    kwargs = reference_kwargs(spec, inputs)
-    kwargs["scale"] = kwargs.pop("softmax_scale")
-    floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, rows=rows, **kwargs)
+    floors = spec_floors(spec, inputs, rows)
     owner, _ = token_owners(spec.seq_len, ring, spec.variant.cu_seqlens)
     if true.dsinks is not None:
         tensors = (*tensors, "dsinks")

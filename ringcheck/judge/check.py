@@ -92,6 +92,13 @@ def reference_kwargs(spec: AttentionSpec, inputs: Inputs) -> dict:
     return {"causal": spec.causal, "softmax_scale": spec.scale, **spec.variant_kwargs(), **extra}
 
 
+def spec_floors(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`float32_floors` of `inputs` for `spec` (its scale, mask and variants; sampled `rows`)."""
+    kwargs = reference_kwargs(spec, inputs)
+    kwargs["scale"] = kwargs.pop("softmax_scale")
+    return float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, rows=rows, **kwargs)
+
+
 def truth(spec: AttentionSpec, inputs: Inputs) -> Results:
     """float64 truth with the analytic backward."""
     return Results(*dense_grads(inputs.q, inputs.k, inputs.v, inputs.dout, **reference_kwargs(spec, inputs)))
@@ -160,11 +167,7 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply (unless
     `use_float32_floors` is False: the bare flash-attention rule, for the suites' findings)."""
     verdict = Verdict(case.describe())
-    floors = {}
-    if inputs is not None and use_float32_floors:
-        kwargs = reference_kwargs(case.spec, inputs)
-        kwargs["scale"] = kwargs.pop("softmax_scale")
-        floors = float32_floors(inputs.q, inputs.k, inputs.v, inputs.dout, **kwargs)
+    floors = spec_floors(case.spec, inputs) if inputs is not None and use_float32_floors else {}
     owner, _ = token_owners(case.spec.seq_len, case.ring, case.spec.variant.cu_seqlens)
     if true.dsinks is not None and "dsinks" not in tensors:
         tensors = (*tensors, "dsinks")

@@ -101,6 +101,22 @@ class VariantOptions:
             words.append(f"head_dim_v {self.head_dim_v}")
         return ", ".join(words) if words else "plain attention (no variants)"
 
+    def flags(self) -> list[str]:
+        """The command-line flags that give these options (none for plain attention); values
+        as `str` writes them, so a re-run gets the same numbers."""
+        out: list[str] = []
+        if self.documents is not None:
+            out += ["--documents", self.documents] + (["--pad", str(self.pad)] if self.pad else [])
+        if self.window is not None:
+            out += ["--window", f"{self.window[0]},{self.window[1]}"]
+        if self.softcap is not None:
+            out += ["--softcap", str(self.softcap)]
+        if self.sinks:
+            out.append("--sinks")
+        if self.head_dim_v is not None:
+            out += ["--head-dim-v", str(self.head_dim_v)]
+        return out
+
     def to_json(self) -> dict:
         """The options that are set (an empty dict for plain attention)."""
         doc: dict = {}
