@@ -116,8 +116,8 @@ def test_bench_command_writes_json(tmp_path, ring_pool, monkeypatch):
     assert ours["median_s"] > 0 and ours["fastest_peer"] == "torch_cp"
     assert ours["ratio"] == pytest.approx(ours["median_s"] / speed[("bidirectional", "fwd+bwd", "torch_cp")]["median_s"])
     assert set(ours["errors"]) == {"out", "dq", "dk", "dv"} and max(ours["errors"].values()) < 1e-4
-    na = speed[("causal", "fwd", "torch_cp")]
-    assert na["median_s"] is None and "zigzag" in na["na"]
+    cp_causal = speed[("causal", "fwd", "torch_cp")]  # contiguous causal, without load balancing
+    assert cp_causal["median_s"] > 0 and max(cp_causal["errors"].values()) < 1e-4
     assert all(r["efficiency"] > 0 for r in doc["overlap"])
 
 

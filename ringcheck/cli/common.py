@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from pathlib import Path
 
 from ..documents import meta
 from ..judge.variant_options import VariantOptions, parse_documents, parse_window
@@ -26,6 +27,21 @@ def command_meta(args: argparse.Namespace, start: float, **extra) -> dict:
 def add_quiet(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress display (it is off anyway when stdout is not a terminal)")
+
+
+def add_log_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-dir", dest="log_dir", metavar="DIR", default=None,
+                        help="write each rank's full output, traceback and ring-step trace (step, source rank, "
+                             "bytes sent and received, time per step) to DIR/rank<G>.log, G its global rank")
+
+
+def log_files_note(log_dir: str | None, error: Exception | None = None) -> str:
+    """The line that names the per-rank logs (of the failing ranks, from a `RingError`), or ""."""
+    if not log_dir:
+        return ""
+    ranks = sorted(getattr(error, "global_ranks", {}).values())
+    which = ", ".join(f"{Path(log_dir) / f'rank{r}.log'}" for r in ranks) if ranks else f"{log_dir}/rank<G>.log"
+    return f"the whole story of each rank (output, traceback, ring-step trace): {which}"
 
 
 def shows_progress(args: argparse.Namespace, console) -> bool:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..judge.check import Results, row_results
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
 from ..ring import DistributedDriver, NoCommDriver, make_config, run_ring, simulate_ring
-from ..ring.comm import RingComm
+from ..ring.comm import RingComm, timed_waits
 from ..ring.layouts import positions, shard
 from ..spec import AttentionSpec
 from .adapters import load_impl
@@ -36,12 +36,13 @@ LOCAL = (SIMULATED, SDPA, SDPA_1T)     # run in the parent process, not in the r
 _LAYOUTS = {
     OURS: {"bidirectional": "contiguous", "causal": "contiguous", "causal_balanced": "zigzag"},
     SIMULATED: {"bidirectional": "contiguous", "causal": "contiguous", "causal_balanced": "zigzag"},
-    "torch_cp": {"bidirectional": "contiguous", "causal": None, "causal_balanced": "zigzag"},
+    "torch_cp": {"bidirectional": "contiguous", "causal": "contiguous", "causal_balanced": "zigzag"},
     "ring_attention_pytorch": {"bidirectional": "contiguous", "causal": "contiguous",
                                "causal_balanced": "striped"},
 }
-_NA_REASON = {("torch_cp", "causal"): "torch_cp runs causal attention only with its head-tail (zigzag) "
-                                      "balancing: see causal_balanced"}
+# any other --impl: the first layout of the mode's list that it says it runs (`Impl.check_layout`)
+_PREFERRED = {"bidirectional": ("contiguous", "zigzag", "striped"), "causal": ("contiguous",),
+              "causal_balanced": ("zigzag", "striped")}
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -90,10 +91,20 @@ def merge_errors(parts: list[dict]) -> dict[str, float]:
 # ------------------------------------------------------------------------------- systems
 
 def system_layout(system: str, mode: str) -> tuple[str | None, str]:
-    """(layout, reason if n/a) of `system` in `mode`; custom impls take our ring's layouts."""
-    layouts = _LAYOUTS.get(system, _LAYOUTS[OURS])
-    layout = layouts[mode]
-    return layout, ("" if layout else _NA_REASON.get((system, mode), f"{system} cannot run {mode}"))
+    """(layout, reason if n/a) of `system` in `mode`: the known systems' own; any other --impl
+    the first of the mode's layouts it runs (a peer adapter says which: ring_flash_attn:zigzag
+    runs zigzag only, so it has no plain causal cell)."""
+    if system in _LAYOUTS:
+        return _LAYOUTS[system][mode], ""
+    causal = mode != "bidirectional"
+    reasons = []
+    for layout in _PREFERRED[mode]:
+        try:
+            load_impl(system, layout=layout).check_layout(layout, causal)
+            return layout, ""
+        except (ValueError, RuntimeError) as exc:
+            reasons.append(str(exc).splitlines()[0])
+    return None, f"{system} cannot run {mode}: {reasons[-1]}"
 
 
 def call(fn: Callable, passes: str, inputs: tuple, dout):
@@ -111,18 +122,20 @@ def call(fn: Callable, passes: str, inputs: tuple, dout):
 
 
 def times_of(fn: Callable, warmup: int, repeats: int, barrier: Callable = lambda: None):
-    """Per-repeat seconds of fn() after `warmup` calls, each between barriers; last result."""
+    """Per-repeat seconds of fn() after `warmup` calls, each between barriers; last result.
+    Ring waits block directly here (`timed_waits`): no fail-fast helper thread in the timing."""
     result = None
-    for _ in range(warmup):
+    with timed_waits():
+        for _ in range(warmup):
+            barrier()
+            result = fn()
+        times = []
+        for _ in range(repeats):
+            barrier()
+            t0 = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - t0)
         barrier()
-        result = fn()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    barrier()
     return times, result
 
 

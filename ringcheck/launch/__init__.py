@@ -37,7 +37,11 @@ __all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "LocalRingPool", "LocalRings"
            "RingMember", "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout", "from_torchrun_env", "open_ring", "relay"]
 
 
-def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None):
-    """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry)."""
+def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None,
+              log_dir: str | None = None, stuck_exit_code: int | None = None):
+    """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry).
+    `log_dir`: one log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`."""
     env = from_torchrun_env(environ)
-    return TorchrunWorld(env, timeout=timeout) if env is not None else LocalRings(timeout=timeout)
+    if env is not None:
+        return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code)
+    return LocalRings(timeout=timeout, log_dir=log_dir)

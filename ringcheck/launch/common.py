@@ -9,6 +9,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from ..ring.comm import STOPPED
+
 Task = Callable[..., Any]
 
 START_TIMEOUT = 120.0  # seconds for a local ring's processes to import torch and join the group
@@ -40,9 +42,10 @@ class RingError(RuntimeError):
     """A task failed on some rank of a ring; `failures` maps ring rank -> what happened there
     (a process outside the ring that failed is named in the message only)."""
 
-    def __init__(self, message: str, failures: dict):
+    def __init__(self, message: str, failures: dict, offset: int = 0):
         super().__init__(message)
         self.failures = failures
+        self.global_ranks = {r: r + offset for r in failures}  # ring rank -> global rank
 
 
 def describe_task(task: Task) -> str:
@@ -55,9 +58,11 @@ _TIMED_OUT = re.compile(r"timed? ?out|timeout|did not complete|no .* payload arr
 def failure_kinds(errors: dict[int, str], silent: Iterable[int] = ()) -> dict[int, str]:
     """What each failing process did: "raised"; "timed out waiting" (on a peer that never
     came); "never answered" (it hung: the likely culprit, when nobody raised); or "stopped
-    after the failure" (silent after another rank raised: it was waiting on that rank)."""
+    after the failure" (told to stop by the rank that failed, or silent after another rank
+    raised: it was waiting on that rank)."""
     silent = set(silent)
-    kinds = {g: "timed out waiting" if _TIMED_OUT.search(text) else "raised"
+    kinds = {g: "stopped after the failure" if STOPPED in text.split("\n", 1)[0]
+             else "timed out waiting" if _TIMED_OUT.search(text) else "raised"
              for g, text in errors.items() if g not in silent}
     someone_raised = "raised" in kinds.values()
     kinds.update({g: "stopped after the failure" if someone_raised else "never answered"

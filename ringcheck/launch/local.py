@@ -25,10 +25,12 @@ from .common import (
     Task,
     as_timedelta,
     control_timeout,
+    describe_task,
     failure_message,
     raised_text,
     ring_failures,
 )
+from .rank_task import STOP_PREFIX, StopFlag, rank_task
 
 # -------------------------------------------------------------------------------- local rings
 
@@ -39,8 +41,9 @@ def _loopback_interface() -> str | None:
         return None
 
 
-def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) -> None:
-    """One rank of a local ring: join the group, then run tasks until told to stop."""
+def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, log_dir: str | None = None) -> None:
+    """One rank of a local ring: join the group, then run tasks until told to stop (each in
+    `rank_task`: the ring's stop flag in the pool's store, the rank's log in `log_dir`)."""
     # this process is the edge of its own environment: keep gloo on the loopback interface
     lo = _loopback_interface()
     if lo is not None:
@@ -55,6 +58,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) ->
         conn.send_bytes(pickle.dumps(("error", f"could not join the ring: {raised_text()}")))
         return
     rings: dict[int, Any] = {}
+    index = 0
     while True:
         try:
             message = conn.recv_bytes()
@@ -67,17 +71,24 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn) ->
             continue
         if kind == "stop":
             break
+        index += 1  # every worker counts every task: the same stop flag key on every rank
+        flag = StopFlag(store, f"{STOP_PREFIX}/{index}")
         try:
             if ring_size not in rings:  # every worker gets every task, so all make the group together
                 rings[ring_size] = dist.new_group(ranks=list(range(world_size - ring_size, world_size)),
                                                   timeout=as_timedelta(timeout))
             ring_rank = rank - (world_size - ring_size)
             if ring_rank < 0:
-                outcome: tuple = ("idle", None)
+                reply = pickle.dumps(("idle", None))
             else:
                 member = RingMember(ring_rank, ring_size, rings[ring_size], timeout, rank, "cpu")
-                outcome = ("ok", task(member, *args))
-            reply = pickle.dumps(outcome)
+                with rank_task(member, describe_task(task), index, flag=flag, log_dir=log_dir) as failed:
+                    try:
+                        reply = pickle.dumps(("ok", task(member, *args)))
+                    except BaseException:
+                        text = raised_text()
+                        failed(text)
+                        reply = pickle.dumps(("error", text))
         except BaseException:
             reply = pickle.dumps(("error", raised_text()))
         try:
@@ -131,7 +142,7 @@ class LocalRingPool:
     """
 
     def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 start_timeout: float = START_TIMEOUT, grace: float = GRACE):
+                 start_timeout: float = START_TIMEOUT, grace: float = GRACE, log_dir: str | None = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"a local ring needs world_size >= 1 processes, got {world_size!r}")
         self.size = world_size
@@ -146,7 +157,8 @@ class LocalRingPool:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"ringcheck-rank{rank}-of-{world_size}",
-                                   args=(rank, world_size, self._store.port, self.timeout, child_end), daemon=True)
+                                   args=(rank, world_size, self._store.port, self.timeout, child_end, log_dir),
+                                   daemon=True)
                 proc.start()
                 child_end.close()
                 self._conns.append(parent_end)
@@ -231,7 +243,7 @@ class LocalRingPool:
                    else f"did not answer within the task deadline of {limit:g} s")
             errors.update({r: f"{why}; stopped with the ring" for r in silent})
             raise RingError(failure_message(task, f"local gloo ring of {self.size} processes", self.size, ring_size,
-                                             errors, silent=silent), ring_failures(self.size, ring_size, errors))
+                                             errors, silent=silent), ring_failures(self.size, ring_size, errors), first)
         return [replies[r][1] for r in range(first, self.size)]
 
     def close(self, *, graceful: bool = True) -> None:
@@ -272,9 +284,12 @@ class LocalRings:
     is_main = True      # the one process that reports
     is_torchrun = False
 
-    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT):
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
+                 log_dir: str | os.PathLike | None = None, setup: Task | None = None):
         self.timeout = check_timeout(timeout)
         self.start_timeout = check_timeout(start_timeout)
+        self.log_dir = None if log_dir is None else str(log_dir)  # each rank's log: DIR/rank<G>.log
+        self.setup = setup  # a task every new pool runs first on all its processes (e.g. a stand-in)
         self._pools: list[LocalRingPool] = []
 
     def pool(self, ring_size: int, *, exact: bool = False) -> LocalRingPool:
@@ -286,7 +301,9 @@ class LocalRings:
         fitting = [p for p in self._pools if (p.size == ring_size if exact else p.size >= ring_size)]
         if fitting:
             return min(fitting, key=lambda p: p.size)
-        pool = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout)
+        pool = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout, log_dir=self.log_dir)
+        if self.setup is not None:  # before any task, and again in every pool started after a failure
+            pool.run(ring_size, self.setup)
         self._pools.append(pool)
         return pool
 

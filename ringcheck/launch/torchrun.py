@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -18,10 +20,12 @@ from .common import (
     Task,
     as_timedelta,
     control_timeout,
+    describe_task,
     failure_message,
     raised_text,
     ring_failures,
 )
+from .rank_task import STOP_PREFIX, StopFlag, StuckWatchdog, rank_task
 
 # ----------------------------------------------------------------------------------- torchrun
 
@@ -66,6 +70,15 @@ def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv |
     return env
 
 
+def _default_store():
+    """The store the default process group was made with, for the stop flags; None where this
+    torch does not say (then a failing rank's peers wait out the ring timeout, as before)."""
+    try:  # private, but present from torch 1.x to 2.13; nothing else reaches the launcher's store
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 class TorchrunWorld:
     """This process as one rank of a launcher-started world; tasks run in-process.
 
@@ -77,8 +90,15 @@ class TorchrunWorld:
 
     is_torchrun = True
 
-    def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None):
+    def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
+                 log_dir: str | os.PathLike | None = None, stuck_exit_code: int | None = None,
+                 stuck_grace: float = 5.0):
+        """`log_dir`: each rank's log (`rank_task`). `stuck_exit_code`: a command's code for a
+        rank still blocked in the implementation `stuck_grace` seconds after another rank
+        failed (`StuckWatchdog`); None (a test session): such a rank waits out the timeout."""
         self.env = env
+        self.log_dir = None if log_dir is None else str(log_dir)
+        self.stuck_exit_code, self.stuck_grace = stuck_exit_code, stuck_grace
         self.timeout = check_timeout(timeout)
         self.rank, self.size = env.rank, env.world_size
         use_cuda = torch.cuda.is_available() if backend is None else "nccl" in backend
@@ -96,6 +116,11 @@ class TorchrunWorld:
         self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
         self._rings: dict[int, Any] = {}
         os.environ[CLAIMED_BY] = str(os.getpid())  # this process is the rank (see CLAIMED_BY)
+        # the stop flags live in the store every rank joined through; keys unique to this world
+        # object (rank 0's pid and clock), since one process may open several in turn
+        self._store = _default_store()
+        self._stop_prefix = f"{STOP_PREFIX}/{self.all_gather(f'{os.getpid()}-{time.time_ns()}')[0]}"
+        self._tasks = 0
 
     @property
     def is_main(self) -> bool:
@@ -120,12 +145,19 @@ class TorchrunWorld:
                              f"launch with `torchrun --nproc-per-node={ring_size} ...` or more")
         group = self._ring_group(ring_size)
         ring_rank = self.rank - (self.size - ring_size)
+        self._tasks += 1
+        flag = None if self._store is None else StopFlag(self._store, f"{self._stop_prefix}/{self._tasks}")
         if ring_rank >= 0:
             member = RingMember(ring_rank, ring_size, group, self.timeout, self.rank, self.device)
-            try:
-                outcome = ("ok", task(member, *args))
-            except Exception:
-                outcome = ("error", raised_text())
+            watchdog = (StuckWatchdog(flag, self.stuck_grace, self.stuck_exit_code, f"rank {self.rank}", self.log_dir)
+                        if flag is not None and self.stuck_exit_code is not None else contextlib.nullcontext())
+            with rank_task(member, describe_task(task), self._tasks, flag=flag, log_dir=self.log_dir) as failed, \
+                    watchdog:
+                try:
+                    outcome = ("ok", task(member, *args))
+                except Exception:
+                    outcome = ("error", raised_text())
+                    failed(outcome[1])
         else:
             outcome = ("idle", None)
         try:
@@ -137,7 +169,7 @@ class TorchrunWorld:
         if errors:
             self._rings.pop(ring_size, None)  # every rank drops it (they all see the failure)
             raise RingError(failure_message(task, f"torchrun world of {self.size}", self.size, ring_size, errors),
-                            ring_failures(self.size, ring_size, errors))
+                            ring_failures(self.size, ring_size, errors), self.size - ring_size)
         return [value for _, value in outcomes[self.size - ring_size:]]
 
     def close(self) -> None:

@@ -18,6 +18,12 @@ their dtype on arrival: bit-exact by construction, and independent of which dtyp
 supports for point-to-point (gloo in older torch did not take every dtype). The same code runs
 on gloo (CPU tensors) and NCCL (CUDA tensors); the device comes from the tensors.
 
+A launcher can watch the ring's waits (`watched`): `stop` is asked every `STOP_POLL_S` while a
+wait is blocked and, when it returns a reason (another rank of the ring failed), the wait gives
+up at once with a RuntimeError that says "stopped waiting" and why, instead of running out the
+timeout; `trace` is handed one record per completed exchange (the per-rank ring-step trace of
+`--log-dir`).
+
 Timeouts: every wait has one. gloo honours `Work.wait(timeout)`; with NCCL the wait is
 enforced by the process group's own timeout (its watchdog aborts the communicator), so pass
 the same timeout to `init_process_group`. A peer that died, raised or never sent becomes a
@@ -27,8 +33,11 @@ RuntimeError naming that peer's rank (ring rank and global rank).
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +51,65 @@ from ..spec import DEFAULT_TIMEOUT, check_timeout, require_distributed
 _ABANDONED: deque = deque(maxlen=64)
 _CHANNEL_TAGS = {"kv": 1, "grad": 2, "sum": 3}  # "sum": small per-rank partials (dsinks)
 
+STOPPED = "stopped waiting"  # how a wait cut short by `watched`'s stop begins its reason
+STOP_POLL_S = 0.05           # how often a blocked wait asks `stop`
+# what the launcher watching this process's ring waits asked for (`watched`); one task at a time
+_WATCH: dict[str, Callable | None] = {"stop": None, "trace": None}
+
+
+@contextmanager
+def watched(*, stop: Callable[[], str | None] | None = None,
+            trace: Callable[[dict], None] | None = None) -> Iterator[None]:
+    """While inside: every ring wait of this process asks `stop()` (None: keep waiting; a
+    reason: give up now) and hands `trace` a record of each completed exchange."""
+    before = dict(_WATCH)
+    _WATCH.update(stop=stop, trace=trace)
+    try:
+        yield
+    finally:
+        _WATCH.update(before)
+
+
+@contextmanager
+def timed_waits() -> Iterator[None]:
+    """While inside: waits block directly, without the helper thread that asking `stop` needs
+    (timed regions of a benchmark; the trace stays). A failing peer then costs the timeout, or
+    the launcher's grace in a local ring."""
+    with watched(stop=None, trace=_WATCH["trace"]):
+        yield
+
+
+class _Stopped(Exception):
+    """`stop` gave a reason while a wait was blocked."""
+
+
+def _wait_watched(work, seconds: float, stop: Callable[[], str | None] | None) -> None:
+    """`work.wait`, bounded by `seconds`; with `stop`, the wait runs in a helper thread (a
+    blocked gloo wait can neither be polled nor cut into slices) while this thread asks `stop`
+    every STOP_POLL_S. A wait given up on is left to its thread, which ends at the timeout."""
+    if stop is None:
+        work.wait(datetime.timedelta(seconds=seconds))
+        return
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=seconds))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            failed.append(exc)
+
+    waiter = threading.Thread(target=wait, name="ringcheck-ring-wait", daemon=True)
+    waiter.start()
+    while True:
+        waiter.join(STOP_POLL_S)
+        if not waiter.is_alive():
+            break
+        why = stop()
+        if why:
+            raise _Stopped(why)
+    if failed:
+        raise failed[0]
+
 @dataclass
 class _Exchange:
     """One posted exchange: the requests, the send buffers kept alive, the receive buffers."""
@@ -50,6 +118,8 @@ class _Exchange:
     sends: list            # kept referenced until the sends complete
     recvs: list            # uint8 buffers
     meta: list             # (dtype, shape) per tensor, to view the bytes back
+    step: int = 0          # the how-many-th exchange on its channel (for the trace)
+    posted: float = 0.0    # time.monotonic() at the post
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +146,7 @@ class RingComm:
         self.next_rank = (self.rank + 1) % self.world_size
         self.prev_rank = (self.rank - 1) % self.world_size
         self._in_flight: dict[str, _Exchange | tuple] = {}
+        self._steps: dict[str, int] = {}
 
     def _name(self, ring_rank: int) -> str:
         return f"rank {ring_rank} (global rank {self.global_ranks[ring_rank]})"
@@ -117,7 +188,9 @@ class RingComm:
             roles = [(w, "recv") for w in works[len(sends):]] + roles  # "nothing arrived" tells more
         else:  # a coalesced batch (NCCL) answers with one request for all of it
             roles = [(w, "both") for w in works]
-        self._in_flight[channel] = _Exchange(roles, sends, recvs, [(t.dtype, t.shape) for t in payload])
+        step = self._steps[channel] = self._steps.get(channel, -1) + 1
+        self._in_flight[channel] = _Exchange(roles, sends, recvs, [(t.dtype, t.shape) for t in payload],
+                                             step, time.monotonic())
 
     def wait(self, channel: str) -> tuple:
         """The payload the previous rank posted on `channel`, once the exchange is complete."""
@@ -128,10 +201,16 @@ class RingComm:
             return exchange
         start = time.monotonic()
         deadline = start + self.timeout
+        stop, trace = _WATCH["stop"], _WATCH["trace"]
         for work, role in exchange.works:
             left = max(deadline - time.monotonic(), 0.001)
             try:
-                work.wait(datetime.timedelta(seconds=left))
+                _wait_watched(work, left, stop)
+            except _Stopped as why:
+                _ABANDONED.append(exchange)  # its thread still waits on it
+                raise RuntimeError(f"{self.where()}: {STOPPED} for the {channel!r} payload from "
+                                   f"{self._name(self.prev_rank)} after {time.monotonic() - start:.2f} s: "
+                                   f"{why}") from None
             except RuntimeError as exc:
                 what = {
                     "recv": f"no {channel!r} payload arrived from {self._name(self.prev_rank)}",
@@ -146,6 +225,13 @@ class RingComm:
                 raise RuntimeError(
                     f"{self.where()}: {what} {when}: {who} raised, died, or never reached this ring "
                     f"step ({type(exc).__name__}: {exc})") from exc
+        if trace is not None:
+            done = time.monotonic()
+            size = sum(buf.numel() for buf in exchange.recvs)
+            trace({"channel": channel, "step": exchange.step, "source_rank": self.prev_rank,
+                   "source_global_rank": self.global_ranks[self.prev_rank],
+                   "dest_rank": self.next_rank, "bytes_sent": size, "bytes_received": size,
+                   "step_s": round(done - exchange.posted, 6), "waited_s": round(done - start, 6)})
         return tuple(buf.view(dtype).view(shape) for buf, (dtype, shape) in zip(exchange.recvs, exchange.meta))
 
     def abandon(self) -> None:
