@@ -8,6 +8,7 @@ No I/O and no environment reads here: every other module receives these objects 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,24 @@ def check_causal(causal: object) -> bool:
     return causal
 
 
+_CUSTOM_LAYOUT = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def is_custom_layout(layout: object) -> bool:
+    """A layout named `module:function` (a user's: FN(rank, world_size, seq_len,
+    cu_seqlens=None) -> the global positions that rank holds, in its local order)."""
+    return isinstance(layout, str) and ":" in layout
+
+
 def check_layout(layout: object) -> str:
+    if is_custom_layout(layout):
+        if not _CUSTOM_LAYOUT.match(layout):  # type: ignore[arg-type]
+            raise ValueError(f"layout={layout!r} is neither a built-in layout nor `package.module:function` "
+                             f"(a custom layout: FN(rank, world_size, seq_len, cu_seqlens=None) -> LongTensor)")
+        return layout  # type: ignore[return-value]
     if layout not in ALL_LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown; choose one of {list(ALL_LAYOUTS)}")
+        raise ValueError(f"layout={layout!r} is unknown; choose one of {list(ALL_LAYOUTS)} or a custom layout "
+                         f"`package.module:function`")
     return layout  # type: ignore[return-value]
 
 

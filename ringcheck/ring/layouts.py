@@ -21,7 +21,8 @@ from functools import lru_cache
 
 import torch
 
-from ..spec import DOC_LAYOUTS, RingSpec, check_cu_seqlens, check_layout, check_window
+from ..spec import DOC_LAYOUTS, RingSpec, check_cu_seqlens, check_layout, check_window, is_custom_layout
+from .custom_layout import custom_positions
 
 MASK_KINDS = ("full", "causal", "band")
 
@@ -113,6 +114,9 @@ def positions(*, layout: str, rank: int, world_size: int, seq_len: int, cu_seqle
             torch.arange(rank * half, (rank + 1) * half),
             torch.arange((2 * world_size - 1 - rank) * half, (2 * world_size - rank) * half),
         ])
+    if is_custom_layout(layout):  # the user's function, checked to partition the sequence
+        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len)
+        return custom_positions(layout, world_size, seq_len, cu)[rank].clone()
     if layout in DOC_LAYOUTS:  # every document (and the padding tail) dealt out like zigzag
         parts = []
         for start, length in _doc_chunks(cu_seqlens, world_size, seq_len):
@@ -164,7 +168,7 @@ def unshard(shards, *, layout: str, dim: int = 1, cu_seqlens=None) -> torch.Tens
         firsts = [s.narrow(dim, 0, n // 2) for s in shards]
         seconds = [s.narrow(dim, n // 2, n // 2) for s in reversed(shards)]
         return torch.cat(firsts + seconds, dim=dim)
-    if layout in DOC_LAYOUTS:
+    if layout in DOC_LAYOUTS or is_custom_layout(layout):
         p = len(shards)
         where = torch.cat([positions(layout=layout, rank=r, world_size=p, seq_len=n * p, cu_seqlens=cu_seqlens)
                            for r in range(p)])
@@ -184,7 +188,7 @@ def block_plan(*, layout: str, q_rank: int, kv_rank: int, world_size: int, local
     _check_rank(kv_rank, world_size)
     _ring(layout, world_size)
     window = check_window(window)
-    if cu_seqlens is not None or window != (-1, -1) or layout in DOC_LAYOUTS:
+    if cu_seqlens is not None or window != (-1, -1) or layout in DOC_LAYOUTS or is_custom_layout(layout):
         cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, local_len * world_size)
         return variant_plan(layout, q_rank, kv_rank, world_size, local_len, causal, cu, window)
     every = slice(0, local_len)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from ..judge.check import Case
 from ..judge.distributions import DISTRIBUTIONS, min_head_dim
-from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec, check_int
+from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec, check_int, is_custom_layout
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def cases(bounds: Bounds = Bounds(), *, dtypes=tuple(DTYPES), distributions=tupl
         raise TypeError(f"bounds must be a Bounds, got {type(bounds).__name__}")
     dtypes = _choices("dtypes", dtypes, DTYPES)
     distributions = _choices("distributions", distributions, DISTRIBUTIONS)
-    layouts = _choices("layouts", layouts, LAYOUTS)
+    layouts = _choices("layouts", layouts, (*LAYOUTS, *(x for x in layouts if is_custom_layout(x))))
     causal = _choices("causal", causal, (False, True))
     backends = _choices("backends", backends, ("torch", "triton", "flash_attn"))
     if world_size is not None:
