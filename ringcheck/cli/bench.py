@@ -19,14 +19,16 @@ from ..commands.bench import (
     machine,
     run_bench,
 )
+from ..commands.peer_adapters import stand_in_task
 from ..documents import save
+from ..flash_stand_in import install as install_flash_stand_in
 from ..launch import LocalRings
 from ..render.terminal import (
     make_console,
     print_bench,
     progress,
 )
-from .common import EXIT_OK, UsageError, add_quiet, command_meta, list_of, shows_progress
+from .common import EXIT_OK, UsageError, add_log_dir, add_quiet, command_meta, list_of, shows_progress
 
 # ------------------------------------------------------------------------------- bench
 
@@ -47,12 +49,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     console = make_console()
+    stand_in = {}
+    if args.flash_attn_stand_in:  # here (loading an impl imports flash_attn) and on every rank, below
+        stand_in = {"flash_attn_stand_in": install_flash_stand_in().describe()}
+        console.print(f"flash-attn stand-in: {stand_in['flash_attn_stand_in']}", highlight=False, markup=False)
     before = machine()
     start = time.perf_counter()
-    with (LocalRings(timeout=args.timeout) as rings,
+    # every pool the bench starts (also after a failure) installs the stand-in first
+    with (LocalRings(timeout=args.timeout, log_dir=args.log_dir, setup=stand_in_task if stand_in else None) as rings,
           progress(None, console, enabled=shows_progress(args, console), label="benchmarking") as advance):
         doc = run_bench(spec, rings, progress=advance)
-    doc["meta"] = command_meta(args, start, threads=before["parent_threads"], **before, load_after=load_average())
+    doc["meta"] = command_meta(args, start, threads=before["parent_threads"], **before, load_after=load_average(),
+                               **stand_in)
     print_bench(doc, console)
     if args.json:
         console.print(f"wrote {save(doc, args.json)}", highlight=False)
@@ -91,8 +99,12 @@ def _add_bench(sub) -> None:
                         "test suites and validate as subprocesses: minutes)")
     p.add_argument("--quick", action="store_true", help="a tiny grid (float32, P=2, 512 tokens): a smoke run")
     p.add_argument("--full", action="store_true", help="the issue's whole grid (P 2,4,8; 1K,4K,16K tokens; 8 heads): long")
+    p.add_argument("--flash-attn-stand-in", dest="flash_attn_stand_in", action="store_true",
+                   help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in in "
+                        "every ring worker (for --impl ring_flash_attn:* and yunchang:*); the JSON's meta says so")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank may wait on another (default 300)")
     p.add_argument("--json", metavar="FILE", help="write the measurements as JSON to FILE")
+    add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_bench)
 

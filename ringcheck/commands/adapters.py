@@ -19,7 +19,8 @@ Built-in adapters (`--impl NAME` or `--impl NAME:VARIANT`):
 - ``ringcheck`` - our ring (`ringcheck.ring_attention`), any layout.
 - ``ring_attention_pytorch`` - lucidrains' ring-attention-pytorch `ring_flash_attn`
   (pure PyTorch, CPU and GPU); layouts contiguous and striped.
-- ``ring_flash_attn:zigzag|basic|stripe`` - zhuzilin's ring-flash-attention (CUDA only).
+- ``ring_flash_attn:zigzag|basic|stripe|llama3`` and ``yunchang:ulysses|usp|ring:...`` - rings
+  built on flash-attn (`ringcheck.commands.peer_adapters`; on CPU through the flash-attn stand-in).
 - ``torch_cp`` - PyTorch's own context-parallel ring (the private
   `_templated_ring_attention`, with the CPU flash kernels on CPU); layouts contiguous
   (bidirectional, and causal without load balancing) and zigzag (causal, its head-tail load
@@ -68,6 +69,10 @@ class Impl:
     layouts: tuple[str, ...] | None = None   # None: whatever layout it is given
     # extra rule of the implementation: (layout, causal) -> raises ValueError if it cannot run them
     rule: Callable[[str, bool], None] | None = None
+    # the whole target (a `ringcheck.commands.validate.Target`) -> ValueError if it cannot run it
+    # (variants, heads): called before any rank starts
+    check_target: Callable[[Any], None] | None = None
+    dtypes: tuple[str, ...] | None = None   # the input dtypes it runs (None: every one)
 
     def check_layout(self, layout: str, causal: bool) -> None:
         if self.layouts is not None and layout not in self.layouts:
@@ -121,25 +126,6 @@ def _ring_attention_pytorch(layout: str) -> ImplFn:
                               ring_reduce_col=True, striped_ring_attn=(layout == "striped"))
         return out[:, :, order]
     return ring_attention_pytorch
-
-
-# ------------------------------------------------------------------------ ring-flash-attn
-
-def _ring_flash_attn(variant: str) -> ImplFn:
-    try:
-        import ring_flash_attn as rfa  # optional dependency: the peer ring
-    except ImportError as exc:
-        raise RuntimeError("--impl ring_flash_attn needs the ring-flash-attn package and CUDA "
-                           "(pip install ring-flash-attn flash-attn on a GPU machine)") from exc
-    functions = {"zigzag": "zigzag_ring_flash_attn_func", "basic": "ring_flash_attn_func",
-                 "stripe": "stripe_flash_attn_func"}
-    fn = getattr(rfa, functions[variant])
-
-    def ring_flash_attn(q, k, v, *, causal, softmax_scale, group=None):
-        out, lse, _ = fn(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
-                         return_attn_probs=True)
-        return out, lse.float()
-    return ring_flash_attn
 
 
 # ---------------------------------------------------------------------- PyTorch's own CP
@@ -214,7 +200,7 @@ def _torch_cp() -> ImplFn:
 
 # --------------------------------------------------------------------------------- loading
 
-BUILTIN = ("ringcheck", "ring_attention_pytorch", "ring_flash_attn", "torch_cp")
+BUILTIN = ("ringcheck", "ring_attention_pytorch", "ring_flash_attn", "yunchang", "torch_cp")
 
 
 def _check_signature(fn: ImplFn, name: str) -> None:
@@ -245,13 +231,10 @@ def load_impl(spec: str, *, layout: str, backend: str = "torch") -> Impl:
         return Impl("ringcheck", _ours(layout, backend))
     if head == "ring_attention_pytorch" and not tail:
         return Impl(spec, _ring_attention_pytorch(layout), layouts=("contiguous", "striped"))
-    if head == "ring_flash_attn":
-        variant = tail or "zigzag"
-        layouts = {"zigzag": "zigzag", "basic": "contiguous", "stripe": "striped"}
-        if variant not in layouts:
-            raise ValueError(f"--impl ring_flash_attn:{variant} is unknown; choose one of "
-                             f"{[f'ring_flash_attn:{v}' for v in layouts]}")
-        return Impl(f"ring_flash_attn:{variant}", _ring_flash_attn(variant), layouts=(layouts[variant],))
+    if head in ("ring_flash_attn", "yunchang"):
+        from .peer_adapters import load_peer  # it imports Impl from this module
+
+        return load_peer(spec)
     if head == "torch_cp" and not tail:
         return Impl("torch_cp", _torch_cp(), layouts=("contiguous", "zigzag"), rule=_torch_cp_rule)
     if not tail:
