@@ -169,7 +169,7 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     verdict = Verdict(case.describe())
     floors = spec_floors(case.spec, inputs) if inputs is not None and use_float32_floors else {}
     owner, _ = token_owners(case.spec.seq_len, case.ring, case.spec.variant.cu_seqlens)
-    if true.dsinks is not None and "dsinks" not in tensors:
+    if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
         tensors = (*tensors, "dsinks")
     for name in tensors:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype

@@ -218,3 +218,12 @@ MUTANTS = {
 
 for _name, _doc in MUTANTS.items():
     globals()[_name] = _mutant(_name, _doc)
+
+# every public catalogue of the `--impl` contract: module -> the dict naming its implementations
+# (`--impl <module>:<name>`); this module's bug classes, the variants', and the precision class's
+# (a tensor rounded through a narrower dtype: `narrow_<tensor>_<dtype>`)
+CATALOGUES = {
+    "ringcheck.testing.mutants": "MUTANTS",
+    "ringcheck.testing.variant_mutants": "VARIANT_MUTANTS",
+    "ringcheck.testing.precision_mutants": "PRECISION_MUTANTS",
+}
