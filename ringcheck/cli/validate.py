@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..commands.adapters import load_impl
+from ..commands.peer_adapters import stand_in_row
 from ..commands.validate import Target, check_variant_keywords, report_dict, validate_steps, validate_task
 from ..launch import RingError, open_ring, relay
 from ..render.files import write_validate_reports
@@ -23,11 +24,14 @@ from ..spec import check_timeout
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
+    add_log_dir,
     add_quiet,
     add_variant_flags,
     command_meta,
     list_of,
+    log_files_note,
     shows_progress,
 )
 
@@ -37,7 +41,7 @@ from .common import (
 _VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v")  # `VariantOptions`
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
-                 "distributions", *_VARIANT_FLAGS)
+                 "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
@@ -87,6 +91,8 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> 
             continue
         if name == "causal":
             flags.append("--causal" if value else "--no-causal")
+        elif name in ("flash_attn_stand_in", "forward_only"):
+            flags += [flag] if value else []
         elif name == "local_lengths":
             flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
         elif name == "distributions":
@@ -125,6 +131,7 @@ def _progress_channel(ring, advance, enabled: bool):
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     target, timeout = _validate_settings(args)
+    stand_in = stand_in_row(target.flash_attn_stand_in)  # here too: loading the impl below imports it
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
         impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
         impl.check_layout(target.layout, target.causal)
@@ -133,7 +140,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     console = make_console()
     start = time.perf_counter()
-    ring = open_ring(timeout=timeout, environ=os.environ)
+    ring = open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)
     try:
         if ring.is_torchrun and ring.size != target.world_size:
             if args.world_size is not None or args.config:
@@ -145,13 +152,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
             console.print(f"variants: {target.variants.describe()}", markup=False, highlight=False)
+            if stand_in is not None:
+                console.print(f"flash-attn stand-in: {stand_in.detail}", markup=False, highlight=False)
         shows = main and shows_progress(args, console)
         with (progress(validate_steps(target), console, enabled=shows, label="validating") as advance,
               _progress_channel(ring, advance, shows) as channel):
             try:
                 rows = ring.run(target.world_size, validate_task, target, channel)[0]
             except RingError as exc:
-                raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)) from exc
+                note = log_files_note(args.log_dir, exc)
+                raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)
+                                 + (f"\n{note}" if note else "")) from exc
     finally:
         ring.close()
     if not main:
@@ -171,7 +182,8 @@ def _add_validate(sub) -> None:
                                    "the same-dtype peer; exit 0 if every check passes, 1 if one fails, 2 if no "
                                    "verdict could be reached.")
     p.add_argument("--impl", help="implementation: ringcheck (default), ring_attention_pytorch, torch_cp, "
-                                  "ring_flash_attn:zigzag, or package.module:function")
+                                  "ring_flash_attn:zigzag|basic|stripe|llama3, yunchang:ulysses|usp[:ulysses=N]|"
+                                  "ring:basic|zigzag|stripe, or package.module:function")
     p.add_argument("--config", help="TOML file with the target: the flags' names as keys (e.g. seq_len = 4096, "
                                     "causal = false, quick = true, timeout = 30), flags override it")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="full target sequence length (default 2048)")
@@ -182,8 +194,10 @@ def _add_validate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="input dtype (default bfloat16)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal attention (default: causal)")
-    p.add_argument("--layout", choices=["contiguous", "zigzag", "striped", "zigzag_docs"],
-                   help="sequence layout (default zigzag; zigzag_docs balances each document, needs --documents)")
+    p.add_argument("--layout", metavar="LAYOUT",
+                   help="sequence layout: contiguous, zigzag (default), striped, zigzag_docs (balances each document, "
+                        "needs --documents), or a custom package.module:FN, FN(rank, world_size, seq_len, "
+                        "cu_seqlens=None) -> LongTensor of the global positions that rank holds")
     p.add_argument("--softmax-scale", dest="softmax_scale", type=float, help="default 1/sqrt(head_dim)")
     p.add_argument("--world-size", dest="world_size", type=int,
                    help="ranks of the local gloo ring (default 4; under torchrun: the world)")
@@ -199,10 +213,18 @@ def _add_validate(sub) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help=f"seconds any rank may wait on another (default {DEFAULT_TIMEOUT_S:g}; config key timeout)")
     add_variant_flags(p, unset=True)
+    p.add_argument("--flash-attn-stand-in", dest="flash_attn_stand_in", action="store_true", default=None,
+                   help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in on "
+                        "every rank (for ring_flash_attn:* and yunchang:* on CPU); the report says so "
+                        "(config key flash_attn_stand_in = true)")
     p.add_argument("--report", metavar="DIR", help="write validate.json, validate.md and validate.html to DIR")
     p.add_argument("--full-table", dest="full_table", action="store_true",
                    help="the wide table with every row's located detail in it (default: one line per check, "
                         "the detail of failing rows after the table)")
+    p.add_argument("--forward-only", dest="forward_only", action="store_true", default=None,
+                   help="an inference ring without a backward: forward verdicts only, the backward rows say "
+                        "'not run' (config key forward_only = true)")
+    add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_validate)
 

@@ -33,20 +33,30 @@ from ..documents import VALIDATE_SCHEMA, header
 from ..judge.check import (
     Case,
     Results,
-    judge_results,
-    peer,
     reference_kwargs,
     row_results,
-    truth,
 )
 from ..judge.distributions import DISTRIBUTIONS
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
+from ..judge.precision import judge_with_class
 from ..judge.variant_options import VariantOptions
 from ..judge.verdict import TENSORS, Verdict
 from ..ring.layouts import positions, shard, unshard
-from ..spec import AttentionSpec, Budget, RingSpec
+from ..spec import AttentionSpec, Budget, RingSpec, is_custom_layout
 from .adapters import Impl, accepted_keywords, load_impl
-from .validate_rows import CheckRow, balance_row, finite_row, judge_rows, shape_row, summarise
+from .impl_shards import ContractError, run_shards  # noqa: F401 - ContractError: validate's name for it too
+from .peer_adapters import stand_in_row
+from .validate_rows import (
+    BACKWARD,
+    CheckRow,
+    backward_row,
+    balance_row,
+    class_rows,
+    finite_row,
+    judge_rows,
+    shape_row,
+    summarise,
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,9 @@ class Target:
     softcap: float | None = None
     sinks: bool = False
     head_dim_v: int | None = None
+    # `import flash_attn` resolves to ringcheck's CPU stand-in on every rank (when the real one is absent)
+    flash_attn_stand_in: bool = False
+    forward_only: bool = False  # an inference ring: no backward is run, backward rows say "not run"
 
     def __post_init__(self) -> None:
         if isinstance(self.window, list):
@@ -115,7 +128,8 @@ class Target:
         spec = AttentionSpec(batch=batch, heads=self.heads, kv_heads=self.kv_heads, seq_len=seq_len,
                              head_dim=self.head_dim, dtype=self.dtype, causal=self.causal,
                              softmax_scale=self.softmax_scale, variant=variant, sinks=sinks, v_head_dim=v_head_dim)
-        if self.layout == "zigzag_docs":  # every document must cut into 2P chunks
+        if self.layout == "zigzag_docs" or is_custom_layout(self.layout):  # documents cut into 2P chunks; a
+            # custom layout's ranks partition the sequence (checked here, before any rank starts)
             positions(layout=self.layout, rank=0, world_size=self.world_size, seq_len=seq_len,
                       cu_seqlens=variant.cu_seqlens)
         return spec
@@ -149,36 +163,10 @@ class Target:
         return dataclasses.asdict(self)
 
 
-class ContractError(ValueError):
-    """The implementation broke the --impl contract (shape, dtype, gradients): a usage error."""
-
-
 # ------------------------------------------------------------------------------ rank side
 
 def _rank_info(group) -> tuple[int, int, int]:
     return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
-
-
-def _unpack(result: Any, q: torch.Tensor, v: torch.Tensor, impl: Impl) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(result, torch.Tensor):
-        out, lse = result, None
-    elif isinstance(result, (tuple, list)) and len(result) >= 1 and isinstance(result[0], torch.Tensor):
-        out = result[0]
-        lse = result[1] if len(result) > 1 and isinstance(result[1], torch.Tensor) else None
-    else:
-        raise ContractError(f"--impl {impl.name} returned {type(result).__name__}; the contract is "
-                            f"out or (out, lse) tensors")
-    want_out = (*q.shape[:3], v.shape[3])
-    if tuple(out.shape) != want_out or out.dtype != q.dtype:
-        raise ContractError(f"--impl {impl.name} returned out of shape {tuple(out.shape)} and dtype "
-                            f"{out.dtype}; the contract is q's shape with v's head dim {want_out} and dtype {q.dtype}")
-    if lse is not None:
-        want = (q.shape[0], q.shape[2], q.shape[1])
-        if tuple(lse.shape) != want:
-            raise ContractError(f"--impl {impl.name} returned lse of shape {tuple(lse.shape)}; the contract "
-                                f"is (batch, heads, local_seq) = {want}, float32")
-        lse = lse.float()
-    return out, lse
 
 
 # the variant keywords of the contract, and the flag that asks for each
@@ -192,6 +180,8 @@ def _variant_keywords(spec: AttentionSpec, sinks: torch.Tensor | None) -> dict[s
 def check_variant_keywords(impl: Impl, target: Target) -> None:
     """ValueError naming the keyword and its flag when the target uses a variant keyword the
     implementation does not accept (nor **kwargs): before any rank starts."""
+    if impl.check_target is not None:  # a built-in adapter's own rules (variants, heads)
+        impl.check_target(target)
     spec = target.full_spec()
     needed = [*spec.variant_kwargs(), *(["sinks"] if spec.sinks else [])]
     missing = [name for name in needed if name not in accepted_keywords(impl.fn, needed)]
@@ -200,33 +190,6 @@ def check_variant_keywords(impl: Impl, target: Target) -> None:
         raise ValueError(f"--impl {impl.name} does not accept the keyword(s) {said}: add them to its signature "
                          f"(fn(q, k, v, *, causal, softmax_scale, group, {', '.join(missing)}=None, ...)) or drop "
                          f"the flag(s)")
-
-
-def _run_shards(impl: Impl, inputs: Inputs, spec: AttentionSpec, ring: RingSpec, rank: int, group,
-                device: torch.device) -> dict[str, torch.Tensor | None]:
-    """This rank's forward and backward; returns its shards of out, lse, dq, dk, dv (and the
-    dsinks it received) on the CPU."""
-    cu = spec.variant.cu_seqlens
-
-    def mine(t):
-        return shard(t, layout=ring.layout, rank=rank, world_size=ring.world_size, cu_seqlens=cu).to(device)
-
-    q, k, v = (mine(t).detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    sinks = None if inputs.sinks is None else inputs.sinks.detach().clone().to(device).requires_grad_(True)
-    variant = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
-               for name, value in _variant_keywords(spec, sinks).items()}
-    result = impl.call(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group, layout=ring.layout,
-                       **variant)
-    out, lse = _unpack(result, q, v, impl)
-    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
-    grads = torch.autograd.grad(out, leaves, mine(inputs.dout), allow_unused=True)
-    for name, g in zip(("q", "k", "v", "sinks"), grads):
-        if g is None:
-            raise ContractError(f"--impl {impl.name}: no gradient flows to {name} (it must be differentiable "
-                                f"in q, k, v{' and sinks' if sinks is not None else ''})")
-    return {"out": out.detach().cpu(), "lse": None if lse is None else lse.detach().cpu(),
-            "dq": grads[0].cpu(), "dk": grads[1].cpu(), "dv": grads[2].cpu(),
-            "dsinks": None if sinks is None else grads[3].cpu()}
 
 
 def _gather(local: dict, group, world_size: int) -> list[dict]:
@@ -242,8 +205,10 @@ def _whole(parts: list[dict], layout: str, cu_seqlens=None) -> Results | None:
         return unshard([p[name] for p in parts], layout=layout, dim=dim, cu_seqlens=cu_seqlens)
     lse = cat("lse", 2) if parts[0]["lse"] is not None else None
     out = cat("out", 1)
+    ran = parts[0]["dq"] is not None  # --forward-only: no gradients (unjudged)
     return Results(out, lse if lse is not None else torch.zeros(out.shape[0], out.shape[2], out.shape[1]),
-                   cat("dq", 1), cat("dk", 1), cat("dv", 1), parts[0].get("dsinks"))
+                   *((cat("dq", 1), cat("dk", 1), cat("dv", 1)) if ran else (None, None, None)),
+                   parts[0].get("dsinks"))
 
 
 # distributions that place every row's maximum on one key per ring step that every row of a
@@ -289,7 +254,8 @@ class _Rank:
 
     def run(self, inputs: Inputs, spec: AttentionSpec, ring: RingSpec) -> list[dict]:
         """The implementation on every rank's shards; every rank's results, in rank order."""
-        local = _run_shards(self.impl, inputs, spec, ring, self.rank, self.group, self.device)
+        local = run_shards(self.impl, Case(spec, ring), inputs, self.rank, self.group, self.device,
+                           forward_only=self.target.forward_only)
         return _gather(local, self.group, self.world)
 
 
@@ -300,14 +266,14 @@ class _FirstRun:
     parts: list[dict]
 
 
-def _judged_tensors(returns_lse: bool) -> tuple[str, ...]:
-    return TENSORS if returns_lse else tuple(t for t in TENSORS if t != "lse")
+def _judged_tensors(returns_lse: bool, forward_only: bool = False) -> tuple[str, ...]:
+    return tuple(t for t in TENSORS if (returns_lse or t != "lse") and not (forward_only and t in BACKWARD))
 
 
 def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool, _FirstRun]:
     """Scaled-down shapes, every distribution, several local lengths: a forward and a
     backward row per distribution; also whether the implementation returns lse."""
-    target, by_dist = ctx.target, {}
+    target, by_dist, classes = ctx.target, {}, []
     returns_lse, first = True, None
     for case in scaled_cases(target):
         ctx.note(f"{case.distribution}, {case.spec.seq_len // ctx.world} tokens per rank")
@@ -315,17 +281,17 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
         parts = ctx.run(inputs, case.spec, case.ring)
         returns_lse = parts[0]["lse"] is not None
         first = first or _FirstRun(case, inputs, parts)
-        tensors = _judged_tensors(returns_lse)
-        verdict = ctx.on_root(lambda: judge_results(case, _whole(parts, case.ring.layout, case.spec.variant.cu_seqlens),
-                                                    truth(case.spec, inputs),
-                                                    peer(case.spec, inputs), budget=ctx.budget, tensors=tensors,
-                                                    inputs=inputs))
+        tensors = _judged_tensors(returns_lse, target.forward_only)
+        verdict, precision = ctx.on_root(lambda: judge_with_class(  # the budget rule and the precision class
+            case, _whole(parts, case.ring.layout, case.spec.variant.cu_seqlens), inputs, budget=ctx.budget, tensors=tensors))
         by_dist.setdefault(case.distribution, []).append(verdict)
+        classes.append(precision)
     lengths = ",".join(str(n) for n in target.local_lengths)
     rows = []
     for name, verdicts in by_dist.items():
         rows.append(summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
-        rows.append(summarise(f"backward {name} (local {lengths})", verdicts, ("dq", "dk", "dv", "dsinks")))
+        rows.append(backward_row(f"backward {name} (local {lengths})", verdicts, target.forward_only))
+    rows += class_rows(classes, lengths, target.forward_only)
     return rows, [v for vs in by_dist.values() for v in vs], returns_lse, first
 
 
@@ -366,17 +332,19 @@ def _check_full_length(ctx: _Rank, returns_lse: bool) -> tuple[list[CheckRow], V
 
     def full_verdict():
         whole = _whole(parts, ctx.target.layout, spec.variant.cu_seqlens)
-        got = Results(whole.out[:, rows], whole.lse[:, :, rows], whole.dq[:, rows], whole.dk, whole.dv, whole.dsinks)
+        got = Results(whole.out[:, rows], whole.lse[:, :, rows], None if whole.dq is None else whole.dq[:, rows],
+                      whole.dk, whole.dv, whole.dsinks)
         return judge_rows(spec, ctx.target.ring, got, row_results(spec, sparse, rows, low=False),
-                           row_results(spec, sparse, rows, low=True), rows, _judged_tensors(returns_lse),
+                           row_results(spec, sparse, rows, low=True), rows,
+                           _judged_tensors(returns_lse, ctx.target.forward_only),
                            ctx.budget, sparse)
 
     verdict = ctx.on_root(full_verdict)
     ctx.note("the row reference against mpmath")
     return [ctx.on_root(lambda: _certify_row_reference(spec, sparse, rows)),
             summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows", [verdict], ("out", "lse")),
-            summarise(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
-                       ("dq", "dk", "dv", "dsinks"))], verdict
+            backward_row(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys", [verdict],
+                         ctx.target.forward_only)], verdict
 
 
 def _determinism_row(ctx: _Rank, first: _FirstRun) -> CheckRow:
@@ -398,14 +366,16 @@ def validate_on_rank(target: Target, group=None, *, budget: Budget = Budget(),
     if world != target.world_size:
         raise ValueError(f"the ring has {world} ranks but the target says world_size={target.world_size}; "
                          f"launch with torchrun --nproc-per-node={target.world_size} or pass --world-size {world}")
+    stand_in = stand_in_row(target.flash_attn_stand_in)  # before the implementation is imported, on every rank
     impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
     impl.check_layout(target.layout, target.causal)
     check_variant_keywords(impl, target)
     ctx = _Rank(target, impl, group, rank, world, root, budget, progress)
     scaled_rows, scaled_verdicts, returns_lse, first = _check_scaled_cases(ctx)
     full_rows, full_verdict = _check_full_length(ctx, returns_lse)
-    return [*scaled_rows, *full_rows, finite_row([*scaled_verdicts, full_verdict]),
+    return [*([stand_in] if stand_in else []), *scaled_rows, *full_rows, finite_row([*scaled_verdicts, full_verdict]),
             _determinism_row(ctx, first), shape_row(returns_lse), balance_row(target, world)]
+
 
 
 # ------------------------------------------------------------------------------- reports

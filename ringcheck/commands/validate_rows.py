@@ -45,7 +45,7 @@ def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results,
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
     floors = spec_floors(spec, inputs, rows)
     owner, _ = token_owners(spec.seq_len, ring, spec.variant.cu_seqlens)
-    if true.dsinks is not None:
+    if true.dsinks is not None and got.dsinks is not None:  # (not under --forward-only)
         tensors = (*tensors, "dsinks")
     for name in tensors:
         dtype = torch.float32 if name == "lse" else spec.torch_dtype
@@ -113,3 +113,23 @@ def balance_row(target: Any, world: int) -> CheckRow:
     mean = sum(counts) / len(counts)
     return CheckRow("per-rank work balance (max / mean)", "info", max(counts) / mean if mean else 1.0, None,
                     f"{target.layout}{' causal' if spec.causal else ''}: visible scores per rank {counts}")
+
+
+BACKWARD = ("dq", "dk", "dv", "dsinks")
+NOT_RUN = "not run"  # a row's status under --forward-only: never a pass, never a gate
+
+
+def backward_row(label: str, verdicts: list[Verdict], forward_only: bool) -> CheckRow:
+    """`summarise` of the backward tensors, or (--forward-only) a row that says they were not run."""
+    if forward_only:
+        return CheckRow(label, NOT_RUN, detail="--forward-only: the implementation's backward was not run, so dq, "
+                                               "dk, dv (and dsinks) have no verdict")
+    return summarise(label, verdicts, BACKWARD)
+
+
+def class_rows(verdicts: list[Verdict], lengths: str, forward_only: bool = False) -> list[CheckRow]:
+    """The precision-class rows (`ringcheck.judge.precision`) over every scaled case: per tensor
+    the worst normwise error / budget, where the budget is k x the error of a flash-style
+    one-device kernel (one rounding to the input dtype) plus a float32 floor."""
+    return [summarise(f"precision forward  vs flash-style kernel (local {lengths})", verdicts, ("out", "lse")),
+            backward_row(f"precision backward vs flash-style kernel (local {lengths})", verdicts, forward_only)]

@@ -4,6 +4,7 @@ its optional parts (no lse; the `layout` keyword)."""
 
 import time
 
+import torch
 import torch.distributed as dist
 
 from ringcheck import ring_attention
@@ -61,3 +62,17 @@ def layout_aware(q, k, v, *, causal, softmax_scale, group=None, layout):
 def layout_through_kwargs(q, k, v, *, causal, softmax_scale, group=None, **options):
     """`layout_aware` taking its optional keywords through **kwargs."""
     return layout_aware(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=options["layout"])
+
+
+def raises_on_rank_one_in_our_ring(q, k, v, *, causal, softmax_scale, group=None):
+    """Rank 1 raises; the others enter our ring (`RingComm`), where the stop flag reaches them."""
+    if dist.get_rank(group) == 1:
+        raise RuntimeError("rank 1 ran out of patience\nsecond line of the message")
+    return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout="zigzag",
+                          return_lse=True)
+
+
+def inference_only(q, k, v, *, causal, softmax_scale, group=None):
+    """A correct forward with no backward (an inference ring): validate needs --forward-only."""
+    with torch.no_grad():
+        return textbook(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group)
