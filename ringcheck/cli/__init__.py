@@ -14,6 +14,7 @@ import time
 from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError
 from .drift import _add_drift, _add_report
+from .test import _add_test
 from .validate import _add_validate, rerun_command
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "build_parser", "main", "our_ring_failures",
@@ -27,13 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drift(sub)
     _add_report(sub)
     _add_bench(sub)
+    _add_test(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passes_on_unknown", False):
+        parser.parse_args(argv)  # argparse's own error (exit 2): only `ringcheck test` passes arguments on (to pytest)
+    args.passed_on = unknown
     args.argv = argv
     # under torchrun every rank runs this: one of them (rank 0) says what went wrong
     speaks = os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ

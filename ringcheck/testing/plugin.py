@@ -12,7 +12,11 @@ pytest run (nothing to copy into a conftest); this repository's root conftest na
   the same tests in the same order, every test's verdict is collective (a failure on any rank
   fails it on all, with every rank's error), only rank 0 prints, and Hypothesis draws the same
   examples on every rank;
-- fixtures ``search_profile``, ``torchrun_world``, ``ring_pool`` and ``run_on_ring``.
+- fixtures ``search_profile``, ``torchrun_world``, ``ring_pool`` and ``run_on_ring``;
+- ``--ring-impl MOD:FN|ADAPTER`` (with ``--ring-layout``, ``--ring-world-sizes``,
+  ``--ring-dtypes``, ``--ring-forward-only``): the property suites on that implementation
+  (`ringcheck.testing.impl_suite`, collected from the package: with no test paths given it is
+  what runs, with paths it joins them), and the fixtures ``ring_impl_config`` and ``ring_impl``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -64,7 +69,10 @@ def _profile_header(config) -> str:
 
 
 def pytest_report_header(config):
-    return _profile_header(config)
+    impl = config.stash.get(_IMPL, None)
+    stand_in = config.stash.get(_STAND_IN, None)
+    return ([_profile_header(config)] + ([impl.describe()] if impl is not None else [])
+            + ([f"flash-attn stand-in: {stand_in}"] if stand_in is not None else []))
 
 
 @pytest.fixture(scope="session")
@@ -113,12 +121,16 @@ def variant_options(pytestconfig) -> VariantOptions | None:
 _WORLD = pytest.StashKey()      # TorchrunWorld or None
 _RINGS = pytest.StashKey()      # {timeout: LocalRings}
 _QUIET = pytest.StashKey()      # (real stdout, devnull) on ranks other than 0
+_STAND_IN = pytest.StashKey()   # what --ring-flash-attn-stand-in did, in words
 
 
 def _add_ring_options(parser) -> None:
     group = parser.getgroup("ringcheck")
     group.addoption("--ring-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="bound on every ring wait and collective of distributed tests (default 60)")
+    group.addoption("--ring-log-dir", default=None, metavar="DIR",
+                    help="each rank's whole story of every ring task (output, traceback, ring-step trace) in "
+                         "DIR/rank<G>.log")
     group.addoption("--ring-planted-failure", action="store_true", default=False,
                     help="run the demonstration test that fails on purpose on one rank (it must fail on all)")
 
@@ -145,7 +157,31 @@ def _configure_ring(config) -> None:
         config.stash[_QUIET] = (sys.stdout, open(os.devnull, "w"))
         sys.stdout = config.stash[_QUIET][1]
     _derandomize_hypothesis()
-    config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"))
+    config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"),
+                                         log_dir=config.getoption("--ring-log-dir"))
+
+
+def _stand_in(config) -> bool:
+    """--ring-flash-attn-stand-in: install it in this process (the rank, under torchrun);
+    `_local_rings` has every worker install it too."""
+    if not config.getoption("--ring-flash-attn-stand-in"):
+        return False
+    # start-up time: the stand-in is imported only when asked for
+    from ..flash_stand_in import install
+
+    config.stash[_STAND_IN] = install().describe()
+    return True
+
+
+def _local_rings(config, timeout: float) -> LocalRings:
+    """The session's local rings of one timeout: every pool installs the flash-attn stand-in
+    first where asked, and writes each rank's log where asked."""
+    setup = None
+    if config.stash.get(_STAND_IN, None) is not None:
+        from ..commands.peer_adapters import stand_in_task  # only with --ring-flash-attn-stand-in
+
+        setup = stand_in_task
+    return LocalRings(timeout=timeout, log_dir=config.getoption("--ring-log-dir"), setup=setup)
 
 
 def _unconfigure_ring(config) -> None:
@@ -226,7 +262,7 @@ def ring_pool(request):
                         "not under torchrun")
         timeout = config.getoption("--ring-timeout") if timeout is None else timeout
         if timeout not in rings:
-            rings[timeout] = LocalRings(timeout=timeout)
+            rings[timeout] = _local_rings(config, timeout)
         return rings[timeout].pool(world_size)
 
     return get
@@ -252,10 +288,99 @@ def run_on_ring(request):
         rings = config.stash[_RINGS]
         timeout = config.getoption("--ring-timeout")
         if timeout not in rings:
-            rings[timeout] = LocalRings(timeout=timeout)
+            rings[timeout] = _local_rings(config, timeout)
         return rings[timeout].run(world_size, task, *args, exact=exact)
 
     return run
+
+
+# --- an implementation under test (--ring-impl) -----------------------------------------------
+# `pytest --ring-impl MOD:FN` runs the in-package suite (ringcheck/testing/impl_suite.py) on that
+# implementation: on local gloo rings, or on the torchrun world and its sub-groups.
+
+_IMPL = pytest.StashKey()   # ImplConfig or None
+IMPL_SUITE = Path(__file__).with_name("impl_suite.py")
+
+
+def _add_impl_options(parser) -> None:
+    group = parser.getgroup("ringcheck implementation under test",
+                            "the property suites on another ring (the --impl contract of ringcheck validate)")
+    group.addoption("--ring-impl", default=None, metavar="MOD:FN|ADAPTER",
+                    help="run the property suites on this implementation (package.module:function, or a built-in "
+                         "adapter: ringcheck, torch_cp, ...)")
+    group.addoption("--ring-layout", default=None, metavar="LAYOUT[,LAYOUT...]",
+                    help="layouts of its shards: contiguous, zigzag, striped, zigzag_docs (default: the adapter's; "
+                         "all plain layouts if it takes layout=, else zigzag)")
+    group.addoption("--ring-world-sizes", default=None, metavar="P[,P...]",
+                    help="ring sizes drawn (default 1,2,3,4; under torchrun 1..WORLD_SIZE)")
+    group.addoption("--ring-dtypes", default=None, metavar="DTYPE[,DTYPE...]",
+                    help="input dtypes drawn (default float32,bfloat16,float16)")
+    group.addoption("--ring-forward-only", action="store_true", default=False,
+                    help="run no backward: each property checks out and lse, its backward half is skipped as not run")
+    group.addoption("--ring-flash-attn-stand-in", action="store_true", default=False,
+                    help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in, in "
+                         "this process and every rank (rings built on flash-attn, on a CPU runner); said in the header")
+
+
+def _configure_impl(config) -> None:
+    """Read the --ring-* options once; a bad one is a usage error before anything runs."""
+    config.stash[_IMPL] = None
+    get = config.getoption
+    given = {name: get(name) for name in ("--ring-layout", "--ring-world-sizes", "--ring-dtypes")}
+    if get("--ring-impl") is None:
+        used = [name for name, value in given.items() if value is not None] + (
+            ["--ring-forward-only"] if get("--ring-forward-only") else [])
+        if used:
+            raise pytest.UsageError(f"{', '.join(used)} need --ring-impl MOD:FN (the implementation under test)")
+        return
+    # start-up time: the ring and the adapters are imported only when an implementation is under test
+    from .impl_options import impl_config
+
+    world = config.stash[_WORLD]
+    try:
+        config.stash[_IMPL] = impl_config(get("--ring-impl"), layouts=given["--ring-layout"],
+                                          world_sizes=given["--ring-world-sizes"], dtypes=given["--ring-dtypes"],
+                                          forward_only=get("--ring-forward-only"), timeout=get("--ring-timeout"),
+                                          torchrun_size=None if world is None else world.size)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise pytest.UsageError(f"ringcheck --ring-impl: {exc}") from None
+    suite = str(IMPL_SUITE)
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args[:] = [suite]  # no test paths given: the suite on the implementation is the run
+    elif not any(Path(arg.split("::")[0]).resolve() == IMPL_SUITE.resolve() for arg in config.args):
+        config.args.append(suite)
+
+
+@pytest.fixture(scope="session")
+def ring_impl_config(request):
+    """The `ringcheck.testing.impl_options.ImplConfig` of --ring-impl, or None without it."""
+    return request.config.stash[_IMPL]
+
+
+@pytest.fixture(scope="session")
+def ring_impl(request, ring_impl_config):
+    """The implementation under test (--ring-impl) as the `impl` of the property bodies
+    (`ringcheck.testing.impl_runner.RingImpl`), on the torchrun world or local gloo rings."""
+    if ring_impl_config is None:
+        pytest.skip("pass --ring-impl MOD:FN (the implementation under test)")
+    # start-up time: the runner imports the adapters and the ring
+    from .impl_runner import RingImpl
+
+    config = request.config
+    world = config.stash[_WORLD]
+    if world is not None:
+        run = world.run
+    else:
+        rings = config.stash[_RINGS]
+        timeout = config.getoption("--ring-timeout")
+
+        def run(world_size, task, *args):
+            __tracebackhide__ = True
+            if timeout not in rings:
+                rings[timeout] = _local_rings(config, timeout)
+            return rings[timeout].run(world_size, task, *args)
+    cfg = ring_impl_config
+    return RingImpl(cfg.spec, run, cfg.forward_only, cfg.impl.fn)
 
 
 # ---- the hooks ---------------------------------------------------------------
@@ -264,12 +389,15 @@ def pytest_addoption(parser):
     _add_profile_option(parser)
     _add_ring_options(parser)
     _add_variant_options(parser)
+    _add_impl_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)  # the ring section must act before the terminal reporter exists
 def pytest_configure(config):
     _load_hypothesis_profile(config)
     _configure_ring(config)  # after the profile: under torchrun it derandomizes the loaded one
+    _stand_in(config)        # before any implementation is loaded
+    _configure_impl(config)  # after the ring: it needs the torchrun world's size
 
 
 def pytest_unconfigure(config):

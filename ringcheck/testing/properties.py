@@ -102,11 +102,23 @@ def _other_inputs(case: Case) -> Inputs:
 
 
 def _run(case: Case, inputs: Inputs, impl) -> Results:
-    return run_whole(impl(case), inputs)
+    whole = impl(case)
+    # an implementation on a ring of processes runs its own forward and backward and hands back
+    # whole Results (ringcheck.testing.impl_runner.CaseRun); a whole-tensor one is run here
+    if hasattr(whole, "results"):
+        return whole.results(inputs)
+    return run_whole(whole, inputs)
+
+
+def present(results: Results, names) -> tuple[str, ...]:
+    """Of `names`, the tensors `results` holds: an implementation run forward only has no dq,
+    dk and dv, one that returns out alone no lse (`ringcheck.testing.impl_runner`); the
+    properties compare what is there."""
+    return tuple(name for name in names if results.get(name) is not None)
 
 
 def _verdict(case: Case, inputs: Inputs, got: Results, tensors=TENSORS) -> Verdict:
-    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), tensors=tensors,
+    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), tensors=present(got, tensors),
                          inputs=inputs)
 
 
@@ -125,6 +137,8 @@ def _first_unequal(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def _expect_equal(check, case, name, x, y, **params):
+    if x is None and y is None:  # not run (forward only) or not returned (lse): nothing to compare
+        return
     if not torch.equal(x, y):
         raise failure(check, case, f"{name} is not bit-identical: {_first_unequal(x, y)}", **params)
 
@@ -149,6 +163,8 @@ def check_finite(case: Case, impl=simulated_impl) -> None:
     for name in TENSORS:
         dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
         t, g = true.get(name), got.get(name)
+        if g is None:  # not run or not returned
+            continue
         bad = ~torch.isfinite(g) & torch.isfinite(t.to(dtype))
         if bad.any():
             i = [int(j) for j in torch.nonzero(bad)[0]]
@@ -202,7 +218,7 @@ def check_v_negation(case: Case, impl=simulated_impl) -> None:
     x = _inputs(case)
     r = _run(case, x, impl)
     n = _run(case, Inputs(x.q, x.k, -x.v, x.dout), impl)
-    for name in ("out", "dq", "dk"):
+    for name in present(r, ("out", "dq", "dk")):
         _expect_equal("check_v_negation", case, f"{name}(-V) vs -{name}(V)", n.get(name), -r.get(name))
     for name in ("lse", "dv"):
         _expect_equal("check_v_negation", case, f"{name}(-V) vs {name}(V)", n.get(name), r.get(name))
@@ -215,7 +231,7 @@ def _budget_agreement(check, case_a, inputs_a, got_a, case_b, inputs_b, got_b, t
     within budget of the truth, they are within that of each other)."""
     va = _verdict(case_a, inputs_a, got_a, tensors)
     vb = _verdict(case_b, inputs_b, got_b, tensors)
-    for name in tensors:
+    for name in present(got_a, tensors):
         x, y = got_a.get(name).double(), got_b.get(name).double()
         if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
             raise failure(check, case_a, f"{name} is not finite", **params)
@@ -237,7 +253,7 @@ def check_kv_permutation(case: Case, permutation: list[int], impl=simulated_impl
     r, rp = _run(case, x, impl), _run(case, xp, impl)
     back = torch.empty_like(perm)
     back[perm] = torch.arange(len(perm))
-    rp = Results(rp.out, rp.lse, rp.dq, rp.dk[:, back], rp.dv[:, back])
+    rp = Results(rp.out, rp.lse, rp.dq, *(None if t is None else t[:, back] for t in (rp.dk, rp.dv)))
     _budget_agreement("check_kv_permutation", case, x, r, case, xp, rp, budget_tensors(case),
                       permutation=permutation)
 
@@ -253,6 +269,8 @@ def check_causal_prefix(case: Case, cut: int, impl=simulated_impl) -> None:
         (x.q, x.k, x.v, x.dout), (y.q, y.k, y.v, y.dout))))
     r, rz = _run(case, x, impl), _run(case, z, impl)
     for name, part in (("out", lambda t: t[:, :cut]), ("lse", lambda t: t[:, :, :cut]), ("dq", lambda t: t[:, :cut])):
+        if name not in present(r, (name,)):
+            continue
         _expect_equal("check_causal_prefix", case, f"{name} of rows before {cut}",
                       part(r.get(name)), part(rz.get(name)), cut=cut)
 
@@ -285,7 +303,7 @@ def check_batch_and_head_independence(case: Case, impl=simulated_impl) -> None:
     rq = _run(case, _splice(x, y, q_head=spec.heads - 1), impl) if spec.heads > 1 else None
     check = "check_batch_and_head_independence"
     if rb is not None:
-        for name in TENSORS:
+        for name in present(r, TENSORS):
             _expect_equal(check, case, f"{name} of batch elements before the replaced one",
                           r.get(name)[:-1], rb.get(name)[:-1])
     if rh is not None:
@@ -293,11 +311,15 @@ def check_batch_and_head_independence(case: Case, impl=simulated_impl) -> None:
         for name, part in (("out", lambda t: t[:, :, keep_q]), ("lse", lambda t: t[:, keep_q]),
                            ("dq", lambda t: t[:, :, keep_q]), ("dk", lambda t: t[:, :, :-1]),
                            ("dv", lambda t: t[:, :, :-1])):
+            if name not in present(r, (name,)):
+                continue
             _expect_equal(check, case, f"{name} of the heads other than the replaced K/V head",
                           part(r.get(name)), part(rh.get(name)))
     if rq is not None:
         for name, part in (("out", lambda t: t[:, :, :-1]), ("lse", lambda t: t[:, :-1]),
                            ("dq", lambda t: t[:, :, :-1])):
+            if name not in present(r, (name,)):
+                continue
             _expect_equal(check, case, f"{name} of the query heads other than the replaced one",
                           part(r.get(name)), part(rq.get(name)))
 
@@ -313,7 +335,9 @@ def check_gqa_is_mha_with_repeated_kv(case: Case, impl=simulated_impl) -> None:
     xm = Inputs(x.q, x.k.repeat_interleave(g, dim=2), x.v.repeat_interleave(g, dim=2), x.dout)
     r, rm = _run(case, x, impl), _run(mha, xm, impl)
 
-    def group_sum(t):  # MHA's dK/dV in float64, summed over each group: GQA's shape
+    def group_sum(t):  # MHA's dK/dV in float64, summed over each group: GQA's shape (None: not run)
+        if t is None:
+            return None
         b, s, _, d = t.shape
         return t.double().view(b, s, spec.kv_heads, g, d).sum(3)
 
@@ -329,6 +353,24 @@ def check_ring_invariance(case: Case, world_size: int, layout: str, impl=simulat
     x = _inputs(case)  # the same tensors on both rings (late-max placed them for the first)
     _budget_agreement("check_ring_invariance", case, x, _run(case, x, impl), other, x, _run(other, x, impl),
                       budget_tensors(case), world_size=world_size, layout=layout)
+
+
+def check_determinism(case: Case, impl=simulated_impl) -> None:
+    """Two runs of one case give the same bits in every tensor (on the same ring)."""
+    x = _inputs(case)
+    a, b = _run(case, x, impl), _run(case, x, impl)
+    for name in present(a, (*TENSORS, "dsinks")):
+        _expect_equal("check_determinism", case, f"{name} of two runs", a.get(name), b.get(name))
+
+
+def check_distributed_equals_simulated(case: Case, impl) -> None:
+    """Our ring on processes (`impl`: ringcheck.testing.impl_runner.RingImpl of ``ringcheck``)
+    equals its simulation bit for bit: a property of our ring's internals, for no other ring."""
+    x = _inputs(case)
+    got, want = _run(case, x, impl), run_whole(simulated_impl(case), x)
+    for name in present(got, (*TENSORS, "dsinks")):
+        _expect_equal("check_distributed_equals_simulated", case, f"{name} on processes vs simulated",
+                      got.get(name), want.get(name))
 
 
 def check_layout_round_trip(case: Case) -> None:

@@ -30,7 +30,7 @@ from ..judge.inputs import Inputs, make_inputs
 from ..judge.verdict import TENSORS, Verdict, float32_floors
 from ..ring.layouts import block_plan, positions
 from ..spec import DOC_LAYOUTS, RingSpec, Variant
-from .properties import HALF_SUBNORMAL, UNIT_ROUNDOFF, gamma
+from .properties import HALF_SUBNORMAL, UNIT_ROUNDOFF, gamma, present
 
 U32 = 2.0 ** -24
 
@@ -54,16 +54,21 @@ def _inputs(case: Case) -> Inputs:
 
 
 def _run(case: Case, inputs: Inputs, impl) -> Results:
-    return run_whole(impl(case), inputs)
+    whole = impl(case)
+    # a ring of processes hands back whole Results itself (ringcheck.testing.impl_runner.CaseRun)
+    return whole.results(inputs) if hasattr(whole, "results") else run_whole(whole, inputs)
 
 
 def _verdict(case: Case, inputs: Inputs, got: Results) -> Verdict:
     """The budget verdict of every tensor (dsinks too, when the inputs have sinks)."""
-    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), tensors=TENSORS, inputs=inputs)
+    true = truth(case.spec, inputs)
+    if got.dsinks is None:  # not run (forward only): not judged
+        true = Results(true.out, true.lse, true.dq, true.dk, true.dv)
+    return judge_results(case, got, true, peer(case.spec, inputs), tensors=present(got, TENSORS), inputs=inputs)
 
 
 def _names(results: Results) -> tuple[str, ...]:
-    return TENSORS + (("dsinks",) if results.dsinks is not None else ())
+    return present(results, TENSORS + ("dsinks",))  # what was run and returned
 
 
 def _with(case: Case, *, ring: RingSpec | None = None, **changes) -> Case:
@@ -115,6 +120,8 @@ def _expect_padding(check, case, got: Results, end: int, **params) -> None:
         return
     pad = torch.arange(end, n)
     for name, want in (("out", 0.0), ("lse", float("-inf")), ("dq", 0.0), ("dk", 0.0), ("dv", 0.0)):
+        if got.get(name) is None:  # not run (forward only) or not returned (lse)
+            continue
         t = _tokens(name, got.get(name), pad)
         _expect_equal(check, case, f"{name} of the padding tokens {end}..{n - 1}", t, torch.full_like(t, want),
                       **params)
@@ -193,29 +200,30 @@ def check_documents_are_separate(case: Case, impl=simulated_impl) -> None:
             alone.append((a, b, sub, xs, _run(sub, xs, impl)))
     _expect_padding(check, case, packed, cu[-1])
     vp = _verdict(case, x, packed)
-    dsinks, dsinks_allowed = 0.0, (vp["dsinks"].max_allowed if x.sinks is not None else 0.0)
+    dsinks, dsinks_allowed = 0.0, (vp["dsinks"].max_allowed if packed.dsinks is not None else 0.0)
     for a, b, sub, xs, got in alone:
         vs = _verdict(sub, xs, got)
-        for name in TENSORS:
+        for name in present(packed, TENSORS):
             _expect_within(check, case, f"{name} of document tokens {a}..{b - 1} (packed vs alone on "
                            f"P={sub.ring.world_size} {sub.ring.layout})",
                            _tokens(name, packed.get(name), torch.arange(a, b)), got.get(name),
                            _budget_allowed(vp, vs, name))
-        if x.sinks is not None:
+        if x.sinks is not None and got.dsinks is not None:
             dsinks, dsinks_allowed = dsinks + got.dsinks.double(), dsinks_allowed + vs["dsinks"].max_allowed
-    if x.sinks is not None:
+    if x.sinks is not None and packed.dsinks is not None:
         _expect_within(check, case, "dsinks (packed vs the sum over the documents alone)", packed.dsinks,
                        torch.as_tensor(dsinks, dtype=torch.float64).expand_as(packed.dsinks), dsinks_allowed)
 
 
 # ---- windows ---------------------------------------------------------------------------------
 
-def check_full_window_is_no_window(case: Case, left: int, right: int, impl=simulated_impl) -> None:
+def check_full_window_is_no_window(case: Case, left: int, right: int, impl=simulated_impl, our_plan: bool = True) -> None:
     """A window covering the whole sequence ((left, right) each -1 or >= seq_len - 1, not both
     -1) equals no window: bit for bit where our ring's block plan is the same for both
     (`same_plan`: every layout with documents, contiguous and striped without), within the
     two budgets where it is not (zigzag without documents: the variant plan cuts the rank's
-    two chunks into separate blocks). The case's own window is replaced."""
+    two chunks into separate blocks). The case's own window is replaced. `our_plan=False` (an
+    implementation whose block plan is not ours): always within the two budgets."""
     n, check = case.spec.seq_len, "check_full_window_is_no_window"
     if (left, right) == (-1, -1) or any(0 <= w < n - 1 or w < -1 for w in (left, right)):
         raise ValueError(f"window=({left}, {right}) does not cover a sequence of {n} tokens")
@@ -223,7 +231,7 @@ def check_full_window_is_no_window(case: Case, left: int, right: int, impl=simul
     x = _inputs(plain)
     a, b = _run(plain, x, impl), _run(full, x, impl)
     params = {"left": left, "right": right}
-    if same_plan(plain, full):
+    if our_plan and same_plan(plain, full):
         for name in _names(a):
             _expect_equal(check, case, f"{name} with window ({left}, {right}) vs no window", b.get(name), a.get(name),
                           **params)
@@ -292,9 +300,10 @@ def check_sink_minus_inf(case: Case, impl=simulated_impl) -> None:
     minus_inf = torch.full((case.spec.heads,), float("-inf"))
     a = _run(_with(case, sinks=None), x, impl)
     b = _run(_with(case, sinks=case.spec.sinks or "normal"), Inputs(x.q, x.k, x.v, x.dout, minus_inf), impl)
-    for name in TENSORS:
+    for name in present(a, TENSORS):
         _expect_equal(check, case, f"{name} with sinks -inf vs no sinks", b.get(name), a.get(name))
-    _expect_equal(check, case, "dsinks with sinks -inf", b.dsinks, torch.zeros_like(b.dsinks))
+    if b.dsinks is not None:
+        _expect_equal(check, case, "dsinks with sinks -inf", b.dsinks, torch.zeros_like(b.dsinks))
 
 
 # ---- padding ---------------------------------------------------------------------------------
@@ -317,7 +326,7 @@ def padded_case(case: Case, extra: int) -> Case:
     return _with(case, seq_len=n + extra, cu_seqlens=case.spec.variant.cu_seqlens or (0, n))
 
 
-def check_padding_is_inert(case: Case, extra: int, impl=simulated_impl) -> None:
+def check_padding_is_inert(case: Case, extra: int, impl=simulated_impl, our_plan: bool = True) -> None:
     """Appending `extra` padding tokens (random q, k, v, dout; cu_seqlens unchanged) changes
     no earlier token's out, lse, dq, dk or dv, nor dsinks, and every padding row and key gets
     output 0, lse -inf and zero gradients (exactly).
@@ -329,7 +338,8 @@ def check_padding_is_inert(case: Case, extra: int, impl=simulated_impl) -> None:
     and for the dtypes of `STRIDE_SENSITIVE` (none now).
     dsinks is always compared within the budgets: each rank sums its rows' terms, and the
     padding rows (exact zeros) lengthen that sum, which regroups its float32 additions (the
-    property search found last-bit differences under an unchanged plan)."""
+    property search found last-bit differences under an unchanged plan). `our_plan=False` (an
+    implementation whose block plan is not ours): within the budgets wherever tokens move."""
     n, check = case.spec.seq_len, "check_padding_is_inert"
     base, long = _with(case, cu_seqlens=case.spec.variant.cu_seqlens or (0, n)), padded_case(case, extra)
     x = _inputs(base)
@@ -342,7 +352,8 @@ def check_padding_is_inert(case: Case, extra: int, impl=simulated_impl) -> None:
         _expect_padding(check, case, got, base.spec.variant.cu_seqlens[-1], **params)
     # the padding tokens of the shorter run hold no block: where they sit does not matter
     first = torch.arange(n)
-    exact = same_plan(base, long, tokens=base.spec.variant.cu_seqlens[-1]) and case.spec.dtype not in STRIDE_SENSITIVE
+    exact = (same_plan(base, long, tokens=base.spec.variant.cu_seqlens[-1]) and case.spec.dtype not in STRIDE_SENSITIVE
+             and our_plan)
     budgeted = [name for name in _names(a) if not exact or name == "dsinks"]
     for name in _names(a):
         if name not in budgeted:

@@ -1,0 +1,319 @@
+"""The property suites on an implementation under the `--impl` contract, shipped in the package.
+
+The ringcheck pytest plugin collects this module when pytest is given ``--ring-impl``:
+
+    pytest --ring-impl my_pkg.attn:ring_fn --ring-layout zigzag            # local gloo rings
+    torchrun --nproc-per-node=8 -m pytest --ring-impl my_pkg.attn:ring_fn  # the torchrun world
+    ringcheck test --impl my_pkg.attn:ring_fn [pytest args...]             # the same, as a command
+
+Hypothesis draws cases (ring size from ``--ring-world-sizes``, layout from ``--ring-layout``,
+dtype from ``--ring-dtypes``, mode, shape, distribution, seed) within the ``--profile``'s
+bounds; each property body (`ringcheck.testing.properties`, `variant_properties`) runs the
+implementation on real process groups (`ringcheck.testing.impl_runner`) and judges the whole,
+gathered results. A failure names the shrunk case and a command that replays it against the
+implementation (`ringcheck.testing.impl_check`).
+
+What applies to any ring: the budget against float64 for every tensor, dtype and
+distribution; no NaN/Inf; the metamorphic properties (linear in V, V -> -V, causal prefix,
+batch and head independence, K/V permutation, GQA = MHA on repeated K/V); invariance under
+ring size and layout; determinism; the variants the implementation takes keywords for
+(packed documents with padding, windows, softcap, sinks), and a value head dim of its own
+(d_v != d_qk, which the contract allows without a keyword: its own test, so an implementation
+that does not support it fails that test alone).
+Properties of our ring's internals (the distributed ring equals its simulation bit for bit)
+run for ``--ring-impl ringcheck`` only. With ``--ring-forward-only`` every property checks
+out and lse, and its backward half (dq, dk, dv) is reported as a skipped test "not run".
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ..spec import DOC_LAYOUTS, is_custom_layout
+from . import properties as props
+from . import variant_properties as vprops
+from .strategies import cases
+from .variant_strategies import variant_bounds, variant_cases, with_variant_options
+
+NOT_RUN = "not run: --ring-forward-only (the backward half of this property: dq, dk, dv)"
+A = (1.0, -1.0, 0.5, 2.0)  # coefficients of the linearity property
+
+
+def pytest_generate_tests(metafunc):
+    """`part`: one test per property, or under --ring-forward-only a forward test and a backward
+    test skipped as not run (never reported as passed)."""
+    if "part" in metafunc.fixturenames:
+        if metafunc.config.getoption("--ring-forward-only"):
+            params = [pytest.param("forward", id="forward"),
+                      pytest.param("backward", id="backward", marks=pytest.mark.skip(reason=NOT_RUN))]
+        else:
+            params = [pytest.param("forward+backward", id="forward+backward")]
+        metafunc.parametrize("part", params)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def _search(body) -> None:
+    """Run `body(data)` under Hypothesis with the loaded profile (--profile; derandomized under
+    torchrun, so every rank draws the same examples)."""
+    given(data=st.data())(body)()
+
+
+def _holds(cfg, check, name: str, case, **params) -> None:
+    """`check(case, **params)`; a failure ends with the command that replays it against the
+    implementation (the bodies' own `reproduce:` line replays our simulated ring instead)."""
+    __tracebackhide__ = True
+    try:
+        check(case, **params)
+    except AssertionError as exc:
+        said = "\n".join(line for line in str(exc).splitlines() if "reproduce:" not in line)
+        raise AssertionError(f"{said}\n  reproduce: {cfg.repro(name, case, **params)}") from None
+    except (RuntimeError, ValueError, TypeError) as exc:  # the implementation raised, died or broke the contract
+        raise AssertionError(f"{name} could not run {case.describe()}: {type(exc).__name__}: {exc}\n"
+                             f"  reproduce: {cfg.repro(name, case, **params)}") from None
+
+
+def _plain(cfg, bounds, *, causal=(False, True), min_group=1):
+    """Plain cases on the run's ring sizes, layouts and dtypes, in the modes the implementation runs."""
+    modes = [(layout, c) for layout in cfg.plain_layouts for c in causal if cfg.runnable(layout, c)]
+    if not modes:
+        pytest.skip(f"--ring-impl {cfg.spec} runs none of the layouts {list(cfg.plain_layouts)} "
+                    f"{'causal' if causal == (True,) else 'bidirectional' if causal == (False,) else ''}")
+    if min_group > bounds.max_heads:
+        pytest.skip(f"grouped-query cases need max_heads >= {min_group} (profile bounds {bounds})")
+
+    @st.composite
+    def draw(d):
+        p = d(st.sampled_from(cfg.world_sizes), label="ring size")
+        layout, c = d(st.sampled_from(modes), label="mode")
+        return d(cases(bounds, dtypes=cfg.dtypes, layouts=(layout,), causal=(c,), world_size=p, min_group=min_group))
+    return draw()
+
+
+def _variants(cfg, bounds, needs=(), **features):
+    """Variant cases with only the features whose keywords the implementation takes."""
+    took = cfg.accepts(("cu_seqlens", "window", "softcap", "sinks"))
+    missing = [n for n in needs if n not in took]
+    if missing:
+        pytest.skip(f"--ring-impl {cfg.spec} takes no {', '.join(missing)}= keyword (the --impl contract's "
+                    f"optional variant keywords)")
+    features.setdefault("documents", (False, True) if "cu_seqlens" in took else (False,))
+    features.setdefault("windowed", (False, True) if "window" in took else (False,))
+    features.setdefault("softcapped", (False, True) if "softcap" in took else (False,))
+    features.setdefault("sinks", (None, "normal") if "sinks" in took else (None,))
+    features.setdefault("own_v_dim", (False,))  # a value head dim of its own: its own test
+    layouts = tuple(x for x in cfg.layouts if x not in DOC_LAYOUTS or "cu_seqlens" in took)
+    modes = [(layout, c) for layout in layouts for c in (False, True)
+             if cfg.runnable("zigzag" if layout in DOC_LAYOUTS else layout, c)]
+    if not modes:
+        pytest.skip(f"--ring-impl {cfg.spec} runs none of the layouts {list(cfg.layouts)}")
+
+    @st.composite
+    def draw(d):
+        p = d(st.sampled_from(cfg.world_sizes), label="ring size")
+        layout, c = d(st.sampled_from(modes), label="mode")
+        return d(variant_cases(bounds, dtypes=cfg.dtypes, layouts=(layout,), causal=(c,), world_size=p, **features))
+    return draw()
+
+
+@pytest.fixture(scope="module")
+def cfg(ring_impl_config):
+    if ring_impl_config is None:
+        pytest.skip("pass --ring-impl MOD:FN (the implementation under test)")
+    return ring_impl_config
+
+
+@pytest.fixture(scope="module")
+def vbounds(search_profile):
+    return variant_bounds(search_profile)
+
+
+# ---- the properties of any ring -----------------------------------------------------------------
+
+def test_budget_against_float64(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: props.check_budget(c, impl=ring_impl), "check_budget", case)
+    _search(body)
+
+
+def test_no_nan_or_inf(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: props.check_finite(c, impl=ring_impl), "check_finite", case)
+    _search(body)
+
+
+def test_linear_in_v(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        a, b = data.draw(st.sampled_from(A), label="a"), data.draw(st.sampled_from(A), label="b")
+        _holds(cfg, lambda c, **p: props.check_linear_in_v(c, **p, impl=ring_impl), "check_linear_in_v", case,
+               a=a, b=b)
+    _search(body)
+
+
+def test_v_negation_is_exact(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: props.check_v_negation(c, impl=ring_impl), "check_v_negation", case)
+    _search(body)
+
+
+def test_bidirectional_invariant_under_kv_permutation(cfg, ring_impl, search_profile, part):
+    strategy = _plain(cfg, search_profile.bounds, causal=(False,))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        perm = data.draw(st.permutations(list(range(case.spec.seq_len))), label="permutation")
+        _holds(cfg, lambda c, **p: props.check_kv_permutation(c, **p, impl=ring_impl), "check_kv_permutation",
+               case, permutation=perm)
+    _search(body)
+
+
+def test_causal_prefix_independence_is_exact(cfg, ring_impl, search_profile, part):
+    strategy = _plain(cfg, search_profile.bounds, causal=(True,))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        cut = data.draw(st.integers(1, max(1, case.spec.seq_len - 1)), label="cut")
+        _holds(cfg, lambda c, **p: props.check_causal_prefix(c, **p, impl=ring_impl), "check_causal_prefix", case,
+               cut=cut)
+    _search(body)
+
+
+def test_batch_and_head_independence_is_exact(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: props.check_batch_and_head_independence(c, impl=ring_impl),
+               "check_batch_and_head_independence", case)
+    _search(body)
+
+
+def test_gqa_equals_mha_with_repeated_kv(cfg, ring_impl, search_profile, part):
+    strategy = _plain(cfg, search_profile.bounds, min_group=2)
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: props.check_gqa_is_mha_with_repeated_kv(c, impl=ring_impl),
+               "check_gqa_is_mha_with_repeated_kv", case)
+    _search(body)
+
+
+def test_ring_size_and_layout_invariance(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        others = cfg.other_rings(case)
+        if not others:
+            return  # no other ring of this run holds the case (one ring size and one layout given)
+        world_size, layout = data.draw(st.sampled_from(others), label="other ring")
+        _holds(cfg, lambda c, **p: props.check_ring_invariance(c, **p, impl=ring_impl), "check_ring_invariance",
+               case, world_size=world_size, layout=layout)
+    if len(cfg.world_sizes) * len(cfg.plain_layouts) < 2:
+        pytest.skip("one ring size and one layout: give --ring-world-sizes or --ring-layout more than one")
+    _search(body)
+
+
+def test_determinism(cfg, ring_impl, search_profile, part):
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: props.check_determinism(c, impl=ring_impl), "check_determinism", case)
+    _search(body)
+
+
+def test_distributed_equals_simulated_bit_for_bit(cfg, ring_impl, search_profile, part):
+    if not ring_impl.is_ours:
+        pytest.skip(f"needs our ring's internals (its simulation, the same float32 operations): not a property of "
+                    f"--ring-impl {cfg.spec}")
+
+    if any(is_custom_layout(layout) for layout in cfg.layouts):
+        # found, open: on ringcheck.testing.custom_layouts:reversed_blocks (one-row blocks) dq differs
+        # from the simulation in the last bits (both within budget); bit identity is asserted for the
+        # built-in layouts in suites/test_distributed.py
+        pytest.skip("bit identity with the simulation is not asserted on custom layouts (an open finding: "
+                    "last-bit differences in dq on a reversed layout)")
+
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: props.check_distributed_equals_simulated(c, impl=ring_impl),
+               "check_distributed_equals_simulated", case)
+    _search(body)
+
+
+# ---- the variants it takes keywords for -----------------------------------------------------------
+
+def test_variant_budget_against_float64(cfg, ring_impl, vbounds, variant_options, part):
+    strategy = _variants(cfg, vbounds)
+    if variant_options is not None:
+        strategy = strategy.map(lambda c: with_variant_options(c, variant_options, seed=c.seed)).filter(
+            lambda c: c is not None)
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: vprops.check_variant_budget(c, impl=ring_impl), "check_variant_budget", case)
+    _search(body)
+
+
+def test_value_head_dim_of_its_own(cfg, ring_impl, vbounds, part):
+    """d_v != d_qk (MLA-style): no keyword, the contract's out has v's head dim."""
+    strategy = _variants(cfg, vbounds, own_v_dim=(True,))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: vprops.check_variant_budget(c, impl=ring_impl), "check_variant_budget", case)
+    _search(body)
+
+
+def test_packed_documents_equal_separate_documents(cfg, ring_impl, vbounds, part):
+    strategy = _variants(cfg, vbounds, needs=("cu_seqlens",), documents=(True,))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: vprops.check_documents_are_separate(c, impl=ring_impl), "check_documents_are_separate",
+               case)
+    _search(body)
+
+
+def test_padding_is_inert_and_its_rows_are_nan_free(cfg, ring_impl, vbounds, part):
+    strategy = _variants(cfg, vbounds, needs=("cu_seqlens",))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        extra = case.ring.chunks * data.draw(st.integers(1, 2), label="padding chunks")
+        _holds(cfg, lambda c, **p: vprops.check_padding_is_inert(c, **p, impl=ring_impl, our_plan=ring_impl.is_ours),
+               "check_padding_is_inert", case, extra=extra)
+    _search(body)
+
+
+def test_a_window_covering_everything_is_no_window(cfg, ring_impl, vbounds, part):
+    strategy = _variants(cfg, vbounds, needs=("window",))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        n = case.spec.seq_len
+        side = st.one_of(st.just(-1), st.integers(n - 1, 2 * n + 3))
+        left, right = data.draw(st.tuples(side, side).filter(lambda w: w != (-1, -1)), label="window")
+        _holds(cfg, lambda c, **p: vprops.check_full_window_is_no_window(c, **p, impl=ring_impl,
+                                                                         our_plan=ring_impl.is_ours),
+               "check_full_window_is_no_window", case, left=left, right=right)
+    _search(body)
+
+
+def test_softcap_to_infinity_is_no_softcap(cfg, ring_impl, vbounds, part):
+    strategy = _variants(cfg, vbounds, needs=("softcap",), softcapped=(False,))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: vprops.check_softcap_to_infinity(c, impl=ring_impl), "check_softcap_to_infinity", case)
+    _search(body)
+
+
+def test_sinks_of_minus_infinity_are_no_sinks(cfg, ring_impl, vbounds, part):
+    strategy = _variants(cfg, vbounds, needs=("sinks",), sinks=(None,))
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: vprops.check_sink_minus_inf(c, impl=ring_impl), "check_sink_minus_inf", case)
+    _search(body)
