@@ -12,8 +12,8 @@ from rich.console import Console
 
 from reference import dense_grads
 from ringcheck.cli import main
-from ringcheck.commands.drift import DriftSpec, Implementation, run_drift, run_simulated
-from ringcheck.commands.drift_model import fit_group, fit_slope, step_truths
+from ringcheck.commands.drift import DriftSpec, Implementation, run_drift, run_simulated, seeds_for_fit
+from ringcheck.commands.drift_model import expected_model, fit_group, fit_slope, step_truths, t_quantile
 from ringcheck.documents import (
     DRIFT_SCHEMA,
     DRIFT_SCHEMA_VERSION,
@@ -33,16 +33,17 @@ from ringcheck.documents import (
 from ringcheck.judge.check import MODES
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.metrics import max_ulp_error, ulp, unit_roundoff
+from ringcheck.render.drift_content import verdict_lines
 from ringcheck.render.terminal import print_drift_diff
 from ringcheck.ring.layouts import positions
 from ringcheck.spec import AttentionSpec, RingSpec
 
 # the setting where per-hop rounding is real: near-tied rows over V offset by +6 (see
 # ringcheck.judge.distributions.near_uniform), bfloat16, bidirectional, up to 16 ranks
-SEPARATING = dict(dtypes=("bfloat16",), ring_sizes=(1, 2, 4, 8, 16), distributions=("near-uniform",),
-                  modes=("bidirectional",), seeds=1, tokens_per_rank=8, head_dim=32)
-TINY = dict(dtypes=("bfloat16",), ring_sizes=(1, 2, 4), distributions=("normal",), modes=("zigzag",),
-            seeds=1, tokens_per_rank=4, head_dim=8, heads=2, kv_heads=1)
+SEPARATING = {"dtypes": ("bfloat16",), "ring_sizes": (1, 2, 4, 8, 16), "distributions": ("near-uniform",),
+                  "modes": ("bidirectional",), "seeds": 1, "tokens_per_rank": 8, "head_dim": 32}
+TINY = {"dtypes": ("bfloat16",), "ring_sizes": (1, 2, 4), "distributions": ("normal",), "modes": ("zigzag",),
+            "seeds": 1, "tokens_per_rank": 4, "head_dim": 8, "heads": 2, "kv_heads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +165,79 @@ def test_the_round_trip_ring_is_flagged_and_the_default_is_not(separating_doc):
     summary = separating_doc["summary"]
     assert summary["passed"] and summary["accumulations"]["input"]["flagged"] >= 1
     assert summary["settings"]["torch/bidirectional/bfloat16/near-uniform"]["separated"] is True
+
+
+def test_the_expected_model_follows_the_output_precision():
+    """float32 outputs take the merge's roundings at their own precision (a random walk is
+    correct); outputs narrower than float32 are flat under a float32 merge; lse is float32."""
+    assert expected_model("float32", "out") == (0.5, 0.8)
+    assert expected_model("bfloat16", "lse") == (0.5, 0.8)
+    assert expected_model("bfloat16", "dq") == expected_model("float16", "out") == (0.0, 0.25)
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    rng = random.Random(3)
+    # a random walk of roundings, slope 0.5 with some noise, 3 seeds per ring size
+    samples = {p: [1e-3 * p ** 0.5 * math.exp(rng.gauss(0, 0.05)) for _ in range(3)] for p in sizes}
+    points = _points([math.prod(samples[p]) ** (1 / 3) for p in sizes])
+    as_f32 = fit_group(points, dtype="float32", tensor="out", samples=samples)
+    as_bf16 = fit_group(points, dtype="bfloat16", tensor="out", samples=samples)
+    assert as_f32["flags"] == [] and as_f32["slope_judgement"] == "within" and as_f32["slope_upper"] < 0.8
+    assert as_bf16["flags"] == ["slope"] and as_bf16["slope_judgement"] == "flagged"
+    assert as_bf16["slope_lower"] >= 0.25 and as_f32["points"] == 18
+
+
+def test_a_bias_within_one_rounding_of_the_output_is_not_flagged():
+    """The sweep's false alarm: float16 / one-hot-backward / lse (float32) had a growing, one-signed
+    mean error of 0.44 u of float32 at P = 16: the output's own rounding. From 1 u it is drift."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    u = 2.0 ** -24
+    error = 1.5 * u  # RMSE and normwise relative error alike: the tensor's RMS is 1
+
+    def fit(bias_at_64):
+        return fit_group(_points([error] * 7, signed=[-bias_at_64 * (p / 64) ** 0.8 for p in sizes]), tensor="lse")
+    within, drifting = fit(0.44 * u), fit(1.76 * u)
+    assert within["bias_slope"] == pytest.approx(0.8) and within["bias_share"] >= 0.25
+    assert within["bias_u"] == pytest.approx(0.44) and "bias" not in within["flags"]
+    assert drifting["bias_u"] == pytest.approx(1.76) and drifting["flags"] == ["bias"]
+
+
+def test_t_quantiles_are_those_of_the_table_and_tend_to_the_normal():
+    assert t_quantile(1) == pytest.approx(31.821) and t_quantile(30) == pytest.approx(2.457)
+    assert t_quantile(31) < t_quantile(30) and t_quantile(120) == pytest.approx(2.358, abs=1e-3)
+    assert t_quantile(10 ** 6) == pytest.approx(2.3263, abs=1e-4)
+    with pytest.raises(ValueError, match="got 0"):
+        t_quantile(0)
+
+
+def test_the_false_alarm_of_a_noisy_float32_slope_is_too_weak_to_judge():
+    """The issue's false alarm: float32/bidirectional/wide/out, one seed, P = 1..16, slope +0.80
+    whose standard error is 0.34: the point estimate is at the old threshold, the evidence is not."""
+    doc = run_drift(DriftSpec(dtypes=("float32",), ring_sizes=(1, 2, 4, 8, 16), distributions=("wide",),
+                              modes=("bidirectional",), seeds=1, accumulations=("float32",)))
+    fit = doc["fits"]["simulated/torch/bidirectional/float32/wide/acc=float32/out"]
+    assert fit["slope"] >= 0.75 and fit["slope_stderr"] > 0.2  # what the old rule flagged
+    assert fit["flags"] == [] and fit["slope_judgement"] == "too weak to judge"
+    assert fit["slope_lower"] < 0.8 <= fit["slope_upper"]
+    assert doc["summary"]["passed"] and doc["summary"]["accumulations"]["float32"]["too_weak"] >= 1
+    assert max(c["tensors"]["out"]["budget_ratio"] for c in doc["cases"].values()) < 0.5
+    text = " ".join(t for _, t in verdict_lines(doc))
+    assert "PASS" in text and "Too weak to judge: the slope of" in text and "raise --seeds" in text
+    # the command raises the seed count to give this fit 8 points
+    spec = DriftSpec(ring_sizes=(1, 2, 4, 8, 16), seeds=1)
+    assert seeds_for_fit(spec) == 2 and seeds_for_fit(DriftSpec(ring_sizes=(1, 2, 4, 8, 16), seeds=3)) == 3
+    assert seeds_for_fit(DriftSpec(ring_sizes=(1, 2, 4), seeds=1)) == 1  # two ring sizes: no fit at any count
+
+
+def test_a_fit_without_enough_ring_sizes_or_points_says_it_is_too_weak():
+    two_sizes = fit_group({p: m for p, m in _points([1e-4 * p ** 2 for p in [1, 2, 4, 8, 16, 32, 64]]).items()
+                           if p <= 4})
+    assert two_sizes["slope"] == pytest.approx(2.0) and two_sizes["flags"] == []
+    assert two_sizes["slope_judgement"] == "too weak to judge" and two_sizes["slope_lower"] is None
+    # three ring sizes, three points: no standard error worth the name
+    three = fit_group({p: m for p, m in _points([1e-4 * p for p in [1, 2, 4, 8, 16, 32, 64]]).items() if p <= 8})
+    assert three["flags"] == [] and three["slope_judgement"] == "too weak to judge"
+    # four exact points of a linear growth: a standard error of 0 decides
+    four = fit_group({p: m for p, m in _points([1e-4 * p for p in [1, 2, 4, 8, 16, 32, 64]]).items() if p <= 16})
+    assert four["flags"] == ["slope"] and four["slope_judgement"] == "flagged"
 
 
 # --- the JSON schema -----------------------------------------------------------------------------

@@ -3,24 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from dataclasses import replace
 
 import torch
 
+from ..commands.adapters import accepted_keywords, load_impl
 from ..commands.drift import (
+    AS_IMPLEMENTED,
     DEFAULT_ACCUMULATIONS,
     DEFAULT_BACKENDS,
     DEFAULT_DISTRIBUTIONS,
     DEFAULT_DTYPES,
     DEFAULT_MODES,
     DEFAULT_RING_SIZES,
+    DRIFT_MODES,
     IMPLEMENTATIONS,
     DriftSpec,
+    Implementation,
     count_runs,
+    ring_implementation,
     run_drift,
+    seeds_for_fit,
 )
+from ..commands.drift_model import MIN_FIT_SAMPLES
 from ..documents import DRIFT_SCHEMA, diff_documents, exact_differences, load, require_same_spec
+from ..flash_stand_in import install as install_flash_stand_in
 from ..judge.distributions import DISTRIBUTIONS
+from ..launch import RingError, open_ring
 from ..render.files import write_drift_reports
 from ..render.terminal import (
     drift_progress,
@@ -28,24 +39,36 @@ from ..render.terminal import (
     print_drift_diff,
     print_drift_summary,
 )
-from ..spec import Budget
+from ..spec import DEFAULT_TIMEOUT, Budget
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
+    add_log_dir,
     add_quiet,
     add_variant_flags,
     command_meta,
     list_of,
+    log_files_note,
     shows_progress,
     variant_options,
 )
+from .validate import short_failures
 
 
 def _drift_spec(args: argparse.Namespace):
     distributions = tuple(DISTRIBUTIONS) if args.distributions == ("all",) else args.distributions
+    accumulations = args.accumulate
+    if args.impl != "simulated":  # an --impl has no accumulation switch: it runs as it is built
+        if accumulations is not None:
+            raise UsageError(f"--accumulate switches our simulated ring's merge; --impl {args.impl} runs as it is "
+                             "built: drop --accumulate")
+        accumulations = (AS_IMPLEMENTED,)
+    elif args.forward_only or args.flash_attn_stand_in:
+        flag = "--forward-only" if args.forward_only else "--flash-attn-stand-in"
+        raise UsageError(f"{flag} is for an --impl; the simulated ring runs forward and backward on our own kernels")
     return DriftSpec(dtypes=args.dtypes, ring_sizes=args.ring_sizes, distributions=distributions,
-                     modes=args.modes, backends=args.backends, accumulations=args.accumulate,
+                     modes=args.modes, backends=args.backends, accumulations=accumulations or DEFAULT_ACCUMULATIONS,
                      seeds=args.seeds, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                      head_dim=args.head_dim, tokens_per_rank=args.tokens_per_rank, seq_len=args.seq_len,
                      softmax_scale=args.softmax_scale, variants=variant_options(args),
@@ -57,11 +80,63 @@ def _cmd_drift(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)  # fixed, so a rerun gives the same bits
     spec = _drift_spec(args)
-    implementation = IMPLEMENTATIONS[args.impl]
-    console = make_console()
+    if args.impl == "simulated":
+        return _sweep(args, spec, IMPLEMENTATIONS["simulated"], make_console())
+    if args.forward_only and args.sinks:
+        raise UsageError("--forward-only runs no backward, and sinks are judged by their gradient dsinks: drop one")
+    notes = [f"--flash-attn-stand-in: {install_flash_stand_in().describe()}"] if args.flash_attn_stand_in else []
+    try:  # fail fast, before any process starts, on an unknown or malformed --impl or a layout it cannot run
+        impl = load_impl(args.impl, layout=DRIFT_MODES[spec.modes[0]][1], backend=spec.backends[0])
+        for mode in spec.modes:
+            causal, layout = DRIFT_MODES[mode]
+            try:
+                impl.check_layout(layout, causal)
+            except ValueError as exc:  # drift names layouts by mode
+                modes = ", ".join(f"{m} = {'causal' if c else 'bidirectional'} on {lay}"
+                                  for m, (c, lay) in DRIFT_MODES.items())
+                raise ValueError(f"{exc} (drift --modes {mode}: {modes})") from exc
+        att = spec.attention_spec(spec.modes[0], spec.dtypes[0], spec.ring_sizes[-1])
+        needed = [*att.variant_kwargs(), *(["sinks"] if att.sinks is not None else [])]
+        missing = [name for name in needed if name not in accepted_keywords(impl.fn, needed)]
+        if missing:  # never judge a variant the implementation was not given
+            raise ValueError(f"--impl {impl.name} does not accept the variant keyword(s) {missing}: add them to its "
+                             "signature or drop the variant flags")
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    ring = open_ring(timeout=args.timeout, environ=os.environ, log_dir=args.log_dir)
+    try:
+        implementation = ring_implementation(args.impl, ring.run, forward_only=args.forward_only,
+                                             stand_in=args.flash_attn_stand_in, max_ring_size=ring.size)
+        left_out = [p for p in spec.ring_sizes if ring.size is not None and p > ring.size]
+        if left_out:
+            notes.append(f"ring sizes {left_out} left out: the torchrun world has {ring.size} ranks")
+        try:
+            return _sweep(args, spec, implementation, make_console(), notes=notes, main=ring.is_main)
+        except RingError as exc:
+            note = log_files_note(args.log_dir, exc)
+            raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)
+                             + (f"\n{note}" if note else "")) from exc
+    finally:
+        ring.close()
+
+
+def _sweep(args: argparse.Namespace, spec: DriftSpec, implementation: Implementation, console, *,
+           notes: list[str] | None = None, main: bool = True) -> int:
+    """Run the sweep (seeds raised for the fits, said aloud); on the main process, write and
+    print the report. The exit code: 1 when the ring under test is flagged."""
+    notes = list(notes or [])
+    seeds = seeds_for_fit(spec, implementation)
+    if seeds > spec.seeds:  # too few points for a slope's confidence bounds: more seeds, said aloud
+        notes.append(f"seeds raised from {spec.seeds} to {seeds}: a slope fit needs {MIN_FIT_SAMPLES} points "
+                     f"(ring sizes P >= 2 x seeds) for bounds that can decide a flag")
+        spec = replace(spec, seeds=seeds)  # the summary prints the note
     start = time.perf_counter()
-    with drift_progress(count_runs(spec, implementation), console, enabled=shows_progress(args, console)) as progress:
+    shows = main and shows_progress(args, console)
+    with drift_progress(count_runs(spec, implementation), console, enabled=shows) as progress:
         doc = run_drift(spec, implementation=implementation, progress=progress)
+    if not main:  # another rank of the torchrun world: the same verdict, rank 0 reports it
+        return EXIT_OK if doc["summary"]["passed"] else EXIT_FAILED
+    doc["summary"]["notes"] = notes
     doc["meta"] = command_meta(args, start, threads=args.threads)
     paths = write_drift_reports(doc, args.out)
     print_drift_summary(doc, console)
@@ -101,7 +176,7 @@ def _cmd_report_render(args: argparse.Namespace) -> int:
 
 
 def _add_drift(sub) -> None:
-    join = lambda xs: ",".join(map(str, xs))  # noqa: E731
+    join = lambda xs: ",".join(map(str, xs))
     p = sub.add_parser(
         "drift", help="sweep dtypes x ring sizes x distributions x modes: error against ring size",
         description="Precision drift: error of every tensor against ring size, per dtype, logit distribution, "
@@ -117,13 +192,26 @@ def _add_drift(sub) -> None:
     p.add_argument("--modes", type=list_of(str), default=DEFAULT_MODES, help=f"default {join(DEFAULT_MODES)}")
     p.add_argument("--backends", type=list_of(str), default=DEFAULT_BACKENDS,
                    help=f"block backends (default {join(DEFAULT_BACKENDS)})")
-    p.add_argument("--accumulate", type=list_of(str), default=DEFAULT_ACCUMULATIONS,
+    p.add_argument("--accumulate", type=list_of(str), default=None,
                    help="running output of our ring: float32 (the default merge, under test) and/or input "
                         "(rounded to the input dtype at every hop: the control) "
                         f"(default {join(DEFAULT_ACCUMULATIONS)})")
-    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per case (default 2)")
-    p.add_argument("--impl", choices=sorted(IMPLEMENTATIONS), default="simulated",
-                   help="ring implementation driven by the sweep (default simulated)")
+    p.add_argument("--seeds", type=int, default=2,
+                   help="seeds 0..N-1 per case (default 2; raised, with a note, to give every slope fit "
+                        f"{MIN_FIT_SAMPLES} points)")
+    p.add_argument("--impl", default="simulated",
+                   help="the ring under test: simulated (default: our ring, simulated in one process, with the "
+                        "per-step drift and the --accumulate control), or any implementation under the --impl "
+                        "contract of validate (MOD:FN or a built-in adapter: ringcheck, torch_cp, ...), run on "
+                        "real process groups of each ring size: local gloo rings, or the torchrun world's "
+                        "sub-groups under torchrun")
+    p.add_argument("--forward-only", dest="forward_only", action="store_true",
+                   help="with --impl: forward only (out, lse); dq, dk, dv say 'not run', never pass")
+    p.add_argument("--flash-attn-stand-in", dest="flash_attn_stand_in", action="store_true",
+                   help="with --impl: 'import flash_attn' gives ringcheck's CPU stand-in in every rank when the real "
+                        "flash-attn is absent (the report says so)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"with --impl: seconds any rank may wait on another (default {DEFAULT_TIMEOUT:g})")
     shape = p.add_argument_group("shape")
     shape.add_argument("--batch", type=int, default=1, help="default 1")
     shape.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
@@ -141,6 +229,7 @@ def _add_drift(sub) -> None:
     p.add_argument("--k-backward", type=float, default=3.0, help="budget factor for dq, dk, dv (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: reproducible bits)")
     p.add_argument("--out", default="drift-report", help="output directory (default ./drift-report)")
+    add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_drift)
 

@@ -9,16 +9,26 @@ with the float64 attention of that rank's queries over the K/V shards it has see
 (`step_truths`): the per-step drift.
 
 Then, per group (implementation, backend, mode, dtype, distribution, accumulation, tensor), a
-model: the least-squares slope of ln(error) on ln(P) (`fit_slope`), with error the normwise
-relative error averaged over seeds (geometric mean), fitted over P >= 2. The model expects
-a slope near 0 for float32 accumulation with one final cast (the cast dominates and does not
-depend on P), at most 0.5 for a round trip through the input dtype at every hop (a random
-walk of P roundings), and flags (`RULES`):
+model: the least-squares slope of ln(error) on ln(P) (`fit_slope`), one point per ring size
+P >= 2 and seed, error the normwise relative error, with one-sided 99% Student-t bounds. The
+expected slope depends on the precision of the output (`expected_model`): about 0 for an
+output narrower than float32 (the one final cast dominates a float32 merge), up to 0.5 for a
+float32 output (float32 inputs, and lse: the merge rounds at the output's own precision, a
+random walk of P roundings). Flags (`RULES`):
 
-- ``slope``: a slope of 0.8 or more (error growing like P: a systematic error per hop);
+- ``slope``: the slope's lower bound is over the threshold of the output precision (0.25 for
+  bfloat16/float16 outputs, 0.8 for float32 ones); where the bounds straddle it, or there are
+  too few ring sizes or seeds to fit, the fit is "too weak to judge" (no flag, counted in the
+  summary; `seeds_for_fit` is the seed count the command raises a sweep to);
 - ``budget``: any P where any seed is over budget (error > k x peer error + slack);
-- ``bias``: a mean signed error that grows with P (see `RULES["bias"]`);
+- ``bias``: a mean signed error that grows with P, is a visible part of the error and shifts the
+  tensor by at least one rounding of its output dtype (see `RULES["bias"]`);
 - ``nonfinite``: NaN/Inf where the truth is finite.
+
+The ring under test is our simulated ring (`SIMULATED`, with the per-hop round trip as its
+control) or any implementation under the `--impl` contract on real process groups
+(`ring_implementation`: local gloo rings or the torchrun world's sub-groups; one accumulation,
+`AS_IMPLEMENTED`; no per-step observer; forward only when asked, the backward "not run").
 
 The result is a plain JSON-ready document (schema "ringcheck.drift", documented in
 `ringcheck.documents`, which saves, loads and diffs it); `ringcheck.render` presents it. No
@@ -28,12 +38,14 @@ rich or plotting imports here.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterable, Sequence
 
 from ..documents import DRIFT_SCHEMA, header
+from ..flash_stand_in import install as install_flash_stand_in
 from ..judge.check import (
     MODES,
+    TENSORS,
     Case,
     Results,
     peer,
@@ -48,8 +60,12 @@ from ..ring.backends import BACKENDS
 from ..ring.layouts import positions
 from ..ring.loops import ACCUMULATIONS, StepObserver
 from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
+from ..testing.impl_runner import RingRun, impl_shards_task, whole_results
 from .drift_model import (
+    FIT_MIN_P,
     FLAGS,
+    MIN_FIT_SAMPLES,
+    MIN_FIT_SIZES,
     PER_HEAD_RULE,
     RULES,
     StepRecorder,
@@ -74,6 +90,8 @@ DEFAULT_TOKENS_PER_RANK = 8
 # the input dtype at every hop, a control that shows what per-hop rounding looks like
 DEFAULT_ACCUMULATIONS = ("float32", "input")
 UNDER_TEST = "float32"
+# the accumulation label of an --impl: it has no switch, it runs as it is built (and is under test)
+AS_IMPLEMENTED = "impl"
 
 def _names(what: str, values: Iterable[str], known: Iterable[str]) -> tuple[str, ...]:
     values, known = tuple(values), list(known)
@@ -116,7 +134,8 @@ class DriftSpec:
         object.__setattr__(self, "distributions", _names("distributions", self.distributions, DISTRIBUTIONS))
         object.__setattr__(self, "modes", _names("modes", self.modes, DRIFT_MODES))
         object.__setattr__(self, "backends", _names("backends", self.backends, BACKENDS))
-        object.__setattr__(self, "accumulations", _names("accumulations", self.accumulations, ACCUMULATIONS))
+        object.__setattr__(self, "accumulations", _names("accumulations", self.accumulations,
+                                                         (*ACCUMULATIONS, AS_IMPLEMENTED)))
         sizes = tuple(self.ring_sizes)
         if not sizes:
             raise ValueError("ring_sizes: give at least one ring size")
@@ -179,6 +198,7 @@ class Implementation:
     observes_steps: bool = True
     accumulations: tuple[str, ...] = ACCUMULATIONS
     ring_sizes: Callable[[Sequence[int]], Sequence[int]] = tuple
+    forward_only: bool = False  # dq, dk and dv are not run: "not run" in the report, never "pass"
 
 
 def run_simulated(case: Case, inputs: Inputs, accumulation: str, observer: StepObserver | None) -> Results:
@@ -187,6 +207,32 @@ def run_simulated(case: Case, inputs: Inputs, accumulation: str, observer: StepO
 
 SIMULATED = Implementation("simulated", run_simulated)
 IMPLEMENTATIONS: dict[str, Implementation] = {"simulated": SIMULATED}
+
+
+def drift_impl_task(member, spec: str, case: Case, inputs: Inputs, forward_only: bool, stand_in: bool) -> dict:
+    """One rank of an --impl ring (`ringcheck.testing.impl_runner.impl_shards_task`), with the
+    flash-attn stand-in installed first in this process when asked (before the import)."""
+    if stand_in:
+        install_flash_stand_in()
+    return impl_shards_task(member, spec, case, inputs, forward_only)
+
+
+def ring_implementation(spec: str, run: RingRun, *, forward_only: bool = False, stand_in: bool = False,
+                        max_ring_size: int | None = None) -> Implementation:
+    """An implementation under the `--impl` contract (`ringcheck.commands.adapters.load_impl`,
+    `spec` as --impl spells it) run on real process groups: `run(ring_size, task, *args)` is
+    `LocalRings.run` (local gloo rings) or `TorchrunWorld.run` (sub-groups of the torchrun
+    world, whose size `max_ring_size` bounds the ring sizes). No accumulation switch
+    (`AS_IMPLEMENTED`), no per-step observer."""
+    def run_case(case: Case, inputs: Inputs, accumulation: str, observer: StepObserver | None) -> Results:
+        parts = run(case.ring.world_size, drift_impl_task, spec, case, inputs, forward_only, stand_in)
+        return whole_results(parts, case)
+
+    def sizes(requested: Sequence[int]) -> tuple[int, ...]:
+        return tuple(p for p in requested if max_ring_size is None or p <= max_ring_size)
+
+    return Implementation(spec, run_case, observes_steps=False, accumulations=(AS_IMPLEMENTED,), ring_sizes=sizes,
+                          forward_only=forward_only)
 
 
 # --- the sweep -------------------------------------------------------------------------------------
@@ -219,6 +265,17 @@ def _plan(spec: DriftSpec, implementation: Implementation) -> tuple[tuple[str, .
     return accumulations, sizes
 
 
+def seeds_for_fit(spec: DriftSpec, implementation: Implementation = SIMULATED) -> int:
+    """The seed count a sweep needs for MIN_FIT_SAMPLES points per slope fit (ring sizes
+    P >= 2 that `implementation` runs, times seeds): at least `spec.seeds`; `spec.seeds` when
+    there are fewer than MIN_FIT_SIZES such ring sizes. The command raises
+    a sweep to it (and says so); a fit with fewer points is reported as too weak to judge."""
+    fitted = sum(1 for p in _plan(spec, implementation)[1] if p >= FIT_MIN_P)
+    if fitted < MIN_FIT_SIZES:  # no seed count makes a fit of these ring sizes: the report says so
+        return spec.seeds
+    return max(spec.seeds, -(-MIN_FIT_SAMPLES // fitted))
+
+
 def count_runs(spec: DriftSpec, implementation: Implementation = SIMULATED) -> int:
     """How many ring runs (forward and backward) `run_drift` makes: the progress total."""
     accumulations, sizes = _plan(spec, implementation)
@@ -233,12 +290,13 @@ def run_drift(spec: DriftSpec, *, implementation: Implementation = SIMULATED,
     accumulations, sizes = _plan(spec, implementation)
     raw: dict[tuple, list[dict]] = {}
     steps: dict[tuple, list[dict]] = {}
+    not_run = {t: "not run (--forward-only)" for t in ("dq", "dk", "dv") if implementation.forward_only}
     for mode, dtype, distribution, p, seed in itertools.product(
             spec.modes, spec.dtypes, spec.distributions, sizes, range(spec.seeds)):
         att = spec.attention_spec(mode, dtype, p)
         ring = RingSpec(p, DRIFT_MODES[mode][1])
         # inputs and references are shared by every backend and accumulation
-        inputs = make_inputs(att, seed=seed, distribution=distribution)
+        inputs = make_inputs(att, seed=seed, distribution=distribution, ring=ring)
         true, peer_results = truth(att, inputs), peer(att, inputs)
         # per-step truths are those of plain attention: with variants only the final results
         observes = implementation.observes_steps and not spec.variants.used
@@ -250,7 +308,11 @@ def run_drift(spec: DriftSpec, *, implementation: Implementation = SIMULATED,
             recorder = (StepRecorder(p, (att.batch, n, att.heads, att.dv), (att.batch, att.heads, n))
                         if stepped is not None else None)
             got = implementation.run(case, inputs, acc, recorder)
-            raw.setdefault(key, []).append(tensor_metrics(case, got, true, peer_results, spec.budget, inputs))
+            if got.lse is None:  # the contract lets an implementation return out alone
+                not_run["lse"] = "not returned by the implementation"
+            present = tuple(t for t in TENSORS if got.get(t) is not None)
+            raw.setdefault(key, []).append(tensor_metrics(case, got, true, peer_results, spec.budget, inputs,
+                                                          tensors=present))
             if recorder is not None:
                 recorder.check_complete()
                 steps.setdefault(key, []).append(step_errors(recorder, *stepped))
@@ -259,14 +321,14 @@ def run_drift(spec: DriftSpec, *, implementation: Implementation = SIMULATED,
     # order: backend, mode, dtype, distribution, accumulation, P, each as the spec lists them
     order = (spec.backends, spec.modes, spec.dtypes, spec.distributions, accumulations)
     raw = dict(sorted(raw.items(), key=lambda kv: tuple(o.index(k) for o, k in zip(order, kv[0])) + (kv[0][-1],)))
-    return build_document(spec, implementation.name, raw, steps)
+    return build_document(spec, implementation.name, raw, steps, not_run)
 
 
 def build_document(spec: DriftSpec, implementation: str, raw: dict[tuple, list[dict]],
-                   steps: dict[tuple, list[dict]]) -> dict:
+                   steps: dict[tuple, list[dict]], not_run: dict[str, str] | None = None) -> dict:
     """Aggregate seeds, fit the model per group and summarise; raw is keyed by (backend,
     mode, dtype, distribution, accumulation, P) with one metrics dict per seed, in the order
-    the document keeps."""
+    the document keeps; `not_run`: tensor -> why it has no measurement (the summary says so)."""
     cases = {}
     for key, per_seed in raw.items():
         backend, mode, dtype, distribution, acc, p = key
@@ -280,24 +342,28 @@ def build_document(spec: DriftSpec, implementation: str, raw: dict[tuple, list[d
                               for name in runs[0]}
         cases[case_key(implementation, *key)] = entry
     groups: dict[tuple, dict[int, dict]] = {}
-    for entry in cases.values():
+    samples: dict[tuple, dict[int, list[float]]] = {}  # every seed's normwise relative error
+    for key, per_seed in raw.items():
+        backend, mode, dtype, distribution, acc, p = key
+        entry = cases[case_key(implementation, *key)]
         for tensor, m in entry["tensors"].items():
-            gkey = (entry["backend"], entry["mode"], entry["dtype"], entry["distribution"],
-                    entry["accumulation"], tensor)
-            groups.setdefault(gkey, {})[entry["P"]] = m
+            gkey = (backend, mode, dtype, distribution, acc, tensor)
+            groups.setdefault(gkey, {})[p] = m
+            samples.setdefault(gkey, {})[p] = [s[tensor]["rel_norm"] for s in per_seed]
     fits = {}
     for gkey, points in groups.items():
         backend, mode, dtype, distribution, acc, tensor = gkey
         fit = {"implementation": implementation, "backend": backend, "mode": mode, "dtype": dtype,
                "distribution": distribution, "accumulation": acc, "tensor": tensor}
-        fit.update(significant(fit_group(points, per_token=tensor != "dsinks")))
+        fit.update(significant(fit_group(points, per_token=tensor != "dsinks", dtype=dtype, tensor=tensor,
+                                         samples=samples[gkey])))
         fits[case_key(implementation, backend, mode, dtype, distribution, acc, tensor=tensor)] = fit
     cases = significant(cases)
     return {**header(DRIFT_SCHEMA), "spec": spec.to_json(),
             "implementation": implementation,
             "rules": {**RULES, **({"per_head": PER_HEAD_RULE} if any(g[-1] == "dsinks" for g in groups) else {})},
             "cases": cases, "fits": fits,
-            "summary": summarise(fits)}
+            "summary": {**summarise(fits), "not_run": dict(not_run or {})}}
 
 
 def summarise(fits: dict[str, dict]) -> dict:
@@ -308,9 +374,10 @@ def summarise(fits: dict[str, dict]) -> dict:
     by_acc: dict[str, dict] = {}
     for fit in fits.values():
         s = by_acc.setdefault(fit["accumulation"], {
-            "groups": 0, "flagged": 0, "flags": {k: 0 for k in FLAGS}, "max_slope": None})
+            "groups": 0, "flagged": 0, "flags": {k: 0 for k in FLAGS}, "max_slope": None, "too_weak": 0})
         s["groups"] += 1
         s["flagged"] += bool(fit["flags"])
+        s["too_weak"] += fit["slope_judgement"] == "too weak to judge"
         for f in fit["flags"]:
             s["flags"][f] += 1
         if fit["slope"] is not None and (s["max_slope"] is None or fit["slope"] > s["max_slope"]):
@@ -327,15 +394,16 @@ def summarise(fits: dict[str, dict]) -> dict:
         if fit["tensor"] == "out":
             row["out_slope"][fit["accumulation"]] = fit["slope"]
             row["out_projected_budget_P"][fit["accumulation"]] = fit["projected_budget_P"]
+    under_test = AS_IMPLEMENTED if AS_IMPLEMENTED in by_acc else UNDER_TEST
     for row in settings.values():
-        under = row["flagged"].get(UNDER_TEST)
+        under = row["flagged"].get(under_test)
         control = row["flagged"].get("input")
         # for float32 inputs the round trip goes through float32 itself: no contrast to find
         row["separated"] = (None if under is None or control is None or row["dtype"] == "float32"
                             else (not under) and bool(control))
-    under = by_acc.get(UNDER_TEST)
+    under = by_acc.get(under_test)
     return {
-        "under_test": UNDER_TEST,
+        "under_test": under_test,
         "accumulations": by_acc,
         "settings": settings,
         "passed": under is None or under["flagged"] == 0,

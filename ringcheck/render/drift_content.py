@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 
-ACC_LABEL = {"float32": "float32 merge (default)", "input": "per-hop round trip (control)"}
-ACC_NAME = {"float32": "float32 merge, the default", "input": "per-hop round trip in the input dtype"}
-ACC_SHORT = {"float32": "f32 merge", "input": "round trip"}
+ACC_LABEL = {"float32": "float32 merge (default)", "input": "per-hop round trip (control)",
+             "impl": "as implemented"}
+ACC_NAME = {"float32": "float32 merge, the default", "input": "per-hop round trip in the input dtype",
+            "impl": "as implemented"}
+ACC_SHORT = {"float32": "f32 merge", "input": "round trip", "impl": "impl"}
 
 
 def _e(x) -> str:
@@ -36,6 +38,17 @@ def _slope(fit: dict) -> str:
         return "n/a"
     se = f" ± {fit['slope_stderr']:.2f}" if fit["slope_stderr"] is not None else ""
     return f"{fit['slope']:+.2f}{se}"
+
+
+def _bounds(fit: dict) -> str:
+    """The slope's confidence bounds against its threshold, and what they decide."""
+    judgement = fit.get("slope_judgement")
+    if judgement is None:  # a document from before the bounds
+        return "n/a"
+    if fit.get("slope_lower") is None:
+        return judgement
+    return (f"[{fit['slope_lower']:+.2f}, {fit['slope_upper']:+.2f}] vs {fit['slope_threshold']:.2f}: "
+            f"{judgement}")
 
 
 def _projected(x) -> str:
@@ -86,7 +99,9 @@ def verdict_lines(doc: dict) -> list[tuple[str, str]]:
     """(style, text) lines: the verdict on the ring under test, then the control, then the
     separation of the two."""
     s = doc["summary"]
-    lines = []
+    lines = [("info", f"Note: {note}") for note in s.get("notes", [])]
+    for tensor, why in s.get("not_run", {}).items():
+        lines.append(("info", f"{tensor}: {why}; no verdict on it (not a pass)"))
     for acc, a in s["accumulations"].items():
         flags = ", ".join(f"{k}: {v}" for k, v in a["flags"].items() if v) or "none"
         slope = "n/a" if a["max_slope"] is None else f"{a['max_slope']:+.2f}"
@@ -95,14 +110,24 @@ def verdict_lines(doc: dict) -> list[tuple[str, str]]:
             if a["flagged"]:
                 groups = [f for f in doc["fits"].values() if f["accumulation"] == acc and f["flags"]]
                 named = "; ".join(_flagged_group(f) for f in groups[:6]) + ("; ..." if len(groups) > 6 else "")
-                lines.append(("bad", f"FLAGGED: the ring under test ({what}) is flagged in {a['flagged']} of "
-                                     f"{a['groups']} groups ({flags}); largest slope {slope}: {named}"))
+                lines.append(("bad", (f"FLAGGED: the ring under test ({what}) is flagged in {a['flagged']} of "
+                                     f"{a['groups']} groups ({flags}); largest slope {slope}: {named}")))
             else:
-                lines.append(("good", f"PASS: the ring under test ({what}) raises no flag in {a['groups']} "
-                                      f"groups (mode x dtype x distribution x tensor); largest slope {slope}"))
+                lines.append(("good", (f"PASS: the ring under test ({what}) raises no flag in {a['groups']} "
+                                      f"groups (mode x dtype x distribution x tensor); largest slope {slope}")))
+            if a.get("too_weak"):
+                weak = [f for f in doc["fits"].values()
+                        if f["accumulation"] == acc and f.get("slope_judgement") == "too weak to judge"]
+                named = "; ".join(f"{f['mode']}/{f['dtype']}/{f['distribution']}/{f['tensor']} "
+                                  f"{_bounds(f)}" for f in weak[:4]) + ("; ..." if len(weak) > 4 else "")
+                lines.append(("info", (f"Too weak to judge: the slope of {a['too_weak']} of {a['groups']} groups "
+                                      "of the ring under test (its confidence bounds straddle the threshold, or "
+                                      f"too few ring sizes or seeds to fit): {named}. No flag is raised on them; "
+                                      "raise --seeds or add ring sizes to decide")))
         else:
-            lines.append(("info", f"Control ({what}): flagged in {a['flagged']} of {a['groups']} groups "
-                                  f"({flags}); largest slope {slope}"))
+            weak = f"; slope too weak to judge in {a['too_weak']}" if a.get("too_weak") else ""
+            lines.append(("info", (f"Control ({what}): flagged in {a['flagged']} of {a['groups']} groups "
+                                  f"({flags}); largest slope {slope}{weak}")))
     rows = [r for r in s["settings"].values() if r["separated"] is not None]
     if rows:
         sep = [r for r in rows if r["separated"]]
@@ -176,20 +201,20 @@ def blocks(doc: dict) -> list[tuple]:
     sizes = ring_sizes(doc)
     b: list[tuple] = [("h1", "ringcheck drift report")]
     if meta.get("command"):
-        b.append(("p", "Produced by this command, run from the repository root (installed with `pip install -e .`; "
+        b.append(("p", ("Produced by this command, run from the repository root (installed with `pip install -e .`; "
                        "or run `PYTHONPATH=. python -m ringcheck ...`). The same command on the same machine "
                        "writes the same JSON bit for bit, everything but `meta`; check with `ringcheck report "
-                       "diff --exact OLD.json NEW.json`."))
+                       "diff --exact OLD.json NEW.json`.")))
         b.append(("code", meta["command"]))
     shape = (f"batch={spec['batch']}, heads={spec['heads']}/{spec['kv_heads']} (q/kv), "
              f"head_dim={spec['head_dim']}, "
              + (f"tokens per rank={spec['tokens_per_rank']} (seq_len = P x {spec['tokens_per_rank']})"
                 if spec["tokens_per_rank"] is not None else f"seq_len={spec['seq_len']} for every P")
              + (f", softmax_scale={spec['softmax_scale']}" if spec["softmax_scale"] is not None else ""))
-    b.append(("p", f"Implementation `{doc['implementation']}`; backends {', '.join(spec['backends'])}; "
+    b.append(("p", (f"Implementation `{doc['implementation']}`; backends {', '.join(spec['backends'])}; "
                    f"dtypes {', '.join(spec['dtypes'])}; ring sizes {', '.join(map(str, sizes))}; distributions "
                    f"{', '.join(spec['distributions'])}; modes {', '.join(spec['modes'])}; accumulations "
-                   f"{', '.join(ACC_LABEL.get(a, a) for a in accs)}; {spec['seeds']} seeds; {shape}."))
+                   f"{', '.join(ACC_LABEL.get(a, a) for a in accs)}; {spec['seeds']} seeds; {shape}.")))
     b.append(("h2", "Verdict"))
     b.append(("list", [text for _, text in verdict_lines(doc)]))
     b.append(("h2", "How to read it"))
@@ -197,49 +222,56 @@ def blocks(doc: dict) -> list[tuple]:
     b.append(("list", [f"Model: {r['fit']}.", f"Expected: {r['expected']}.", f"Diagnosis: {r['diagnosis']}.",
                        f"Slope {r['slope']}.", f"Budget {r['budget']}.", f"Bias {r['bias']}.",
                        f"Non-finite {r['nonfinite']}.", f"Projected P: {r['projected']}.",
-                       "The float32 merge is the ring under test (the exit code follows it); the per-hop "
+                       ("The float32 merge is the ring under test (the exit code follows it); the per-hop "
                        "round trip rounds the running output to the input dtype after every merge and is "
                        "the control that shows what the flags see. For float32 inputs the round trip "
                        "goes through float32 itself and costs no more than the accumulation, so the two "
-                       "coincide there up to float32 rounding.",
+                       "coincide there up to float32 rounding."),
                        f"Metrics {r['metrics']}."]))
-    b.append(("h2", "Separation per setting"))
-    b.append(("p", "Tensors flagged in each setting, per accumulation; separated = the default ring has no "
-                   "flag and the control has at least one. Then the fitted slope of `out` per accumulation "
-                   "and the ring size where its error is projected to reach the budget: where the flags do "
-                   "not separate the two, the slopes may (flat against sqrt-like)."))
-    b.append(("table", separation_headers(doc), separation_rows(doc)))
+    if len(accs) > 1:  # an --impl has no control to separate it from
+        b.append(("h2", "Separation per setting"))
+        b.append(("p", ("Tensors flagged in each setting, per accumulation; separated = the default ring has no "
+                        "flag and the control has at least one. Then the fitted slope of `out` per accumulation "
+                        "and the ring size where its error is projected to reach the budget: where the flags do "
+                        "not separate the two, the slopes may (flat against sqrt-like).")))
+        b.append(("table", separation_headers(doc), separation_rows(doc)))
     b.append(("h2", "Slopes of error against ring size"))
-    b.append(("p", "Slope of ln(normwise relative error) on ln(P), P >= 2, ± its standard error; diagnosis; "
-                   "largest error / budget over P; the projected P where error reaches the budget; flags."))
+    b.append(("p", ("Slope of ln(normwise relative error) on ln(P), P >= 2, ± its standard error; diagnosis; "
+                   "its one-sided 99% bounds against the threshold of the output precision and what they "
+                   "decide; largest error / budget over P; the projected P where error reaches the budget; "
+                   "flags.")))
     headers = ["mode", "dtype", "distribution", "tensor"]
     for a in accs:
         s = ACC_SHORT.get(a, a)
-        headers += [f"slope ({s})", f"max err/budget ({s})", f"projected P ({s})", f"flags ({s})"]
+        headers += [f"slope ({s})", f"bounds ({s})", f"max err/budget ({s})", f"projected P ({s})",
+                    f"flags ({s})"]
     rows = []
     for backend, mode, dtype, dist in _settings(doc):
         for t in tensor_names(doc):
             row = [mode, dtype, dist, t]
             for a in accs:
                 fit = fit_of(doc, backend, mode, dtype, dist, a, t)
-                row += ([f"{_slope(fit)} {fit['diagnosis']}", _f(fit["max_budget_ratio"]),
+                row += ([f"{_slope(fit)} {fit['diagnosis']}", _bounds(fit), _f(fit["max_budget_ratio"]),
                          _projected(fit["projected_budget_P"]), ", ".join(fit["flags"]) or "-"]
-                        if fit else ["n/a"] * 4)
+                        if fit else ["n/a"] * 5)
             rows.append(row)
+        for t, why in doc["summary"].get("not_run", {}).items():
+            rows.append([mode, dtype, dist, t] + [why, "", "", "", ""] * len(accs))
     b.append(("table", headers, rows))
     b.append(("h2", "Worst cases"))
     b.append(("p", "By error / budget (worst seed), over every case and tensor."))
     b.append(("table", WORST_HEADERS, [worst_row(*w) for w in worst_cases(doc, 15)]))
     b.append(("h2", "Error against ring size"))
-    b.append(("p", "out: normwise relative error in units of u of the dtype (geometric mean over seeds); "
-                   "then the largest error / budget over the five tensors (worst seed)."))
+    b.append(("p", ("out: normwise relative error in units of u of the dtype (geometric mean over seeds); "
+                   "then the largest error / budget over the five tensors (worst seed).")))
     p_head = [f"P={p}" for p in sizes]
     rel_rows, ratio_rows = [], []
     for backend, mode, dtype, dist in _settings(doc):
         for a in accs:
             cases = [case_of(doc, backend, mode, dtype, dist, a, p) for p in sizes]
             label = [mode, dtype, dist, ACC_SHORT.get(a, a)]
-            rel_rows.append(label + [_f(c["tensors"]["out"]["rel_norm"] / unit_roundoff(dtype)) if c else "" for c in cases])
+            rel_rows.append(label + [_f(c["tensors"]["out"]["rel_norm"] / unit_roundoff(dtype)) if c else ""
+                                     for c in cases])
             ratio_rows.append(label + [_f(max(m["budget_ratio"] for m in c["tensors"].values())) if c else ""
                                        for c in cases])
     b.append(("h3", "out: relative error / u"))
@@ -249,11 +281,11 @@ def blocks(doc: dict) -> list[tuple]:
     pmax = sizes[-1]
     if any("steps" in c for c in doc["cases"].values()):
         b.append(("h2", f"Per-step drift at P={pmax}"))
-        b.append(("p", "The running float32 partial output of every rank after ring step s (s shards seen) "
+        b.append(("p", ("The running float32 partial output of every rank after ring step s (s shards seen) "
                        "against the float64 attention over the keys seen so far: normwise relative error "
                        "in units of u of the dtype, over all ranks (geometric mean over seeds). The float32 "
                        "merge stays far below one rounding until the final cast; the round trip adds one "
-                       "rounding per hop."))
+                       "rounding per hop.")))
         steps = sorted({1, 2, pmax} | {2 ** i for i in range(pmax.bit_length()) if 2 ** i <= pmax})
         rows = []
         for backend, mode, dtype, dist in _settings(doc):

@@ -1,0 +1,87 @@
+"""`ringcheck drift --impl`: the drift report of any implementation under the `--impl` contract,
+run on real process groups of each ring size (local gloo rings here; the torchrun world's
+sub-groups under torchrun). Tiny sizes: the point is the plumbing and the verdicts, not drift."""
+
+import pytest
+
+from ringcheck.cli import main
+from ringcheck.commands.drift import AS_IMPLEMENTED, DriftSpec, ring_implementation, run_drift
+from ringcheck.documents import DRIFT_SCHEMA, load
+from ringcheck.render.drift_content import blocks, verdict_lines
+
+TINY = {"dtypes": ("bfloat16",), "ring_sizes": (1, 2, 4), "distributions": ("normal",), "modes": ("zigzag",),
+            "seeds": 1, "tokens_per_rank": 4, "head_dim": 8, "heads": 2, "kv_heads": 1}
+TINY_ARGS = ["--dtypes", "bfloat16", "--ring-sizes", "1,2,4", "--distributions", "normal", "--modes", "zigzag",
+             "--seeds", "1", "--tokens-per-rank", "4", "--head-dim", "8", "--heads", "2", "--kv-heads", "1"]
+MUTANTS = "ringcheck.testing.mutants"
+
+
+def _key(impl: str, p: int) -> str:
+    return f"{impl}/torch/zigzag/bfloat16/normal/acc={AS_IMPLEMENTED}/P={p}"
+
+
+def test_our_ring_on_process_groups_measures_what_the_simulated_ring_does(run_on_ring):
+    """`--impl ringcheck` is our ring on real process groups: it computes the simulated ring's
+    bits, so every measurement of the report is the simulated ring's, at every ring size."""
+    doc = run_drift(DriftSpec(**TINY, accumulations=(AS_IMPLEMENTED,)),
+                    implementation=ring_implementation("ringcheck", run_on_ring))
+    simulated = run_drift(DriftSpec(**TINY, accumulations=("float32",)))
+    for p in (1, 2, 4):
+        got = doc["cases"][_key("ringcheck", p)]
+        want = simulated["cases"][f"simulated/torch/zigzag/bfloat16/normal/acc=float32/P={p}"]
+        assert got["tensors"] == want["tensors"], p
+        assert "steps" not in got  # the per-step observer is the simulated ring's alone
+    assert doc["implementation"] == "ringcheck" and doc["summary"]["under_test"] == AS_IMPLEMENTED
+    assert doc["summary"]["passed"] and doc["summary"]["not_run"] == {}
+    assert {f["tensor"] for f in doc["fits"].values()} == {"out", "lse", "dq", "dk", "dv"}
+
+
+def test_a_planted_external_ring_is_flagged_and_a_correct_one_is_not(run_on_ring):
+    """A mutant of the contract (`merge_no_rescale`: no max rescaling in the merge) is over
+    budget from the first merge (P = 2; P = 1 runs none); the textbook ring it was cut from is
+    not flagged. Forward only: the backward is reported as not run, never as a pass."""
+    spec = DriftSpec(**dict(TINY, dtypes=("float32",)), accumulations=(AS_IMPLEMENTED,))
+    docs = {name: run_drift(spec, implementation=ring_implementation(f"{MUTANTS}:{name}", run_on_ring,
+                                                                       forward_only=True))
+            for name in ("merge_no_rescale", "textbook")}
+    bad, good = docs["merge_no_rescale"], docs["textbook"]
+    fit = bad["fits"][f"{MUTANTS}:merge_no_rescale/torch/zigzag/float32/normal/acc={AS_IMPLEMENTED}/out"]
+    assert "budget" in fit["flags"] and fit["over_budget_at"] == [2, 4]
+    assert not bad["summary"]["passed"] and good["summary"]["passed"]
+    assert not any(f["flags"] for f in good["fits"].values())
+    for doc in docs.values():
+        assert doc["summary"]["not_run"] == {t: "not run (--forward-only)" for t in ("dq", "dk", "dv")}
+        assert all(set(c["tensors"]) == {"out", "lse"} for c in doc["cases"].values())
+        assert {f["tensor"] for f in doc["fits"].values()} == {"out", "lse"}
+    lines = [text for _, text in verdict_lines(good)]
+    assert "dq: not run (--forward-only); no verdict on it (not a pass)" in lines
+    slope_table = next(b for b in blocks(good) if b[0] == "table" and any(h.startswith("bounds") for h in b[1]))
+    assert ["zigzag", "float32", "normal", "dk", "not run (--forward-only)"] == slope_table[2][-2][:5]
+
+
+def test_drift_impl_command_writes_the_report_of_that_implementation(tmp_path, capsys):
+    # ring sizes from 2: the textbook ring's backward sends dK/dV home even on a ring of one,
+    # which gloo refuses (a send to itself)
+    argv = [*TINY_ARGS[:2], "--ring-sizes", "2,4", *TINY_ARGS[4:]]
+    assert main(["drift", "--impl", f"{MUTANTS}:textbook", *argv, "--out", str(tmp_path)]) == 0
+    doc = load(tmp_path / "drift.json", schema=DRIFT_SCHEMA)
+    assert doc["implementation"] == f"{MUTANTS}:textbook" and doc["spec"]["accumulations"] == [AS_IMPLEMENTED]
+    assert sorted({c["P"] for c in doc["cases"].values()}) == [2, 4]
+    assert doc["meta"]["command"].startswith(f"ringcheck drift --impl {MUTANTS}:textbook")
+    page = (tmp_path / "drift.html").read_text()
+    assert page.count("data:image/png;base64,") == 2  # error against P, fitted slopes (no per-step drift)
+    assert "Separation per setting" not in page  # one ring, no control to separate it from
+    assert "PASS: the ring under test (as implemented)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--forward-only"], "--forward-only is for an --impl"),
+    (["--flash-attn-stand-in"], "--flash-attn-stand-in is for an --impl"),
+    (["--impl", "no_such_module_xyz:fn"], "cannot import module 'no_such_module_xyz'"),
+    (["--impl", f"{MUTANTS}:textbook", "--accumulate", "input"], "drop --accumulate"),
+    (["--impl", "ring_attention_pytorch", "--modes", "zigzag"], "runs the layouts"),
+    (["--impl", f"{MUTANTS}:textbook", "--window", "4,0"], "does not accept the variant keyword"),
+])
+def test_drift_impl_refuses_what_it_cannot_run_before_any_rank_starts(argv, match, capsys):
+    assert main(["drift", *argv, "--ring-sizes", "1,2", "--out", "/nonexistent/never-written"]) == 2
+    assert match in capsys.readouterr().err
