@@ -292,7 +292,7 @@ def test_ring_attention_pytorch_as_shipped(run_on_ring):
     rows = _rows(run_on_ring, exact=True, impl="ring_attention_pytorch", layout="contiguous", causal=False,
                  dtype="float32", distributions=("normal",))
     failed = _failed(rows)
-    assert failed and all(c.startswith("backward") for c in failed), failed
+    assert failed and all(c.startswith(("backward", "precision backward")) for c in failed), failed
     assert all(" dk " in r.detail or " dv " in r.detail or "dk FAILED" in r.detail or "dv FAILED" in r.detail
                for r in rows if r.status == "fail")
 
