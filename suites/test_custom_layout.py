@@ -58,7 +58,7 @@ def test_our_ring_on_a_custom_layout_meets_the_budget(name, causal):
     (f"{EXAMPLES}:overlapping", "ranks 0 and 1 both hold positions [0, 1, 2, 3]; the ranks must partition"),
     (f"{EXAMPLES}:uneven", "gives rank 0 5 positions; a ring of 4 over seq_len=16 needs 4 per rank"),
     (f"{EXAMPLES}:floats", "it must return a 1-D integer tensor of global positions"),
-    (f"{EXAMPLES}:nosuch", "has no 'nosuch'"),
+    (f"{EXAMPLES}:nosuch", "has no attribute 'nosuch'"),
     ("no_such_module_anywhere:fn", "cannot import module 'no_such_module_anywhere'"),
 ])
 def test_a_layout_that_does_not_partition_the_sequence_is_a_clear_error(layout, says):

@@ -49,11 +49,10 @@ from .common import (
     add_variant_flags,
     command_meta,
     list_of,
-    log_files_note,
     shows_progress,
     variant_options,
 )
-from .validate import short_failures
+from .validate import incomplete_run
 
 
 def _drift_spec(args: argparse.Namespace):
@@ -113,9 +112,7 @@ def _cmd_drift(args: argparse.Namespace) -> int:
         try:
             return _sweep(args, spec, implementation, make_console(), notes=notes, main=ring.is_main)
         except RingError as exc:
-            note = log_files_note(args.log_dir, exc)
-            raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)
-                             + (f"\n{note}" if note else "")) from exc
+            raise incomplete_run(exc, args.log_dir) from exc
     finally:
         ring.close()
 

@@ -121,6 +121,14 @@ def short_failures(exc) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def incomplete_run(exc, log_dir: str | None) -> UsageError:
+    """The usage error of a run that did not complete on every rank: a line per failing rank
+    (`short_failures`), and the per-rank logs that hold the whole story (with --log-dir)."""
+    note = log_files_note(log_dir, exc)
+    return UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)
+                      + (f"\n{note}" if note else ""))
+
+
 def _progress_channel(ring, advance, enabled: bool):
     """How rank 0's progress notes reach `advance` here: directly under torchrun (rank 0 is this
     process), from a local ring's worker through a file this process polls (`launch.relay`)."""
@@ -160,9 +168,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             try:
                 rows = ring.run(target.world_size, validate_task, target, channel)[0]
             except RingError as exc:
-                note = log_files_note(args.log_dir, exc)
-                raise UsageError("the implementation did not complete on every rank:\n" + short_failures(exc)
-                                 + (f"\n{note}" if note else "")) from exc
+                raise incomplete_run(exc, args.log_dir) from exc
     finally:
         ring.close()
     if not main:

@@ -29,7 +29,6 @@ Built-in adapters (`--impl NAME` or `--impl NAME:VARIANT`):
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ring_attention
+from ..user_code import import_object
 
 ImplFn = Callable[..., Any]
 
@@ -240,15 +240,6 @@ def load_impl(spec: str, *, layout: str, backend: str = "torch") -> Impl:
     if not tail:
         raise ValueError(f"--impl {spec!r} is neither a built-in adapter ({', '.join(BUILTIN)}) nor of the "
                          f"form 'package.module:function'")
-    try:
-        module = importlib.import_module(head)
-    except ImportError as exc:
-        raise ValueError(f"--impl {spec}: cannot import module {head!r} ({exc}); is it installed, or is "
-                         f"its directory on PYTHONPATH?") from exc
-    fn = module
-    for part in tail.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"--impl {spec}: module {head!r} has no attribute {tail!r}")
-        fn = getattr(fn, part)
+    fn = import_object(spec, f"--impl {spec}")
     _check_signature(fn, spec)
     return Impl(spec, fn)

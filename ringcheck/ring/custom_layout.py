@@ -12,27 +12,17 @@ ring's block plan and the work accounting then all follow those positions.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from functools import lru_cache
 
 import torch
 
 from ..spec import check_layout
+from ..user_code import import_object
 
 
 def _load(layout: str):
-    module_name, _, attr = layout.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"layout {layout!r}: cannot import module {module_name!r} ({exc}); is it on "
-                         f"PYTHONPATH?") from exc
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"layout {layout!r}: module {module_name!r} has no {attr!r}")
+    fn = import_object(layout, f"layout {layout!r}")
     if not callable(fn):
         raise ValueError(f"layout {layout!r} is a {type(fn).__name__}, not a function")
     return fn
