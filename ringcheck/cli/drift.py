@@ -43,6 +43,7 @@ from ..spec import DEFAULT_TIMEOUT, Budget
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     add_log_dir,
     add_quiet,
@@ -102,7 +103,7 @@ def _cmd_drift(args: argparse.Namespace) -> int:
                              "signature or drop the variant flags")
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
-    ring = open_ring(timeout=args.timeout, environ=os.environ, log_dir=args.log_dir)
+    ring = open_ring(timeout=args.timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)
     try:
         implementation = ring_implementation(args.impl, ring.run, forward_only=args.forward_only,
                                              stand_in=args.flash_attn_stand_in, max_ring_size=ring.size)
