@@ -2,6 +2,11 @@
 run on real process groups of each ring size (local gloo rings here; the torchrun world's
 sub-groups under torchrun). Tiny sizes: the point is the plumbing and the verdicts, not drift."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ringcheck.cli import main
@@ -85,3 +90,18 @@ def test_drift_impl_command_writes_the_report_of_that_implementation(tmp_path, c
 def test_drift_impl_refuses_what_it_cannot_run_before_any_rank_starts(argv, match, capsys):
     assert main(["drift", *argv, "--ring-sizes", "1,2", "--out", "/nonexistent/never-written"]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_under_torchrun_the_simulated_sweep_is_run_and_written_once(torchrun_world, tmp_path):
+    """The simulated ring needs no ranks: under torchrun rank 0 runs and writes it, the other
+    ranks leave at once (they used to repeat the whole sweep and overwrite the report)."""
+    if torchrun_world is not None:
+        pytest.skip("starts its own torchrun world: plain pytest")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
+                           "ringcheck", "drift", "--dtypes", "bfloat16", "--ring-sizes", "1,2", "--distributions",
+                           "normal", "--modes", "causal", "--seeds", "8", "--out", str(tmp_path / "out"), "-q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("wrote ") == 1, done.stdout
+    load(tmp_path / "out" / "drift.json", schema=DRIFT_SCHEMA)

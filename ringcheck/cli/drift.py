@@ -31,7 +31,7 @@ from ..commands.drift_model import MIN_FIT_SAMPLES
 from ..documents import DRIFT_SCHEMA, diff_documents, exact_differences, load, require_same_spec
 from ..flash_stand_in import install as install_flash_stand_in
 from ..judge.distributions import DISTRIBUTIONS
-from ..launch import RingError, open_ring
+from ..launch import RingError, from_torchrun_env, open_ring
 from ..render.files import write_drift_reports
 from ..render.terminal import (
     drift_progress,
@@ -81,6 +81,9 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)  # fixed, so a rerun gives the same bits
     spec = _drift_spec(args)
     if args.impl == "simulated":
+        env = from_torchrun_env(os.environ)
+        if env is not None and env.rank != 0:  # one process simulates every ring: rank 0 runs and reports it
+            return EXIT_OK
         return _sweep(args, spec, IMPLEMENTATIONS["simulated"], make_console())
     if args.forward_only and args.sinks:
         raise UsageError("--forward-only runs no backward, and sinks are judged by their gradient dsinks: drop one")
