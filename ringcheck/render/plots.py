@@ -235,6 +235,7 @@ def _slope_figure(doc: dict):
         ax = axes[0][k]
         _slope_points(ax, doc, mode)
         ax.axhline(0.8, color="tab:red", linewidth=0.8, linestyle="--")
+        ax.axhline(0.25, color="tab:orange", linewidth=0.8, linestyle="--")
         ax.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_xticks(range(len(labels)), labels, fontsize=6)
@@ -242,13 +243,19 @@ def _slope_figure(doc: dict):
         ax.set_title(mode, fontsize=9)
         if k == 0:
             ax.set_ylabel("slope of ln(rel. error) on ln(P)", fontsize=8)
-    handles = [plt.Line2D([], [], color="tab:blue", marker="o", linestyle="", label=ACC_LABEL["float32"]),
-               plt.Line2D([], [], color="tab:red", marker="x", linestyle="", label=ACC_LABEL["input"]),
-               plt.Line2D([], [], color="tab:red", linestyle="--", label="slope flag (0.8)"),
-               plt.Line2D([], [], color="grey", linestyle=":", label="random walk (0.5)")]
-    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    handles = [plt.Line2D([], [], linestyle="", label=ACC_LABEL.get(a, a), **_acc_mark(a)) for a in accumulations(doc)]
+    handles += [plt.Line2D([], [], color="tab:orange", linestyle="--", label="flag, bf16/fp16 outputs (0.25)"),
+                plt.Line2D([], [], color="tab:red", linestyle="--", label="flag, float32 outputs and lse (0.8)"),
+                plt.Line2D([], [], color="grey", linestyle=":", label="random walk (0.5)")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle("Fitted slopes, one point per tensor", fontsize=11)
     return fig
+
+
+def _acc_mark(acc: str) -> dict:
+    """Marker and colour of an accumulation's points: our merge, the control, any --impl."""
+    return {"float32": {"marker": "o", "color": "tab:blue"}, "input": {"marker": "x", "color": "tab:red"},
+            }.get(acc, {"marker": "o", "color": "tab:green"})
 
 
 def _slope_points(ax, doc: dict, mode: str) -> None:
@@ -260,10 +267,9 @@ def _slope_points(ax, doc: dict, mode: str) -> None:
                 for t in tensors:
                     fit = fit_of(doc, backend, mode, dtype, dist, a, t)
                     if fit and fit["slope"] is not None:
-                        ax.scatter(x + (ai - (len(accs) - 1) / 2) * 0.25, fit["slope"], s=14,
-                                   marker="o" if a == "float32" else "x",
-                                   color="tab:blue" if a == "float32" else "tab:red",
-                                   edgecolors="none" if a == "float32" else None)
+                        mark = _acc_mark(a)
+                        ax.scatter(x + (ai - (len(accs) - 1) / 2) * 0.25, fit["slope"], s=14, marker=mark["marker"],
+                                   color=mark["color"], edgecolors="none" if mark["marker"] == "o" else None)
 
 
 # --- validate: error over budget -----------------------------------------------------------------
