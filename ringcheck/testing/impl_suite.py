@@ -31,7 +31,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ..spec import DOC_LAYOUTS, is_custom_layout
+from ..spec import DOC_LAYOUTS
 from . import properties as props
 from . import variant_properties as vprops
 from .strategies import cases
@@ -227,13 +227,6 @@ def test_distributed_equals_simulated_bit_for_bit(cfg, ring_impl, search_profile
     if not ring_impl.is_ours:
         pytest.skip(f"needs our ring's internals (its simulation, the same float32 operations): not a property of "
                     f"--ring-impl {cfg.spec}")
-
-    if any(is_custom_layout(layout) for layout in cfg.layouts):
-        # found, open: on ringcheck.testing.custom_layouts:reversed_blocks (one-row blocks) dq differs
-        # from the simulation in the last bits (both within budget); bit identity is asserted for the
-        # built-in layouts in suites/test_distributed.py
-        pytest.skip("bit identity with the simulation is not asserted on custom layouts (an open finding: "
-                    "last-bit differences in dq on a reversed layout)")
 
     def body(data):
         case = data.draw(_plain(cfg, search_profile.bounds), label="case")

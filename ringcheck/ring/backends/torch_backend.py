@@ -86,6 +86,14 @@ def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(b, kv_heads, h // kv_heads, s, d).sum(2).transpose(1, 2)
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous tensor that starts its own allocation: the CPU flash kernel's float32
+    bits depend on its inputs' strides and on where they start in memory (a view at an offset,
+    e.g. rank 1's part of a whole tensor, rounds differently from a copy of it), so the same
+    values must always reach it the same way."""
+    return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 _FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
@@ -114,10 +122,10 @@ class TorchBackend:
         if self.fast and _flash_ok(q, k, mask, diagonal):
             h, d, dv = q.shape[2], q.shape[3], v.shape[3]
             width = max(d, dv)
-            # contiguous inputs: the fused kernel's float32 bits depend on strides, not only on values
-            out, lse = _FLASH_FWD(_pad_dim(q.float(), width).transpose(1, 2).contiguous(),
-                                  _pad_dim(_heads_first(k, h), width).contiguous(),
-                                  _pad_dim(_heads_first(v, h), width).contiguous(), 0.0, mask == "causal", scale=scale)
+            # owned inputs: the fused kernel's float32 bits depend on strides and alignment, not only on values
+            out, lse = _FLASH_FWD(_owned(_pad_dim(q.float(), width).transpose(1, 2)),
+                                  _owned(_pad_dim(_heads_first(k, h), width)),
+                                  _owned(_pad_dim(_heads_first(v, h), width)), 0.0, mask == "causal", scale=scale)
             return out.transpose(1, 2)[..., :dv], lse
         return self._plain_forward(q, k, v, scale=scale, mask=mask, diagonal=diagonal)
 
@@ -137,13 +145,13 @@ class TorchBackend:
             # that rowsum gives the same gradients), built here so the merged statistic is used
             h, kvh, d, d_v = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
             width = max(d, d_v)
-            do = _pad_dim(dout.float(), width).transpose(1, 2).contiguous()
+            do = _owned(_pad_dim(dout.float(), width).transpose(1, 2))
             norm = (do * do).sum(-1, keepdim=True)
             out = torch.where(norm > 0, do * (delta.unsqueeze(-1) / norm.clamp_min(1e-30)), do)
-            dq, dk, dv = _FLASH_BWD(do, _pad_dim(q.float(), width).transpose(1, 2).contiguous(),
-                                    _pad_dim(_heads_first(k, h), width).contiguous(),
-                                    _pad_dim(_heads_first(v, h), width).contiguous(),
-                                    out.contiguous(), lse.contiguous(), 0.0, mask == "causal", scale=scale)
+            dq, dk, dv = _FLASH_BWD(do, _owned(_pad_dim(q.float(), width).transpose(1, 2)),
+                                    _owned(_pad_dim(_heads_first(k, h), width)),
+                                    _owned(_pad_dim(_heads_first(v, h), width)),
+                                    _owned(out), _owned(lse), 0.0, mask == "causal", scale=scale)
             return (dq.transpose(1, 2)[..., :d], _group_sum(dk, kvh)[..., :d], _group_sum(dv, kvh)[..., :d_v])
         return self._plain_backward(q, k, v, dout, lse, delta, scale=scale, mask=mask, diagonal=diagonal)
 
