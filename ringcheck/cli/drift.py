@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from ..commands.adapters import accepted_keywords, load_impl
+from ..commands.adapters import load_impl, require_variant_keywords
 from ..commands.drift import (
     AS_IMPLEMENTED,
     DEFAULT_ACCUMULATIONS,
@@ -99,11 +99,7 @@ def _cmd_drift(args: argparse.Namespace) -> int:
                                   for m, (c, lay) in DRIFT_MODES.items())
                 raise ValueError(f"{exc} (drift --modes {mode}: {modes})") from exc
         att = spec.attention_spec(spec.modes[0], spec.dtypes[0], spec.ring_sizes[-1])
-        needed = [*att.variant_kwargs(), *(["sinks"] if att.sinks is not None else [])]
-        missing = [name for name in needed if name not in accepted_keywords(impl.fn, needed)]
-        if missing:  # never judge a variant the implementation was not given
-            raise ValueError(f"--impl {impl.name} does not accept the variant keyword(s) {missing}: add them to its "
-                             "signature or drop the variant flags")
+        require_variant_keywords(impl.fn, impl.name, att)  # never judge a variant the implementation was not given
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     ring = open_ring(timeout=args.timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)

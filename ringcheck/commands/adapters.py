@@ -60,6 +60,23 @@ def accepted_keywords(fn: ImplFn, names) -> tuple[str, ...]:
                                                                         params[n].POSITIONAL_OR_KEYWORD))
 
 
+# the contract's variant keywords, and the flag that asks for each
+VARIANT_FLAGS = {"cu_seqlens": "--documents", "window": "--window", "softcap": "--softcap", "sinks": "--sinks"}
+
+
+def require_variant_keywords(fn: ImplFn, name: str, spec) -> None:
+    """ValueError naming each variant keyword the `AttentionSpec` `spec` passes (documents, a
+    window, a softcap, sinks) that `fn` does not accept (nor **kwargs), and the flag that asked
+    for it: before any rank starts, so no variant is judged that was never given."""
+    needed = [*spec.variant_kwargs(), *(["sinks"] if spec.sinks is not None else [])]
+    missing = [k for k in needed if k not in accepted_keywords(fn, needed)]
+    if missing:
+        said = ", ".join(f"{k} (asked for by {VARIANT_FLAGS[k]})" for k in missing)
+        raise ValueError(f"--impl {name} does not accept the variant keyword(s) {said}: add them to its signature "
+                         f"(fn(q, k, v, *, causal, softmax_scale, group, {', '.join(missing)}=None, ...)) or drop "
+                         f"the flag(s)")
+
+
 @dataclass(frozen=True)
 class Impl:
     """A loaded implementation: the callable plus what it can run."""

@@ -41,9 +41,9 @@ from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
 from ..judge.precision import judge_with_class
 from ..judge.variant_options import VariantOptions
 from ..judge.verdict import TENSORS, Verdict
-from ..ring.layouts import positions, shard, unshard
+from ..ring.layouts import positions, unshard
 from ..spec import AttentionSpec, Budget, RingSpec, is_custom_layout
-from .adapters import Impl, accepted_keywords, load_impl
+from .adapters import Impl, load_impl, require_variant_keywords
 from .impl_shards import ContractError, run_shards  # noqa: F401 - ContractError: validate's name for it too
 from .peer_adapters import stand_in_row
 from .validate_rows import (
@@ -169,27 +169,13 @@ def _rank_info(group) -> tuple[int, int, int]:
     return dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
 
 
-# the variant keywords of the contract, and the flag that asks for each
-VARIANT_FLAGS = {"cu_seqlens": "--documents", "window": "--window", "softcap": "--softcap", "sinks": "--sinks"}
-
-
-def _variant_keywords(spec: AttentionSpec, sinks: torch.Tensor | None) -> dict[str, Any]:
-    return {**spec.variant_kwargs(), **({} if sinks is None else {"sinks": sinks})}
-
 
 def check_variant_keywords(impl: Impl, target: Target) -> None:
     """ValueError naming the keyword and its flag when the target uses a variant keyword the
     implementation does not accept (nor **kwargs): before any rank starts."""
     if impl.check_target is not None:  # a built-in adapter's own rules (variants, heads)
         impl.check_target(target)
-    spec = target.full_spec()
-    needed = [*spec.variant_kwargs(), *(["sinks"] if spec.sinks else [])]
-    missing = [name for name in needed if name not in accepted_keywords(impl.fn, needed)]
-    if missing:
-        said = ", ".join(f"{name} (asked for by {VARIANT_FLAGS[name]})" for name in missing)
-        raise ValueError(f"--impl {impl.name} does not accept the keyword(s) {said}: add them to its signature "
-                         f"(fn(q, k, v, *, causal, softmax_scale, group, {', '.join(missing)}=None, ...)) or drop "
-                         f"the flag(s)")
+    require_variant_keywords(impl.fn, impl.name, target.full_spec())
 
 
 def _gather(local: dict, group, world_size: int) -> list[dict]:
@@ -283,7 +269,8 @@ def _check_scaled_cases(ctx: _Rank) -> tuple[list[CheckRow], list[Verdict], bool
         first = first or _FirstRun(case, inputs, parts)
         tensors = _judged_tensors(returns_lse, target.forward_only)
         verdict, precision = ctx.on_root(lambda: judge_with_class(  # the budget rule and the precision class
-            case, _whole(parts, case.ring.layout, case.spec.variant.cu_seqlens), inputs, budget=ctx.budget, tensors=tensors))
+            case, _whole(parts, case.ring.layout, case.spec.variant.cu_seqlens), inputs, budget=ctx.budget,
+            tensors=tensors))
         by_dist.setdefault(case.distribution, []).append(verdict)
         classes.append(precision)
     lengths = ",".join(str(n) for n in target.local_lengths)
