@@ -128,7 +128,7 @@ def _add_ring_options(parser) -> None:
     group = parser.getgroup("ringcheck")
     group.addoption("--ring-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="bound on every ring wait and collective of distributed tests (default 60)")
-    group.addoption("--ring-log-dir", default=None, metavar="DIR",
+    group.addoption("--ring-log-dir", "--log-dir", dest="ring_log_dir", default=None, metavar="DIR",
                     help="each rank's whole story of every ring task (output, traceback, ring-step trace) in "
                          "DIR/rank<G>.log")
     group.addoption("--ring-planted-failure", action="store_true", default=False,
