@@ -2,7 +2,7 @@
 complete implementation of the contract, the way a user would write their own.
 
 Every rank all-gathers K and V (an autograd Function whose backward all-reduces the gradient
-and keeps this rank's slice), computes attention of its queries over the whole sequence in
+in float32 and keeps this rank's slice), computes attention of its queries over the whole sequence in
 float32 with autograd, and returns out (in q's dtype) and lse (float32). Grouped-query heads:
 query head h uses K/V head h // (heads // kv_heads). It knows two layouts, told by the
 `layout` keyword that validate passes to functions that accept it.
@@ -18,22 +18,26 @@ import torch.distributed as dist
 
 
 class _GatherSequence(torch.autograd.Function):
-    """(batch, local_seq, heads, d) on every rank -> (batch, world * local_seq, heads, d), rank order."""
+    """(batch, local_seq, heads, d) on every rank -> (batch, world * local_seq, heads, d) in
+    float32, rank order. The gather sends the input dtype; the backward all-reduces the
+    gradient in float32 and rounds this rank's slice once: an all-reduce in the input dtype
+    would round a partial sum at every rank, an error that grows with the ring (ringcheck's
+    precision class fails it at 8 ranks)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.dtype = group, x.dtype
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=1).float()
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = grad.float().contiguous()
         dist.all_reduce(grad, group=ctx.group)  # every rank's queries used every key
         n = grad.shape[1] // dist.get_world_size(ctx.group)
         rank = dist.get_rank(ctx.group)
-        return grad[:, rank * n:(rank + 1) * n], None
+        return grad[:, rank * n:(rank + 1) * n].to(ctx.dtype), None
 
 
 def positions(layout: str, rank: int, world: int, n: int) -> torch.Tensor:
@@ -53,8 +57,8 @@ def ring_fn(q, k, v, *, causal: bool, softmax_scale: float, group=None, layout: 
     keys, values = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
     group_size = heads // k.shape[2]
     qh = q.float().transpose(1, 2)                                            # (b, h, n, d)
-    kh = keys.float().transpose(1, 2).repeat_interleave(group_size, dim=1)    # (b, h, N, d)
-    vh = values.float().transpose(1, 2).repeat_interleave(group_size, dim=1)
+    kh = keys.transpose(1, 2).repeat_interleave(group_size, dim=1)            # (b, h, N, d), float32
+    vh = values.transpose(1, 2).repeat_interleave(group_size, dim=1)
     scores = qh @ kh.transpose(-1, -2) * softmax_scale
     if causal:
         mine = positions(layout, rank, world, n).to(q.device)

@@ -1,8 +1,8 @@
 """The precision-class check (`ringcheck.judge.precision`): each tensor against what a correct
-flash-style kernel reaches on one device. Correct rings never fail it; a tensor rounded through
-a narrower dtype than the input's fails it: by >= 3x on float32 inputs, by >= 2x (~2.7x
-typical) for bfloat16 on float16 inputs, where k = 3 is set by PyTorch's own ring (see
-`CLASS_K`: no k passes torch_cp and fails that narrowing by 3x).
+flash-style kernel reaches on one device, measured against the exact truth and the computation
+conventions a correct kernel may follow (`ringcheck.judge.conventions`). Correct rings never
+fail it (PyTorch's ring and kernel included, which round P, dS and each step's partials to the
+input dtype); a tensor rounded through a narrower dtype than the input's fails it by >= 3x.
 
 Most of it judges computed tensors directly (our ring through `simulate_ring`, the narrowing
 applied to its results, which is exactly what the public mutants do to the textbook ring's);
@@ -58,7 +58,7 @@ def _narrowed(got: Results, tensor: str, narrow: str) -> Results:
 def test_our_ring_passes_and_every_narrowing_fails(world, modes, seed):
     """Every distribution x dtype x mode: our ring's worst error / budget <= 1 (it lands at ~0.3:
     one rounding), and per (mode, dtype) the worst over the distributions (validate's row) of
-    every narrowing of every tensor is >= 3 on float32 inputs, >= 2 on float16 inputs."""
+    every narrowing of every tensor is >= 3."""
     worst, rows = {}, {}
     for mode, dtype, dist in itertools.product(modes, DTYPES, DISTRIBUTIONS):
         case = _case(world, mode, dtype, dist, seed)
@@ -71,8 +71,8 @@ def test_our_ring_passes_and_every_narrowing_fails(world, modes, seed):
             bad = judge_precision(case, _narrowed(got, tensor, narrow), true, inputs, tensors=(tensor,))[tensor]
             key = (mode, dtype, narrow, tensor)
             rows[key] = max(rows.get(key, 0.0), bad.ratio)
-    assert worst["float16"] < 0.4 and worst["bfloat16"] < 0.3 and worst["float32"] < 0.2, worst
-    weak = {key: round(r, 2) for key, r in rows.items() if r < (3 if key[1] == "float32" else 2)}
+    assert worst["float16"] < 0.6 and worst["bfloat16"] < 0.6 and worst["float32"] < 0.2, worst
+    weak = {key: round(r, 2) for key, r in rows.items() if r < 3}
     assert not weak, f"narrowings under 3x the budget at P={world} seed={seed}: {weak}"
     assert len(rows) == len(modes) * 3 * len(TENSORS)  # fp16: bf16; fp32: fp16 and bf16
 
@@ -115,8 +115,9 @@ def test_variants_and_dsinks_pass_on_our_ring():
     got, true = run_whole(simulated_impl(case), inputs), truth(spec, inputs)
     verdict = judge_precision(case, got, true, inputs)
     assert [t.tensor for t in verdict.tensors] == [*TENSORS, "dsinks"] and verdict.passed, verdict.message()
-    bad = judge_precision(case, _narrowed(got, "dq", "bfloat16"), true, inputs, tensors=("dq",))["dq"]
-    assert bad.ratio > 2, bad.describe()  # one case, documents and a window: fewer elements than a row
+    for name in TENSORS:  # one case with documents, a window, softcap and sinks: every narrowing by >= 3x
+        bad = judge_precision(case, _narrowed(got, name, "bfloat16"), true, inputs, tensors=(name,))[name]
+        assert bad.ratio > 3, bad.describe()
 
 
 def test_the_catalogue_has_a_mutant_per_tensor_and_narrow_dtype():
@@ -150,20 +151,21 @@ def test_public_mutants_fail_and_the_textbook_and_torch_cp_rings_pass(run_on_rin
         for impl in (textbook, "torch_cp"):
             verdict = judge_precision(case, whole[impl], true, inputs)
             assert verdict.passed, f"{impl}: {verdict.message()}"
-        for name, tensor, narrow in (("narrow_dq_bfloat16", "dq", "bfloat16"), ("narrow_lse_float16", "lse", "float16")):
+        for name, tensor, narrow in (("narrow_dq_bfloat16", "dq", "bfloat16"),
+                                     ("narrow_lse_float16", "lse", "float16")):
             got = whole[f"ringcheck.testing.precision_mutants:{name}"]
             assert torch.equal(got.get(tensor), _narrowed(whole[textbook], tensor, narrow).get(tensor))
             others = [t for t in TENSORS if t != tensor]
             assert all(torch.equal(got.get(t), whole[textbook].get(t)) for t in others), name
             if narrow in NARROWER[case.spec.dtype]:
                 verdict = judge_precision(case, got, true, inputs)
-                assert verdict[tensor].ratio >= (3 if case.spec.dtype == "float32" else 2), verdict[tensor].describe()
+                assert verdict[tensor].ratio >= 3, verdict[tensor].describe()
                 assert all(verdict[t].passed for t in others), verdict.message()
 
 
 def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(run_on_ring):
     """The issue's bug: dq rounded through bfloat16 for float16 inputs. validate's precision
-    backward row fails it by >= 2x (~2.8x) on dq alone; the forward row passes."""
+    backward row fails it by >= 3x on dq alone; the forward row passes."""
     target = Target(seq_len=64, world_size=2, heads=4, kv_heads=2, head_dim=32, dtype="float16", causal=True,
                     layout="zigzag", impl="ringcheck.testing.precision_mutants:narrow_dq_bfloat16",
                     local_lengths=(16,), sample_rows=4, distributions=("normal", "outlier"))
@@ -172,7 +174,7 @@ def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(run_on_ring
     backward = rows["precision backward vs flash-style kernel (local 16)"]
     assert forward.status == "pass" and list(forward.tensors) == ["out", "lse"]
     assert backward.status == "fail" and list(backward.tensors) == ["dq", "dk", "dv"]
-    assert backward.tensors["dq"]["ratio"] >= 2 and not backward.tensors["dq"]["passed"]
+    assert backward.tensors["dq"]["ratio"] >= 3 and not backward.tensors["dq"]["passed"]
     assert backward.tensors["dk"]["passed"] and backward.tensors["dv"]["passed"]
-    assert backward.error > 2 * backward.budget and "dq FAILED (precision class)" in backward.detail
-    assert CLASS_K[torch.float16] == 3.0  # the budget the README states
+    assert backward.error > 3 * backward.budget and "dq FAILED (precision class)" in backward.detail
+    assert CLASS_K[torch.float16] == CLASS_K[torch.bfloat16] == 2.0  # the budget the README states

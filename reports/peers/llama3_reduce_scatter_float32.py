@@ -1,0 +1,40 @@
+"""ring_flash_attn:llama3 float16 P=8 (validate --quick, causal, contiguous): as shipped, and with
+its dk/dv reduce-scatter done in float32 (the patched copy: `dist.reduce_scatter_tensor` wrapped
+to sum float32 copies and round the result once). llama3 reduce-scatters dk and dv in the input
+dtype, so every partial sum is rounded: the precision class's backward row fails as shipped
+and passes patched.
+
+    python reports/peers/llama3_reduce_scatter_float32.py      (from the repository root)
+"""
+import torch.distributed as dist
+
+from ringcheck.cli.validate import QUICK_LENGTHS
+from ringcheck.commands.validate import Target, validate_task
+from ringcheck.launch import LocalRings
+
+
+def patch_task(member):
+    original = dist.reduce_scatter_tensor
+
+    def in_float32(output, input, *args, **kwargs):
+        wide = output.float()
+        work = original(wide, input.float(), *args, **kwargs)
+        output.copy_(wide)
+        return work
+
+    dist.reduce_scatter_tensor = in_float32  # ring_flash_attn calls it through the module
+    return "patched"
+
+
+if __name__ == "__main__":
+    target = Target(impl="ring_flash_attn:llama3", layout="contiguous", world_size=8, seq_len=256, dtype="float16",
+                    causal=True, heads=4, kv_heads=2, head_dim=64, local_lengths=QUICK_LENGTHS,
+                    flash_attn_stand_in=True)
+    with LocalRings(timeout=120) as rings:
+        for label in ("as shipped", "patched"):
+            if label == "patched":
+                print(rings.run(8, patch_task))
+            rows = rings.run(8, validate_task, target, None)[0]
+            for r in rows:
+                if r.check.startswith("precision") or r.status == "fail":
+                    print(label, r.status, r.check[:50], {k: round(v["ratio"], 3) for k, v in r.tensors.items()})
