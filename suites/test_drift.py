@@ -210,11 +210,18 @@ def test_t_quantiles_are_those_of_the_table_and_tend_to_the_normal():
 
 def test_the_false_alarm_of_a_noisy_float32_slope_is_too_weak_to_judge():
     """The issue's false alarm: float32/bidirectional/wide/out, one seed, P = 1..16, slope +0.80
-    whose standard error is 0.34: the point estimate is at the old threshold, the evidence is not."""
+    whose standard error is 0.34: the point estimate is at the old threshold, the evidence is not.
+    Those numbers are one CPU's float32 roundings (another measures +0.47 +- 0.11), so the fit of
+    the issue's numbers is replayed exactly, and the run itself must raise no flag anywhere."""
+    x = [0.0, 0.54, -0.54, -0.54, 0.54]  # residuals in log2 units: slope 0.80, standard error 0.34
+    replay = fit_group({p: m for p, m in _points([1e-6 * 2 ** (0.8 * i + r) for i, r in enumerate(x)] + [1, 1]).items()
+                        if p <= 16})
+    assert replay["slope"] == pytest.approx(0.8) and replay["slope_stderr"] == pytest.approx(0.34, abs=0.01)
+    assert replay["flags"] == [] and replay["slope_judgement"] == "too weak to judge"
+    assert replay["slope_lower"] < 0.8 <= replay["slope_upper"]
     doc = run_drift(DriftSpec(dtypes=("float32",), ring_sizes=(1, 2, 4, 8, 16), distributions=("wide",),
                               modes=("bidirectional",), seeds=1, accumulations=("float32",)))
     fit = doc["fits"]["simulated/torch/bidirectional/float32/wide/acc=float32/out"]
-    assert fit["slope"] >= 0.75 and fit["slope_stderr"] > 0.2  # what the old rule flagged
     assert fit["flags"] == [] and fit["slope_judgement"] == "too weak to judge"
     assert fit["slope_lower"] < 0.8 <= fit["slope_upper"]
     assert doc["summary"]["passed"] and doc["summary"]["accumulations"]["float32"]["too_weak"] >= 1

@@ -40,7 +40,14 @@ def test_the_correct_ring_passes_where_the_bare_rule_failed(name):
     assert verdict.passed, f"{WHY[name][0]}\n{verdict.message()}"
 
 
+# findings whose failure of the bare rule is one ulp of a float32 sum, so it depends on how the
+# CPU's kernels order that sum: found on one machine, absent on another (AVX-512, 2026-12-01)
+CPU_DEPENDENT = {"one_key_fp16_p1"}
+
+
 @pytest.mark.parametrize("name", BUDGET_FINDINGS)
 def test_without_the_float32_floor_the_finding_returns(name):
     verdict = run_case(BUDGET_FINDINGS[name], use_float32_floors=False)
+    if name in CPU_DEPENDENT and verdict.passed:
+        pytest.skip(f"{name}: this CPU's float32 sums agree here, so the bare rule passes ({WHY[name][0]})")
     assert not verdict.passed, f"the bare rule now passes this case ({WHY[name][0]}); drop it"
