@@ -8,9 +8,10 @@ and passes patched.
 """
 import torch.distributed as dist
 
+from patched_runs import as_shipped_and_patched
+
 from ringcheck.cli.validate import QUICK_LENGTHS
-from ringcheck.commands.validate import Target, validate_task
-from ringcheck.launch import LocalRings
+from ringcheck.commands.validate import Target
 
 
 def patch_task(member):
@@ -30,11 +31,4 @@ if __name__ == "__main__":
     target = Target(impl="ring_flash_attn:llama3", layout="contiguous", world_size=8, seq_len=256, dtype="float16",
                     causal=True, heads=4, kv_heads=2, head_dim=64, local_lengths=QUICK_LENGTHS,
                     flash_attn_stand_in=True)
-    with LocalRings(timeout=120) as rings:
-        for label in ("as shipped", "patched"):
-            if label == "patched":
-                print(rings.run(8, patch_task))
-            rows = rings.run(8, validate_task, target, None)[0]
-            for r in rows:
-                if r.check.startswith("precision") or r.status == "fail":
-                    print(label, r.status, r.check[:50], {k: round(v["ratio"], 3) for k, v in r.tensors.items()})
+    as_shipped_and_patched(8, target, patch_task, keep=lambda r: r.check.startswith("precision") or r.status == "fail")

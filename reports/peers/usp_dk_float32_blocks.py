@@ -2,8 +2,9 @@
 (a patched copy of yunchang.ring.ring_flash_attn.ring_flash_attn_backward)."""
 import inspect
 
-from ringcheck.commands.validate import Target, validate_task
-from ringcheck.launch import LocalRings
+from patched_runs import as_shipped_and_patched
+
+from ringcheck.commands.validate import Target
 
 
 def patch_task(member):
@@ -24,11 +25,4 @@ def patch_task(member):
 if __name__ == "__main__":
     target = Target(impl="yunchang:usp", layout="contiguous", world_size=4, seq_len=256, dtype="bfloat16",
                     local_lengths=(2,), distributions=("outlier",), flash_attn_stand_in=True, seed=6)
-    with LocalRings(timeout=120) as rings:
-        for label in ("as shipped", "patched"):
-            if label == "patched":
-                print(rings.run(4, patch_task))
-            rows = rings.run(4, validate_task, target, None)[0]
-            for r in rows:
-                if r.tensors:
-                    print(label, r.status, r.check[:50], {k: round(v["ratio"], 3) for k, v in r.tensors.items()})
+    as_shipped_and_patched(4, target, patch_task, keep=lambda r: bool(r.tensors))

@@ -54,17 +54,14 @@ def stored_output_truth(spec: AttentionSpec, inputs: Inputs, true: Results, out:
     return Results(true.out, true.lse, true.dq + dq, true.dk + dk, true.dv, dsinks)
 
 
-def _rounder(dtype: torch.dtype):
-    def rounded(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dtype).double()
-    return rounded
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).double()
 
 
 def _flash_out(sc: Scores, blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """out (float64, (b, n, h, d)) of flash kernels over the key blocks `blocks` (boolean masks
     of the keys), each rounding its probabilities relative to its block's row maximum and its
     partial out to `dtype`, merged exactly by their lse (one block: rounded once at the end)."""
-    rounded = _rounder(dtype)
     p = sc.p
     logp = torch.log(p)
     o = torch.zeros_like(sc.dout)
@@ -72,10 +69,11 @@ def _flash_out(sc: Scores, blocks: list[torch.Tensor], dtype: torch.dtype) -> to
         lb = logp.masked_fill(~keys, float("-inf"))
         top = lb.amax(-1, keepdim=True)
         unnormalised = torch.exp(lb - top.masked_fill(torch.isneginf(top), 0.0))
-        part = torch.matmul(rounded(unnormalised), sc.v) / unnormalised.sum(-1, keepdim=True).clamp_min(1e-300)
+        total = unnormalised.sum(-1, keepdim=True).clamp_min(1e-300)
+        part = torch.matmul(_rounded(unnormalised, dtype), sc.v) / total
         weight = p.masked_fill(~keys, 0.0).sum(-1, keepdim=True)  # exp(lse_block - lse): the merge
-        o = o + weight * (rounded(part) if len(blocks) > 1 else part)
-    return (rounded(o) if len(blocks) == 1 else o).transpose(1, 2)
+        o = o + weight * (_rounded(part, dtype) if len(blocks) > 1 else part)
+    return (_rounded(o, dtype) if len(blocks) == 1 else o).transpose(1, 2)
 
 
 def _group(t: torch.Tensor, sc: Scores, dtype: torch.dtype, way: str) -> torch.Tensor:
@@ -83,33 +81,30 @@ def _group(t: torch.Tensor, sc: Scores, dtype: torch.dtype, way: str) -> torch.T
     the group summed in float32 ("native"), each head rounded first ("expanded",
     flash-attention 2's dk_expanded), or accumulated head by head in `dtype` ("sequential",
     PyTorch's CPU kernel)."""
-    rounded = _rounder(dtype)
     if way == "native":
-        return rounded(sc.home(t))
+        return _rounded(sc.home(t), dtype)
     if way == "expanded":
-        return rounded(sc.home(rounded(t)))
+        return _rounded(sc.home(_rounded(t, dtype)), dtype)
     b, h, keys, d = t.shape
     g = t.view(b, sc.kv_heads, h // sc.kv_heads, keys, d)
-    acc = rounded(g[:, :, 0])
+    acc = _rounded(g[:, :, 0], dtype)
     for i in range(1, g.shape[2]):
-        acc = rounded(acc + g[:, :, i])
+        acc = _rounded(acc + g[:, :, i], dtype)
     return acc.transpose(1, 2)
 
 
 def _partials(sc: Scores, out: torch.Tensor, blocks: list[torch.Tensor], dtype: torch.dtype,
-              flash: bool, stored: bool) -> list[tuple[torch.Tensor, ...]]:
+              flash: bool) -> list[tuple[torch.Tensor, ...]]:
     """Per block (a query block is the same positions as its key block): the float64 dq partial
     (b, h, n, d) over its keys and the per-query-head dk, dv partials (b, h, keys, d) over its
-    queries. `flash`: P and dS rounded to `dtype` (else float32 math); `stored`: D from the
-    delivered `out`, as flash-attention reads its stored output (else from the unrounded
-    output, as autograd through a float32 forward)."""
-    rounded = _rounder(dtype)
-    o = out.detach().double().transpose(1, 2) if stored else torch.matmul(sc.p, sc.v)
-    delta = (sc.dout * o).sum(-1, keepdim=True)
-    ds = sc.capped(sc.p * (torch.matmul(sc.dout, sc.v.transpose(-1, -2)) - delta))
+    queries. `flash`: P and dS rounded to `dtype` (else float32 math); D from `out` (b, n, h, d):
+    the delivered output, as flash-attention reads its stored one, or the unrounded output, as
+    autograd through a float32 forward."""
+    delta = (sc.dout * out.detach().double().transpose(1, 2)).sum(-1, keepdim=True)
+    ds = sc.capped(sc.p * (sc.dp - delta))
     pr = sc.p
     if flash:
-        ds, pr = rounded(ds), rounded(pr)
+        ds, pr = _rounded(ds, dtype), _rounded(pr, dtype)
     parts = []
     for keys in blocks:
         cols, rows = keys.double().view(1, 1, 1, -1), keys.double().view(1, 1, -1, 1)
@@ -125,14 +120,13 @@ def _merged(parts: list[tuple[torch.Tensor, ...]], sc: Scores, dtype: torch.dtyp
     summed `way`) and summed in float32. way "repeated": K and V were repeated per query head
     before the ring, so each head's dk and dv is summed over the blocks and the group after the
     ring ("expanded")."""
-    rounded = _rounder(dtype)
     dq = dk = dv = 0.0
     for pq, pk, pv in parts:
         if way == "repeated":
-            pk, pv = rounded(pk), rounded(pv)
+            pk, pv = _rounded(pk, dtype), _rounded(pv, dtype)
         else:
             pk, pv = _group(pk, sc, dtype, way), _group(pv, sc, dtype, way)
-        dq, dk, dv = dq + rounded(pq), dk + pk, dv + pv
+        dq, dk, dv = dq + _rounded(pq, dtype), dk + pk, dv + pv
     if way == "repeated":
         dk, dv = _group(dk, sc, dtype, "expanded"), _group(dv, sc, dtype, "expanded")
     return dq.transpose(1, 2), dk, dv
@@ -165,10 +159,10 @@ def flash_truths(spec: AttentionSpec, inputs: Inputs, true: Results, out: torch.
             continue
         ways = ("native", "expanded", "sequential", "repeated") if grouped else ("native",)
         ways = ways if len(blocks) > 1 else ways[:3]
-        for flash, stored in ((True, True), (False, True), (False, False)):
-            if not flash and not stored and len(blocks) == 1 and not grouped:
+        for flash, d_from in ((True, out), (False, out), (False, true.out)):
+            if d_from is true.out and len(blocks) == 1 and not grouped:
                 continue  # float32 math rounded once: the exact truth's class
-            parts = _partials(sc, out, blocks, dtype, flash, stored)
+            parts = _partials(sc, d_from, blocks, dtype, flash)
             for way in ways:
                 truths.append(Results(o, true.lse, *_merged(parts, sc, dtype, way), true.dsinks))
     return truths

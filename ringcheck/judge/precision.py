@@ -71,7 +71,7 @@ def flash_class(spec: AttentionSpec, inputs: Inputs) -> Results:
     sc = scores(spec, inputs, f32)
     out = torch.matmul(sc.p, sc.v)
     delta = (sc.dout * out).sum(-1, keepdim=True)
-    ds = sc.p * (torch.matmul(sc.dout, sc.v.transpose(-1, -2)) - delta)
+    ds = sc.p * (sc.dp - delta)
     dq, dk = sc.grads(ds)
     dv = sc.home(torch.matmul(sc.p.transpose(-1, -2), sc.dout))
     dsinks = None if inputs.sinks is None else -(sc.p_all[..., -1] * delta[..., 0]).sum((0, 2))
@@ -190,16 +190,18 @@ def judge_precision(case: Case, got: Results, true: Results, inputs: Inputs, *, 
     owner, _ = token_owners(spec.seq_len, case.ring, spec.variant.cu_seqlens)
     if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
         tensors = (*tensors, "dsinks")
-    sc = scores(spec, inputs, torch.float64)
     conventions: dict[str, list[torch.Tensor]] = {name: [] for name in tensors}
-    if set(tensors) & {"dq", "dk", "dsinks"}:
+    backward = set(tensors) & {"dq", "dk", "dsinks"}
+    flash = spec.torch_dtype != torch.float32 and bool(set(tensors) & {"out", "dq", "dk", "dv"})
+    sc = scores(spec, inputs, torch.float64) if backward or flash else None
+    if backward:
         stored = stored_output_truth(spec, inputs, true, got.out, sc)
         for name in set(tensors) & {"dq", "dk", "dsinks"}:
             conventions[name].append(stored.get(name))
-    if set(tensors) & {"out", "dq", "dk", "dv"}:
-        for flash in flash_truths(spec, inputs, true, got.out, owner, sc, tensors=tensors):
+    if flash:
+        for kernel in flash_truths(spec, inputs, true, got.out, owner, sc, tensors=tensors):
             for name in set(tensors) & {"out", "dq", "dk", "dv"}:
-                conventions[name].append(flash.get(name))
+                conventions[name].append(kernel.get(name))
     verdict = Verdict(f"precision class: {case.describe()}")
     for name in tensors:
         verdict.tensors.append(judge_class(name, got.get(name), true.get(name), reference.get(name), k=k,

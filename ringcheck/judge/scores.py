@@ -5,6 +5,7 @@ gradients need: what the precision class (`precision`) and the computation conve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -33,6 +34,11 @@ class Scores:
     @property
     def p(self) -> torch.Tensor:
         return self.p_all[..., :self.k.shape[2]]
+
+    @cached_property
+    def dp(self) -> torch.Tensor:
+        """dP = dO V^T (b, h, n, keys), computed once for every convention that needs it."""
+        return torch.matmul(self.dout, self.v.transpose(-1, -2))
 
     def home(self, t: torch.Tensor) -> torch.Tensor:
         """(b, h, keys, d) -> (b, keys, kv_heads, d): each K/V head sums its group of query heads."""
