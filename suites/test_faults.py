@@ -45,6 +45,9 @@ def ring_task(member, fault):
     q, k, v = (t.requires_grad_() for t in _shards(member))
     if member.rank == VICTIM and fault == "raise":
         raise ValueError("planted: this rank gives up before its first send")
+    if member.rank == VICTIM and fault == "abort":  # a native crash: a message on fd 2, then SIGABRT
+        os.write(2, b"terminate called after throwing an instance of 'planted::Error'\n")
+        os.abort()
     if member.rank == VICTIM and fault == "never-send":
         time.sleep(3600)  # stuck: never posts, never answers
     if fault == "sigkill":  # dies after computing ring step 1, with the next K/V exchange in flight
@@ -117,6 +120,20 @@ def test_a_rank_that_raises(rings):
 def test_a_rank_killed_mid_ring(rings):
     # the worker's sentinel fires at once; its neighbours see the connection close
     _fails_cleanly(rings, "sigkill", "died during the task: killed by SIGKILL", bound=TIMEOUT)
+
+
+def test_a_rank_that_aborts_is_named_with_its_last_words(rings, tmp_path):
+    # a native crash (SIGABRT): the culprit is named apart from the peers that lost their
+    # connection to it, and the message (and its rank's log) quotes what it wrote to stderr,
+    # with its Python stack
+    rings.log_dir = str(tmp_path)  # before the first pool starts
+    error = _fails_cleanly(rings, "abort", "died during the task: killed by SIGABRT", bound=TIMEOUT)
+    log = (tmp_path / f"rank{VICTIM}.log").read_text()
+    assert "died during the task: killed by SIGABRT" in log and "planted::Error" in log, log
+    assert str(error).splitlines()[0].endswith(f"died: {VICTIM}") or f"died: {VICTIM};" in str(error), str(error)
+    last_words = error.failures[VICTIM]
+    assert "terminate called after throwing an instance of 'planted::Error'" in last_words, last_words
+    assert "ring_task" in last_words, last_words  # faulthandler's stack names the task's frame
 
 
 def test_a_rank_that_never_sends(rings):

@@ -56,15 +56,17 @@ _TIMED_OUT = re.compile(r"timed? ?out|timeout|did not complete|no .* payload arr
 
 
 def failure_kinds(errors: dict[int, str], silent: Iterable[int] = ()) -> dict[int, str]:
-    """What each failing process did: "raised"; "timed out waiting" (on a peer that never
-    came); "never answered" (it hung: the likely culprit, when nobody raised); or "stopped
-    after the failure" (told to stop by the rank that failed, or silent after another rank
-    raised: it was waiting on that rank)."""
+    """What each failing process did: "died" (killed by a signal, or exited: a native crash
+    takes its connections with it, so its peers raise next); "raised"; "timed out waiting"
+    (on a peer that never came); "never answered" (it hung: the likely culprit, when nobody
+    raised); or "stopped after the failure" (told to stop by the rank that failed, or silent
+    after another rank raised or died: it was waiting on that rank)."""
     silent = set(silent)
-    kinds = {g: "stopped after the failure" if STOPPED in text.split("\n", 1)[0]
+    kinds = {g: "died" if text.startswith("died during")
+             else "stopped after the failure" if STOPPED in text.split("\n", 1)[0]
              else "timed out waiting" if _TIMED_OUT.search(text) else "raised"
              for g, text in errors.items() if g not in silent}
-    someone_raised = "raised" in kinds.values()
+    someone_raised = bool({"raised", "died"} & set(kinds.values()))
     kinds.update({g: "stopped after the failure" if someone_raised else "never answered"
                   for g in errors if g in silent})
     return kinds
@@ -88,7 +90,7 @@ def failure_message(task: Task, where: str, world_size: int, ring_size: int, err
     ranks = sorted(errors)
     kinds = failure_kinds(errors, silent)
     groups = [(kind, [short(g) for g in ranks if kinds[g] == kind])
-              for kind in ("raised", "never answered", "timed out waiting", "stopped after the failure")]
+              for kind in ("died", "raised", "never answered", "timed out waiting", "stopped after the failure")]
     groups = [(kind, who) for kind, who in groups if who]
     headline = "; ".join(f"{kind}: {', '.join(who)}" for kind, who in groups)
     lines = [f"{describe_task(task)} failed on a ring of {ring_size} ({where}); failing ranks: "

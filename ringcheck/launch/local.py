@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -30,7 +34,7 @@ from .common import (
     raised_text,
     ring_failures,
 )
-from .rank_task import STOP_PREFIX, StopFlag, rank_task
+from .rank_task import STOP_PREFIX, StopFlag, log_path, rank_task
 
 # -------------------------------------------------------------------------------- local rings
 
@@ -41,9 +45,22 @@ def _loopback_interface() -> str | None:
         return None
 
 
-def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, log_dir: str | None = None) -> None:
+LAST_WORDS = 40  # lines of a dead worker's stderr its failure message quotes
+
+
+def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, log_dir: str | None = None,
+                 stderr_path: str | None = None) -> None:
     """One rank of a local ring: join the group, then run tasks until told to stop (each in
-    `rank_task`: the ring's stop flag in the pool's store, the rank's log in `log_dir`)."""
+    `rank_task`: the ring's stop flag in the pool's store, the rank's log in `log_dir`).
+
+    With `stderr_path` the process's stderr (file descriptor 2: Python's, and what C++ code
+    writes as it aborts) goes to that file, which the pool relays and quotes when the worker
+    dies; faulthandler adds the Python stack of every thread on a fatal signal."""
+    if stderr_path is not None:
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+        faulthandler.enable(file=sys.stderr, all_threads=True)
     # this process is the edge of its own environment: keep gloo on the loopback interface
     lo = _loopback_interface()
     if lo is not None:
@@ -153,11 +170,16 @@ class LocalRingPool:
         self._store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
                                     timeout=as_timedelta(control_timeout(self.timeout)))
         self._conns, self._procs = [], []
+        # each worker's stderr in a file: relayed here after each task, quoted when it dies
+        self._stderr_dir = tempfile.mkdtemp(prefix="ringcheck-ring-")
+        self._stderr_read = [0] * world_size
+        self._log_dir = log_dir
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"ringcheck-rank{rank}-of-{world_size}",
-                                   args=(rank, world_size, self._store.port, self.timeout, child_end, log_dir),
+                                   args=(rank, world_size, self._store.port, self.timeout, child_end, log_dir,
+                                         self._stderr_path(rank)),
                                    daemon=True)
                 proc.start()
                 child_end.close()
@@ -165,6 +187,7 @@ class LocalRingPool:
                 self._procs.append(proc)
             replies = self._collect(range(world_size), time.monotonic() + check_timeout(start_timeout),
                                     what="start")
+            self._relay_stderr()
             errors = {r: text or "did not join in time" for r, (kind, text) in replies.items() if kind != "ready"}
             if errors:
                 raise RingError(failure_message(_worker_main, "local gloo ring, start-up", world_size, world_size,
@@ -180,6 +203,54 @@ class LocalRingPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    def _stderr_path(self, rank: int) -> str:
+        return os.path.join(self._stderr_dir, f"rank{rank}.stderr")
+
+    def _relay_stderr(self) -> None:
+        """What each worker wrote to stderr since the last relay (whole lines), onto this
+        process's stderr, each line marked with its rank."""
+        for rank in range(len(self._procs)):
+            try:
+                with open(self._stderr_path(rank), "rb") as f:
+                    f.seek(self._stderr_read[rank])
+                    new = f.read()
+            except OSError:
+                continue
+            whole = new[:new.rfind(b"\n") + 1]
+            self._stderr_read[rank] += len(whole)
+            if whole:
+                text = whole.decode("utf-8", errors="replace")
+                try:
+                    sys.stderr.write("".join(f"[ringcheck rank {rank}] {line}\n" for line in text.splitlines()))
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    return
+
+    def _death(self, rank: int, what: str) -> str:
+        """How a worker died, with its last words; also appended to its log (a dead rank
+        cannot write the end of its own story)."""
+        words = self._last_words(rank)
+        text = (f"died during the {what}: {_exit_words(self._procs[rank].exitcode)}"
+                + (f"\nthe last it wrote to stderr:\n{words}" if words else ""))
+        if self._log_dir is not None:
+            try:
+                with open(log_path(self._log_dir, rank), "a", encoding="utf-8") as log:
+                    log.write(f"=== {text}\n\n")
+            except OSError:
+                pass
+        return text
+
+    def _last_words(self, rank: int) -> str:
+        """The last LAST_WORDS lines a worker wrote to stderr (an abort message, a C++ error,
+        faulthandler's Python stacks), or ""."""
+        try:
+            with open(self._stderr_path(rank), "rb") as f:
+                f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
+                lines = f.read().decode("utf-8", errors="replace").rstrip().splitlines()[-LAST_WORDS:]
+        except OSError:
+            return ""
+        return "\n".join(lines)
 
     def _collect(self, ranks, deadline: float, *, what: str) -> dict[int, tuple]:
         """One reply per rank, until `deadline`; a death or an error reply starts the grace period."""
@@ -205,7 +276,7 @@ class LocalRingPool:
                         raise EOFError
                 except (EOFError, OSError):
                     self._procs[r].join(1.0)
-                    replies[r] = ("error", f"died during the {what}: {_exit_words(self._procs[r].exitcode)}")
+                    replies[r] = ("error", self._death(r, what))
                 except Exception:
                     replies[r] = ("error", f"sent a reply that cannot be read:\n{traceback.format_exc()}")
                 waiting.discard(r)
@@ -234,6 +305,7 @@ class LocalRingPool:
             except (OSError, ValueError):
                 pass  # a dead worker shows up in _collect
         replies = self._collect(range(self.size), time.monotonic() + limit, what="task")
+        self._relay_stderr()
         first = self.size - ring_size
         errors = {r: text for r, (kind, text) in replies.items() if kind == "error"}
         silent = [r for r, (kind, _) in replies.items() if kind == "silent"]
@@ -268,6 +340,8 @@ class LocalRingPool:
             proc.join()
         for conn in self._conns:
             conn.close()
+        self._relay_stderr()
+        shutil.rmtree(self._stderr_dir, ignore_errors=True)
         self._store = None
 
 
