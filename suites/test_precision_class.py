@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from ringcheck.judge.check import Case, Results, run_whole, simulated_impl, trut
 from ringcheck.judge.distributions import DISTRIBUTIONS
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.precision import CLASS_K, class_reference, flash_class, judge_class, judge_precision
+from ringcheck.launch import RingError
 from ringcheck.spec import DTYPES, AttentionSpec, RingSpec
 from ringcheck.testing.mutants import CATALOGUES
 from ringcheck.testing.precision_mutants import (
@@ -167,6 +169,22 @@ def test_public_mutants_fail_and_the_textbook_and_torch_cp_rings_pass(run_on_rin
 PEER_SWEEP = [(2, "bidirectional", 1), (3, "zigzag", 2), (4, "causal", 3), (3, "striped", 4)]
 
 
+def _run_torch_cp(run_on_ring, world, *args):
+    """PyTorch's ring's results. On local gloo rings it died once in CI, one rank by SIGABRT
+    inside its backward's all-to-all wait (a native crash in PyTorch, not a verdict; not
+    reproduced here in about 2,000 runs of the same cases): such a death is retried once on a
+    fresh ring, with a warning that quotes the dead rank's last words. Anything else raises."""
+    try:
+        return run_on_ring(world, ring_results_task, "torch_cp", *args)
+    except RingError as error:
+        died = [text for text in error.failures.values()
+                if text.startswith("died during the task: killed by SIG") and "SIGKILL" not in text]
+        if not died:
+            raise
+        warnings.warn(f"torch_cp crashed on a local ring; retried once on a fresh ring:\n{died[0]}", stacklevel=2)
+    return run_on_ring(world, ring_results_task, "torch_cp", *args)
+
+
 @pytest.mark.parametrize("world, mode, seed", PEER_SWEEP)
 def test_the_textbook_and_torch_cp_rings_raise_no_false_alarm(run_on_ring, world, mode, seed):
     """Every distribution x dtype on a local ring: the textbook ring and PyTorch's ring (on the
@@ -177,7 +195,8 @@ def test_the_textbook_and_torch_cp_rings_raise_no_false_alarm(run_on_ring, world
     impls = ["ringcheck.testing.variant_textbook:textbook_varlen"] + (["torch_cp"] if layout != "striped" else [])
     worst = {}
     for impl in impls:
-        parts = run_on_ring(world, ring_results_task, impl, layout, cases)
+        parts = (_run_torch_cp(run_on_ring, world, layout, cases) if impl == "torch_cp"
+                 else run_on_ring(world, ring_results_task, impl, layout, cases))
         for i, case in enumerate(cases):
             inputs = make_inputs(case.spec, seed=seed, distribution=case.distribution, ring=case.ring)
             verdict = judge_precision(case, whole_results([p[i] for p in parts], case), truth(case.spec, inputs),
