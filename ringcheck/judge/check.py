@@ -165,19 +165,32 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
                   budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None,
                   use_float32_floors: bool = True) -> Verdict:
     """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply (unless
-    `use_float32_floors` is False: the bare flash-attention rule, for the suites' findings)."""
-    verdict = Verdict(case.describe())
+    `use_float32_floors` is False: the bare flash-attention rule, for the suites' findings), and
+    a tensor over its budget against the exact truth is judged again against the computation
+    conventions it may follow (`ringcheck.judge.conventions`: a flash kernel's roundings, a
+    ring of them, the stored output's D), the closest counting: a correct kernel that follows
+    one is no false alarm."""
     floors = spec_floors(case.spec, inputs) if inputs is not None and use_float32_floors else {}
     owner, _ = token_owners(case.spec.seq_len, case.ring, case.spec.variant.cu_seqlens)
     if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
         tensors = (*tensors, "dsinks")
-    for name in tensors:
-        dtype = torch.float32 if name == "lse" else case.spec.torch_dtype
+
+    def judged(name: str, conventions=()):
         per_token = name != "dsinks"  # dsinks is per head: no rank or token to name
-        verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_results.get(name),
-                                     k=budget.k_for(name), dtype=dtype,
-                                     locate=locator(case.spec, case.ring, name) if per_token else None,
-                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), owner) if per_token else None))
+        return judge(name, got.get(name), true.get(name), peer_results.get(name), k=budget.k_for(name),
+                     dtype=torch.float32 if name == "lse" else case.spec.torch_dtype,
+                     locate=locator(case.spec, case.ring, name) if per_token else None,
+                     floor=floors.get(name, 0.0), owner=(seq_dim(name), owner) if per_token else None,
+                     conventions=conventions)
+
+    verdict = Verdict(case.describe(), [judged(name) for name in tensors])
+    over = [tv.tensor for tv in verdict.tensors if not tv.passed and tv.stats.nonfinite == 0]
+    if over and inputs is not None and use_float32_floors:
+        from .conventions import convention_truths  # it builds on this module
+
+        others = convention_truths(case.spec, inputs, true, got.out, owner, over)
+        verdict.tensors = [judged(tv.tensor, others[tv.tensor]) if others.get(tv.tensor) else tv
+                           for tv in verdict.tensors]
     return verdict
 
 

@@ -166,3 +166,26 @@ def flash_truths(spec: AttentionSpec, inputs: Inputs, true: Results, out: torch.
             for way in ways:
                 truths.append(Results(o, true.lse, *_merged(parts, sc, dtype, way), true.dsinks))
     return truths
+
+
+def convention_truths(spec: AttentionSpec, inputs: Inputs, true: Results, out: torch.Tensor | None,
+                      owner: torch.Tensor, tensors) -> dict[str, list[torch.Tensor]]:
+    """Per tensor of `tensors`, the truths of the conventions it may follow: dq, dk and dsinks
+    the stored output's D (`stored_output_truth`), and for bfloat16 / float16 inputs out, dq,
+    dk and dv a flash kernel's or a ring of flash kernels' (`flash_truths`). `out`: the output
+    the kernel delivered (None: it delivered none, so none is judged either)."""
+    found: dict[str, list[torch.Tensor]] = {name: [] for name in tensors}
+    if out is None:
+        return found
+    backward = set(tensors) & {"dq", "dk", "dsinks"}
+    flash = set(tensors) & {"out", "dq", "dk", "dv"} if spec.torch_dtype != torch.float32 else set()
+    sc = scores(spec, inputs, torch.float64) if backward or flash else None
+    if backward:
+        stored = stored_output_truth(spec, inputs, true, out, sc)
+        for name in backward:
+            found[name].append(stored.get(name))
+    if flash:
+        for kernel in flash_truths(spec, inputs, true, out, owner, sc, tensors=tensors):
+            for name in flash:
+                found[name].append(kernel.get(name))
+    return found

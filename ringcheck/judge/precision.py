@@ -38,7 +38,7 @@ import torch
 
 from ..spec import AttentionSpec, Budget
 from .check import Case, Results, judge_results, peer, reference_kwargs, seq_dim, token_owners, truth
-from .conventions import flash_truths, stored_output_truth
+from .conventions import convention_truths
 from .inputs import Inputs
 from .metrics import abs_error, unit_roundoff
 from .scores import scores
@@ -190,18 +190,7 @@ def judge_precision(case: Case, got: Results, true: Results, inputs: Inputs, *, 
     owner, _ = token_owners(spec.seq_len, case.ring, spec.variant.cu_seqlens)
     if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
         tensors = (*tensors, "dsinks")
-    conventions: dict[str, list[torch.Tensor]] = {name: [] for name in tensors}
-    backward = set(tensors) & {"dq", "dk", "dsinks"}
-    flash = spec.torch_dtype != torch.float32 and bool(set(tensors) & {"out", "dq", "dk", "dv"})
-    sc = scores(spec, inputs, torch.float64) if backward or flash else None
-    if backward:
-        stored = stored_output_truth(spec, inputs, true, got.out, sc)
-        for name in set(tensors) & {"dq", "dk", "dsinks"}:
-            conventions[name].append(stored.get(name))
-    if flash:
-        for kernel in flash_truths(spec, inputs, true, got.out, owner, sc, tensors=tensors):
-            for name in set(tensors) & {"out", "dq", "dk", "dv"}:
-                conventions[name].append(kernel.get(name))
+    conventions = convention_truths(spec, inputs, true, got.out, owner, tensors)
     verdict = Verdict(f"precision class: {case.describe()}")
     for name in tensors:
         verdict.tensors.append(judge_class(name, got.get(name), true.get(name), reference.get(name), k=k,
