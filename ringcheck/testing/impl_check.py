@@ -2,7 +2,7 @@
 in-package suite (`pytest --ring-impl`) prints.
 
     python -m ringcheck.testing.impl_check --impl MOD:FN [--forward-only] [--timeout S] \\
-        'check_budget(Case(spec=AttentionSpec(...), ring=RingSpec(...), ...))'
+        [--flash-attn-stand-in] 'check_budget(Case(spec=AttentionSpec(...), ring=RingSpec(...), ...))'
     torchrun --standalone --nproc-per-node=P -m ringcheck.testing.impl_check --impl MOD:FN '...'
 
 The call names a property of `ringcheck.testing.properties` or `variant_properties` (the
@@ -20,7 +20,7 @@ import inspect
 import sys
 
 from ..judge.check import Case
-from ..launch import open_ring
+from ..launch import LocalRings, open_ring
 from ..spec import AttentionSpec, RingSpec, Variant
 from . import properties, variant_properties
 from .impl_runner import RingImpl, loaded
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", required=True, metavar="MOD:FN|ADAPTER", help="the implementation under test")
     parser.add_argument("--forward-only", action="store_true", help="run no backward")
     parser.add_argument("--timeout", type=float, default=60.0, help="bound on every ring wait (seconds)")
+    parser.add_argument("--flash-attn-stand-in", action="store_true",
+                        help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in "
+                             "(here and on every rank), as the suite's --ring-flash-attn-stand-in did")
     parser.add_argument("call", help="the property call a failure printed, e.g. 'check_budget(Case(...))'")
     args = parser.parse_args(argv)
     try:
@@ -76,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"impl_check: error: {exc}", file=sys.stderr)
         return 2
+    if args.flash_attn_stand_in:  # in this process (a torchrun rank), and in every local ring's workers
+        # start-up time: the stand-in is imported only when asked for
+        from ..commands.peer_adapters import stand_in_task
+        from ..flash_stand_in import install
+
+        print(f"flash-attn stand-in: {install().describe()}", file=sys.stderr)
+        if isinstance(ring, LocalRings):
+            ring.setup = stand_in_task
     try:
         try:
             loaded(args.impl, "zigzag")  # a wrong spelling is a usage error, before any ring runs

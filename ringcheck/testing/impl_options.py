@@ -64,6 +64,7 @@ class ImplConfig:
     timeout: float
     torchrun_size: int | None = None   # the torchrun world's size, None under plain pytest
     layout_note: str = ""               # how the layouts were chosen, for the header
+    stand_in: bool = False              # --ring-flash-attn-stand-in: replays need it too
 
     @property
     def plain_layouts(self) -> tuple[str, ...]:
@@ -104,11 +105,13 @@ class ImplConfig:
                 if self.torchrun_size else "python -m ringcheck.testing.impl_check")
         flags = f" --impl {shlex.quote(self.spec)} --timeout {self.timeout:g}"
         quoted = f'"{call}"' if not any(c in call for c in '"$`\\!') else shlex.quote(call)  # reprs quote with '
-        return head + flags + (" --forward-only" if self.forward_only else "") + " " + quoted
+        return (head + flags + (" --forward-only" if self.forward_only else "")
+                + (" --flash-attn-stand-in" if self.stand_in else "") + " " + quoted)
 
 
 def impl_config(spec: str, *, layouts: str | None = None, world_sizes: str | None = None, dtypes: str | None = None,
-                forward_only: bool = False, timeout: float = 60.0, torchrun_size: int | None = None) -> ImplConfig:
+                forward_only: bool = False, timeout: float = 60.0, torchrun_size: int | None = None,
+                stand_in: bool = False) -> ImplConfig:
     """The `ImplConfig` of the plugin's options (text as given on the command line); raises
     ValueError, TypeError or RuntimeError with what to fix (the plugin makes it a usage error)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -142,4 +145,4 @@ def impl_config(spec: str, *, layouts: str | None = None, world_sizes: str | Non
         raise ValueError(f"--ring-dtypes {dtypes}: --ring-impl {spec} runs {list(impl.dtypes)} only; drop "
                          f"{sorted(set(picked) - set(impl.dtypes))}")
     return ImplConfig(spec.strip(), impl, tuple(chosen), _world_sizes(world_sizes, torchrun_size), picked,
-                      bool(forward_only), float(timeout), torchrun_size, note)
+                      bool(forward_only), float(timeout), torchrun_size, note, bool(stand_in))

@@ -341,7 +341,8 @@ def _configure_impl(config) -> None:
         config.stash[_IMPL] = impl_config(get("--ring-impl"), layouts=given["--ring-layout"],
                                           world_sizes=given["--ring-world-sizes"], dtypes=given["--ring-dtypes"],
                                           forward_only=get("--ring-forward-only"), timeout=get("--ring-timeout"),
-                                          torchrun_size=None if world is None else world.size)
+                                          torchrun_size=None if world is None else world.size,
+                                          stand_in=config.stash.get(_STAND_IN, None) is not None)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise pytest.UsageError(f"ringcheck --ring-impl: {exc}") from None
     suite = str(IMPL_SUITE)
