@@ -167,6 +167,8 @@ REFUSED = [
     ({"impl": "ring_flash_attn:zigzag", "documents": "16,48"}, "--layout zigzag_docs"),
     ({"impl": "ring_flash_attn:llama3", "layout": "contiguous", "softcap": 30.0}, "no softcap"),
     ({"impl": "ring_flash_attn:llama3", "layout": "contiguous", "dtype": "float32"}, "float16 and bfloat16 only"),
+    ({"impl": "ring_flash_attn:zigzag", "head_dim_v": 32}, "no value head dim of its own"),
+    ({"impl": "yunchang:ring:zigzag", "head_dim_v": 32}, "no value head dim of its own"),
     ({"impl": "yunchang:usp:ulysses=2", "layout": "contiguous"}, "ring degree of 1"),
     ({"impl": "yunchang:usp:ulysses=3", "layout": "contiguous", "world_size": 4}, "does not divide"),
     ({"impl": "yunchang:ulysses", "layout": "contiguous", "documents": "16,48"}, "no cu_seqlens"),

@@ -14,6 +14,7 @@ none there.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -108,6 +109,30 @@ def test_forward_only_reports_every_backward_half_as_not_run(user_dir, torchrun_
     assert re.search(r"SKIPPED \[3\] \S+impl_suite.py: not run: --ring-forward-only", out), _said(result)
     assert not re.search(r"\[backward\] PASSED|\[forward\+backward\]", out), _said(result)
     assert "forward only (backward properties: not run)" in out, _said(result)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ring_flash_attn") is None,
+                    reason="ring-flash-attn is not installed (pip install ring-flash-attn==0.1.8)")
+def test_cases_an_adapter_refuses_are_drawn_again_or_the_property_skipped(user_dir, torchrun_world):
+    """ring_flash_attn:zigzag takes documents on zigzag_docs shards only (validate refuses them on
+    zigzag) and runs on flash-attn 2 (no value head dim of its own): the suite drew such cases
+    and ran them, and the adapter computed documents as if zigzag_docs (padding 'not inert',
+    wrong out) or crashed. Now those cases are drawn again, and a property whose every case is
+    refused is skipped with the adapter's reason."""
+    if torchrun_world is not None:
+        pytest.skip("starts its own local rings: run with plain pytest")
+    result = _pytest(user_dir, "--ring-impl", "ring_flash_attn:zigzag", "--ring-flash-attn-stand-in",
+                     "--ring-layout", "zigzag,zigzag_docs", "--ring-world-sizes", "2", "--ring-dtypes", "bfloat16",
+                     "-v", "-k", "packed_documents or padding_is_inert")
+    assert result.returncode == 0, _said(result)
+    for name in ("test_packed_documents_equal_separate_documents", "test_padding_is_inert_and_its_rows_are_nan_free"):
+        assert re.search(rf"::{name}\[forward\+backward\] PASSED", result.stdout), _said(result)
+    refused = _pytest(user_dir, "--ring-impl", "ring_flash_attn:zigzag", "--ring-flash-attn-stand-in",
+                      "--ring-layout", "zigzag", "--ring-world-sizes", "2", "--ring-dtypes", "bfloat16", "-v",
+                      "-k", "packed_documents")
+    assert refused.returncode == 0, _said(refused)
+    assert re.search(r"SKIPPED \[1\] \S+impl_suite.py:\d+: every case drawn was refused: --impl ring_flash_attn:zigzag "
+                     r"refuses .*pass --layout zigzag_docs", refused.stdout), _said(refused)
 
 
 @pytest.mark.parametrize("spec, said", [

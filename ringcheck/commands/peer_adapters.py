@@ -181,9 +181,15 @@ def _per_batch(call, q, k, v):
 
 
 def _flash_dtype(spec: str, target) -> None:
+    """flash-attn 2's limits, which every ring built on it shares: float16 / bfloat16, and v
+    with q's head dim."""
     if target.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"--impl {spec} runs on flash-attn, whose kernels take float16 and bfloat16 only (so does "
                          f"the stand-in); pass --dtype bfloat16 or --dtype float16, not {target.dtype}")
+    full = target.full_spec()
+    if full.v_head_dim not in (None, full.head_dim):
+        raise ValueError(f"--impl {spec} runs on flash-attn 2, which has no value head dim of its own (v's head dim "
+                         f"{full.v_head_dim} != q's {full.head_dim}); drop --head-dim-v")
 
 
 def _rank_world(group) -> tuple[int, int]:

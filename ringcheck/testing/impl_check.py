@@ -23,7 +23,7 @@ from ..judge.check import Case
 from ..launch import LocalRings, open_ring
 from ..spec import AttentionSpec, RingSpec, Variant
 from . import properties, variant_properties
-from .impl_runner import RingImpl, loaded
+from .impl_runner import Refused, RingImpl, loaded
 
 # properties whose bit-exact comparisons assume our ring's block plan: for another ring they compare within budgets
 _PLAN_AWARE = ("check_full_window_is_no_window", "check_padding_is_inert")
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             ring.setup = stand_in_task
     try:
         try:
-            loaded(args.impl, "zigzag")  # a wrong spelling is a usage error, before any ring runs
-            impl = RingImpl(args.impl, ring.run, args.forward_only)
+            adapter = loaded(args.impl, "zigzag")  # a wrong spelling is a usage error, before any ring runs
+            impl = RingImpl(args.impl, ring.run, args.forward_only, check_target=adapter.check_target)
             name, call_args, call_kwargs = parse_call(args.call, checks(impl))
         except (ValueError, TypeError, RuntimeError) as exc:
             print(f"impl_check: error: {exc}", file=sys.stderr)
@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         speaks = getattr(ring, "is_main", True)
         try:
             checks(impl)[name](*call_args, **call_kwargs)
+        except Refused as exc:
+            print(f"impl_check: error: {exc}", file=sys.stderr)
+            return 2
         except AssertionError as exc:
             if speaks:  # the bodies' own reproduce line replays our simulated ring: left out
                 said = "\n".join(line for line in str(exc).splitlines() if "reproduce:" not in line)

@@ -73,6 +73,27 @@ def whole_results(parts: list[dict], case: Case) -> Results:
 RingRun = Callable[..., list]  # run(ring_size, task, *args) -> every ring rank's result
 
 
+class Refused(ValueError):
+    """The implementation's own rules refuse this case (a built-in adapter's `check_target`:
+    what validate refuses before any rank starts), so the case is not run."""
+
+
+@dataclass(frozen=True)
+class CaseTarget:
+    """What an adapter's `check_target` reads of a validate target, from a case."""
+
+    case: Case
+
+    dtype = property(lambda self: self.case.spec.dtype)
+    causal = property(lambda self: self.case.spec.causal)
+    heads = property(lambda self: self.case.spec.heads)
+    layout = property(lambda self: self.case.ring.layout)
+    world_size = property(lambda self: self.case.ring.world_size)
+
+    def full_spec(self):
+        return self.case.spec
+
+
 @dataclass(frozen=True)
 class RingImpl:
     """The `impl` of a property body for an implementation under the `--impl` contract: a
@@ -82,6 +103,7 @@ class RingImpl:
     run: RingRun = field(compare=False)
     forward_only: bool = False
     fn: Callable | None = field(default=None, compare=False)  # the loaded function, for its signature
+    check_target: Callable | None = field(default=None, compare=False)  # a built-in adapter's rules
 
     def __call__(self, case: Case) -> CaseRun:
         return CaseRun(self, case)
@@ -104,6 +126,11 @@ class CaseRun:
     case: Case
 
     def results(self, inputs: Inputs) -> Results:
+        if self.impl.check_target is not None:
+            try:
+                self.impl.check_target(CaseTarget(self.case))
+            except ValueError as exc:
+                raise Refused(f"--impl {self.impl.spec} refuses {self.case.describe()}: {exc}") from None
         parts = self.impl.run(self.case.ring.world_size, impl_shards_task, self.impl.spec, self.case, inputs,
                               self.impl.forward_only)
         return whole_results(parts, self.case)

@@ -28,12 +28,14 @@ out and lse, and its backward half (dq, dk, dv) is reported as a skipped test "n
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
 from ..spec import DOC_LAYOUTS
 from . import properties as props
 from . import variant_properties as vprops
+from .impl_runner import Refused
 from .strategies import cases
 from .variant_strategies import variant_bounds, variant_cases, with_variant_options
 
@@ -55,10 +57,22 @@ def pytest_generate_tests(metafunc):
 
 # ---- helpers -----------------------------------------------------------------------------------
 
+_REFUSALS: list[str] = []  # the adapter's refusals during the current search
+
+
 def _search(body) -> None:
     """Run `body(data)` under Hypothesis with the loaded profile (--profile; derandomized under
-    torchrun, so every rank draws the same examples)."""
-    given(data=st.data())(body)()
+    torchrun, so every rank draws the same examples). Cases the implementation's own rules
+    refuse are drawn again; a property whose every case is refused is skipped with the reason."""
+    _REFUSALS.clear()
+    profile = settings.default
+    search = settings(profile, suppress_health_check=[*profile.suppress_health_check, HealthCheck.filter_too_much])
+    try:
+        search(given(data=st.data())(body))()
+    except Unsatisfiable:
+        if not _REFUSALS:
+            raise
+        pytest.skip(f"every case drawn was refused: {_REFUSALS[-1]}")
 
 
 def _holds(cfg, check, name: str, case, **params) -> None:
@@ -67,6 +81,9 @@ def _holds(cfg, check, name: str, case, **params) -> None:
     __tracebackhide__ = True
     try:
         check(case, **params)
+    except Refused as exc:  # not this implementation's to run: draw another case
+        _REFUSALS.append(str(exc))
+        reject()
     except AssertionError as exc:
         said = "\n".join(line for line in str(exc).splitlines() if "reproduce:" not in line)
         raise AssertionError(f"{said}\n  reproduce: {cfg.repro(name, case, **params)}") from None

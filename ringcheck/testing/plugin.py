@@ -381,7 +381,7 @@ def ring_impl(request, ring_impl_config):
                 rings[timeout] = _local_rings(config, timeout)
             return rings[timeout].run(world_size, task, *args)
     cfg = ring_impl_config
-    return RingImpl(cfg.spec, run, cfg.forward_only, cfg.impl.fn)
+    return RingImpl(cfg.spec, run, cfg.forward_only, cfg.impl.fn, cfg.impl.check_target)
 
 
 # ---- the hooks ---------------------------------------------------------------
