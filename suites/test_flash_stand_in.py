@@ -155,6 +155,23 @@ def test_a_planted_bug_fails_the_check(monkeypatch, planted):
     assert max(ratios.values()) > 10.0, ratios
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_block_without_keys_gives_zero_out_and_lse_plus_infinity_as_flash_attn_does(causal):
+    """flash-attn's mha_fwd runs no kernel when seqlen_k == 0: out is zeroed and lse filled with
+    +inf; its backward then leaves dq 0 (no key to attend). A ring hands such a block to the
+    kernel when a rank's shard is one token (ring-flash-attn's stripe ring: k[:, :-1]); the
+    stand-in raised there, and the in-package suite blamed the ring."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 3, 2, 4, generator=g).to(torch.bfloat16)
+    k = v = torch.empty(1, 0, 1, 4, dtype=torch.bfloat16)
+    out, lse, _ = kernel.forward(q, k, v, scale=0.5, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+    assert lse.shape == (1, 2, 3) and torch.isposinf(lse).all()
+    dq, dk, dv, _ = kernel.backward(torch.randn(q.shape, generator=g).to(q.dtype), q, k, v, out, lse, scale=0.5,
+                                    causal=causal)
+    assert dq.shape == q.shape and not dq.any() and dk.shape == dv.shape == k.shape
+
+
 def test_varlen_pair_matches_float64_per_sequence_and_leaves_the_rest():
     """Three sequences (q shorter than k in one: bottom-right causal) and two rows past the last
     sequence: lse (h, total) float32; out NaN there (flash-attn leaves it uninitialised), the

@@ -81,7 +81,8 @@ def forward(q, k, v, *, scale: float, causal: bool, window=(-1, -1), softcap=Non
     s, _ = _scores(q, k, scale, causal, window, softcap)
     group = q.shape[2] // k.shape[2]
     vh = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    m = s.amax(-1, keepdim=True)
+    # no keys at all (a ring's empty block): flash-attn returns out 0 and lse +inf without a kernel
+    m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
     empty = torch.isneginf(m)
     p = torch.exp(s - torch.where(empty, torch.zeros_like(m), m))
     total = p.sum(-1, keepdim=True)
