@@ -193,6 +193,7 @@ def test_an_implementation_that_never_returns_times_out_naming_the_rank(ring_poo
     (["--impl", "ringcheck.testing.bad_impls:wrong_signature"], "the contract is fn(q, k, v, *, causal, softmax_scale, group)"),
     (["--impl", "ringcheck.testing.bad_impls:missing"], "has no attribute 'missing'"),
     (["--impl", "torch_cp", "--layout", "striped"], "runs the layouts"),
+    (["--impl", "torch_cp", "--head-dim-v", "32"], "needs q, k and v of one head size"),
     (["--seq-len", "1001"], "seq_len=1001 is not divisible by 2 x world_size=8"),
     (["--heads", "4", "--kv-heads", "3"], "heads=4 is not divisible by kv_heads=3"),
     (["--config", "/nonexistent.toml"], "no such file"),

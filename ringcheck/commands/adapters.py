@@ -198,6 +198,13 @@ def _torch_cp_rule(layout: str, causal: bool) -> None:
                          "load balancing)")
 
 
+def _torch_cp_check(target) -> None:
+    spec = target.full_spec()
+    if spec.v_head_dim not in (None, spec.head_dim):
+        raise ValueError(f"--impl torch_cp runs PyTorch's CPU flash kernel, which needs q, k and v of one head size "
+                         f"(v's head dim {spec.v_head_dim} != q's {spec.head_dim}); drop --head-dim-v")
+
+
 def _torch_cp() -> ImplFn:
     def torch_cp(q, k, v, *, causal, softmax_scale, group=None, layout="zigzag"):
         group = group if group is not None else dist.group.WORLD
@@ -253,7 +260,8 @@ def load_impl(spec: str, *, layout: str, backend: str = "torch") -> Impl:
 
         return load_peer(spec)
     if head == "torch_cp" and not tail:
-        return Impl("torch_cp", _torch_cp(), layouts=("contiguous", "zigzag"), rule=_torch_cp_rule)
+        return Impl("torch_cp", _torch_cp(), layouts=("contiguous", "zigzag"), rule=_torch_cp_rule,
+                    check_target=_torch_cp_check)
     if not tail:
         raise ValueError(f"--impl {spec!r} is neither a built-in adapter ({', '.join(BUILTIN)}) nor of the "
                          f"form 'package.module:function'")
