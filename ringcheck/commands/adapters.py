@@ -198,11 +198,17 @@ def _torch_cp_rule(layout: str, causal: bool) -> None:
                          "load balancing)")
 
 
-def _torch_cp_check(target) -> None:
+def refuse_value_head_dim(name: str, kernel: str, target) -> None:
+    """ValueError when `target` gives v a head dim of its own and `kernel` (what the
+    implementation runs on, and why that cannot) has one head size for q, k and v."""
     spec = target.full_spec()
     if spec.v_head_dim not in (None, spec.head_dim):
-        raise ValueError(f"--impl torch_cp runs PyTorch's CPU flash kernel, which needs q, k and v of one head size "
-                         f"(v's head dim {spec.v_head_dim} != q's {spec.head_dim}); drop --head-dim-v")
+        raise ValueError(f"--impl {name} runs on {kernel} (v's head dim {spec.v_head_dim} != q's {spec.head_dim}); "
+                         f"drop --head-dim-v")
+
+
+def _torch_cp_check(target) -> None:
+    refuse_value_head_dim("torch_cp", "PyTorch's CPU flash kernel, which needs q, k and v of one head size", target)
 
 
 def _torch_cp() -> ImplFn:

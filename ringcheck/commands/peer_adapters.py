@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ..flash_stand_in import install as install_flash_stand_in
 from ..ring.layouts import positions
-from .adapters import Impl, ImplFn
+from .adapters import Impl, ImplFn, refuse_value_head_dim
 from .validate_rows import CheckRow
 
 PEERS = {"ring_flash_attn": ("ring-flash-attn", "ring-flash-attn==0.1.8"), "yunchang": ("yunchang", "yunchang==0.6.4")}
@@ -186,10 +186,7 @@ def _flash_dtype(spec: str, target) -> None:
     if target.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"--impl {spec} runs on flash-attn, whose kernels take float16 and bfloat16 only (so does "
                          f"the stand-in); pass --dtype bfloat16 or --dtype float16, not {target.dtype}")
-    full = target.full_spec()
-    if full.v_head_dim not in (None, full.head_dim):
-        raise ValueError(f"--impl {spec} runs on flash-attn 2, which has no value head dim of its own (v's head dim "
-                         f"{full.v_head_dim} != q's {full.head_dim}); drop --head-dim-v")
+    refuse_value_head_dim(spec, "flash-attn 2, which has no value head dim of its own", target)
 
 
 def _rank_world(group) -> tuple[int, int]:

@@ -84,10 +84,14 @@ class TensorVerdict:
         return text
 
 
-def _worst_ratio(diff: torch.Tensor, allowed: torch.Tensor) -> float:
-    if not diff.numel():
-        return 0.0
-    return float(torch.where(allowed > 0, diff / allowed.clamp_min(1e-300), diff * math.inf).nan_to_num(0.0).max())
+def _ratio(diff: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """error / allowance per element (inf where an error meets a zero allowance)."""
+    return torch.where(allowed > 0, diff / allowed.clamp_min(1e-300), diff * math.inf).nan_to_num(0.0)
+
+
+def _closeness(diff: torch.Tensor, bad: torch.Tensor, allowed: torch.Tensor) -> tuple[int, float]:
+    """How far a result is from one truth: its non-finite count, then its worst ratio."""
+    return int(bad.sum()), float(_ratio(diff, allowed).max()) if diff.numel() else 0.0
 
 
 def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tensor, *,
@@ -115,18 +119,19 @@ def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tenso
     half_ulp = (0.5 * ulp(truth, dtype)).nan_to_num(0.0, posinf=0.0).expand_as(diff)
     allowed = k * half_ulp.clamp_min(peer_stats.max_abs) + out_floor + floor_t
     reference = truth
-    for other in conventions:  # the convention got is closest to, if closer than the truth
-        d, b = abs_error(got, other)
-        if (int(b.sum()), _worst_ratio(d, allowed)) < (int(bad.sum()), _worst_ratio(diff, allowed)):
-            diff, bad, reference = d, b, other
+    if conventions:  # the convention got is closest to, if closer than the truth
+        best = _closeness(diff, bad, allowed)
+        for other in conventions:
+            d, b = abs_error(got, other)
+            if (score := _closeness(d, b, allowed)) < best:
+                diff, bad, reference, best = d, b, other, score
     stats = error_stats(got, reference, (diff, bad))
     over_mask = diff > allowed
     over = int(over_mask.sum())
     passed = over == 0 and stats.nonfinite == 0
     worst, worst_error, slack, worst_half_ulp = stats.worst_index, None, out_floor, 0.0
     if diff.numel():
-        ratio = torch.where(allowed > 0, diff / allowed.clamp_min(1e-300), diff * math.inf).nan_to_num(0.0)
-        flat = int(ratio.flatten().argmax())
+        flat = int(_ratio(diff, allowed).flatten().argmax())
         worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
         worst_error = float(diff.flatten()[flat])
         slack = out_floor + float(floor_t.flatten()[flat])

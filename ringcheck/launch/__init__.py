@@ -38,10 +38,12 @@ __all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "LocalRingPool", "LocalRings"
 
 
 def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None,
-              log_dir: str | None = None, stuck_exit_code: int | None = None):
+              log_dir: str | None = None, stuck_exit_code: int | None = None, setup: Task | None = None):
     """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry).
-    `log_dir`: one log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`."""
+    `log_dir`: one log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`;
+    `setup`: a task every local ring's processes run first (under torchrun each rank is the
+    calling process, which does its own setup)."""
     env = from_torchrun_env(environ)
     if env is not None:
         return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code)
-    return LocalRings(timeout=timeout, log_dir=log_dir)
+    return LocalRings(timeout=timeout, log_dir=log_dir, setup=setup)

@@ -20,7 +20,7 @@ import inspect
 import sys
 
 from ..judge.check import Case
-from ..launch import LocalRings, open_ring
+from ..launch import open_ring
 from ..spec import AttentionSpec, RingSpec, Variant
 from . import properties, variant_properties
 from .impl_runner import Refused, RingImpl, loaded
@@ -74,19 +74,19 @@ def main(argv: list[str] | None = None) -> int:
                              "(here and on every rank), as the suite's --ring-flash-attn-stand-in did")
     parser.add_argument("call", help="the property call a failure printed, e.g. 'check_budget(Case(...))'")
     args = parser.parse_args(argv)
-    try:
-        ring = open_ring(timeout=args.timeout)
-    except (ValueError, RuntimeError) as exc:
-        print(f"impl_check: error: {exc}", file=sys.stderr)
-        return 2
+    setup = None
     if args.flash_attn_stand_in:  # in this process (a torchrun rank), and in every local ring's workers
         # start-up time: the stand-in is imported only when asked for
         from ..commands.peer_adapters import stand_in_task
         from ..flash_stand_in import install
 
         print(f"flash-attn stand-in: {install().describe()}", file=sys.stderr)
-        if isinstance(ring, LocalRings):
-            ring.setup = stand_in_task
+        setup = stand_in_task
+    try:
+        ring = open_ring(timeout=args.timeout, setup=setup)
+    except (ValueError, RuntimeError) as exc:
+        print(f"impl_check: error: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             adapter = loaded(args.impl, "zigzag")  # a wrong spelling is a usage error, before any ring runs
