@@ -30,9 +30,13 @@ this order:
   tensor, slope, slope_stderr, intercept, points, slope_max_abs, slope_peer_ratio,
   bias_slope, bias_share, max_budget_ratio, budget_ratio_slope, projected_budget_P,
   over_budget_at, nonfinite_at, diagnosis, flags};
-- `summary`: {under_test, accumulations: {acc: {groups, flagged, flags, max_slope}},
-  settings: {"backend/mode/dtype/distribution": {flagged, separated, out_slope,
-  out_projected_budget_P, ...}}, passed};
+- `summary`: {under_test, accumulations: {acc: {groups, flagged, flags, max_slope, judged,
+  too_weak, per_head}}, settings: {"backend/mode/dtype/distribution": {flagged, separated,
+  out_slope, out_projected_budget_P, ...}}, verdict ("pass", "flagged" or "no verdict": no
+  group of the ring under test could be judged; the exit code follows it), passed (verdict
+  is "pass"), to_judge (null, or {why, flags, ring_sizes, seeds}: what would judge the groups
+  too weak to judge), not_run, notes} (`ringcheck.commands.drift.summarise`; the reports of
+  a document from before `verdict` take it from `passed`);
 - `meta` (ignored by diff).
 
 Magnitudes are geometric means over seeds, the mean signed error a plain mean, the budget

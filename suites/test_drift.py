@@ -14,6 +14,7 @@ from reference import dense_grads
 from ringcheck.cli import main
 from ringcheck.commands.drift import DriftSpec, Implementation, run_drift, run_simulated, seeds_for_fit
 from ringcheck.commands.drift_model import expected_model, fit_group, fit_slope, step_truths, t_quantile
+from ringcheck.commands.drift_summary import judgement, summarise
 from ringcheck.documents import (
     DRIFT_SCHEMA,
     DRIFT_SCHEMA_VERSION,
@@ -33,7 +34,7 @@ from ringcheck.documents import (
 from ringcheck.judge.check import MODES
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.metrics import max_ulp_error, ulp, unit_roundoff
-from ringcheck.render.drift_content import verdict_lines
+from ringcheck.render.drift_content import headline, verdict_lines
 from ringcheck.render.terminal import print_drift_diff
 from ringcheck.ring.layouts import positions
 from ringcheck.spec import AttentionSpec, RingSpec
@@ -227,7 +228,9 @@ def test_the_false_alarm_of_a_noisy_float32_slope_is_too_weak_to_judge():
     assert doc["summary"]["passed"] and doc["summary"]["accumulations"]["float32"]["too_weak"] >= 1
     assert max(c["tensors"]["out"]["budget_ratio"] for c in doc["cases"].values()) < 0.5
     text = " ".join(t for _, t in verdict_lines(doc))
-    assert "PASS" in text and "Too weak to judge: the slope of" in text and "raise --seeds" in text
+    assert "PASS" in text and "Too weak to judge: the slope of" in text
+    assert "with 4 ring sizes P >= 2 and 1 seed; to decide, run again with `--ring-sizes 1,2,4,8,16,32 --seeds 2`" \
+        in text
     # the command raises the seed count to give this fit 8 points
     spec = DriftSpec(ring_sizes=(1, 2, 4, 8, 16), seeds=1)
     assert seeds_for_fit(spec) == 2 and seeds_for_fit(DriftSpec(ring_sizes=(1, 2, 4, 8, 16), seeds=3)) == 3
@@ -392,7 +395,8 @@ TINY_ARGS = ["--dtypes", "bfloat16", "--ring-sizes", "1,2,4", "--distributions",
 
 
 def test_drift_command_writes_json_markdown_and_html_and_diff_reads_them(tmp_path, capsys):
-    assert main(["drift", *TINY_ARGS, "--out", str(tmp_path / "a")]) == 0
+    # two ring sizes P >= 2 (2, 4) fit no slope: no verdict, exit 2 (see the test below)
+    assert main(["drift", *TINY_ARGS, "--out", str(tmp_path / "a")]) == 2
     doc = load(tmp_path / "a" / "drift.json", schema=DRIFT_SCHEMA)
     assert doc["meta"]["command"].startswith("ringcheck drift --dtypes bfloat16")
     assert list(doc["meta"]) == list(META_KEYS) and doc["meta"]["threads"] == 1
@@ -401,7 +405,7 @@ def test_drift_command_writes_json_markdown_and_html_and_diff_reads_them(tmp_pat
     page = (tmp_path / "a" / "drift.html").read_text()
     assert page.count("data:image/png;base64,") >= 3
     out = capsys.readouterr().out
-    assert out.index("PASS") < out.index("worst")  # verdict first
+    assert out.index("NO VERDICT") < out.index("worst")  # verdict first
     assert main(["report", "diff", str(tmp_path / "a" / "drift.json"), str(tmp_path / "a" / "drift.json")]) == 0
     assert main(["report", "diff", "--exact", str(tmp_path / "a" / "drift.json"),
                  str(tmp_path / "a" / "drift.json")]) == 0
@@ -412,6 +416,85 @@ def test_drift_command_writes_json_markdown_and_html_and_diff_reads_them(tmp_pat
     capsys.readouterr()
     assert main(["report", "diff", str(tmp_path / "a" / "drift.json"), str(tmp_path / "worse.json")]) == 1
     assert f"{key}/dk" in capsys.readouterr().out
+
+
+def test_a_sweep_too_small_to_judge_exits_2_naming_what_to_add_and_those_flags_judge_it(tmp_path, capsys):
+    """Ring sizes 1, 2, 4 give two points P >= 2 per slope: no group can be judged. The verdict
+    says so in every format and the exit code is 2, never a PASS; the flags it names (a third
+    ring size P >= 2, and the seeds for 8 points) make the sweep judgeable, and the headline
+    then counts the groups judged and those still too weak to judge."""
+    assert main(["drift", *TINY_ARGS, "--out", str(tmp_path / "small")]) == 2
+    out = capsys.readouterr().out
+    assert "PASS" not in out
+    assert out.startswith("NO VERDICT: the ring under test (float32 merge, the default) raises no flag, but none of "
+                          "its 5 groups"), out
+    assert "a slope fit needs 3 ring sizes P >= 2, and this sweep has 2 (2, 4)" in out
+    assert out.rstrip().endswith("run again with --ring-sizes 1,2,4,8 --seeds 3"), out
+    doc = load(tmp_path / "small" / "drift.json", schema=DRIFT_SCHEMA)
+    summary = doc["summary"]
+    assert summary["verdict"] == "no verdict" and summary["passed"] is False
+    assert summary["to_judge"] == {"why": "a slope fit needs 3 ring sizes P >= 2, and this sweep has 2 (2, 4)",
+                                   "flags": "--ring-sizes 1,2,4,8 --seeds 3", "ring_sizes": [1, 2, 4, 8], "seeds": 3}
+    assert summary["accumulations"]["float32"] | {"judged": 0, "too_weak": 5} == summary["accumulations"]["float32"]
+    for name in ("drift.md", "drift.html"):
+        text = (tmp_path / "small" / name).read_text()
+        verdict = text[text.index("Verdict"):]
+        assert "PASS" not in text and verdict.index("NO VERDICT") < verdict.index("Too weak to judge:"), name
+        assert "--ring-sizes 1,2,4,8 --seeds 3" in verdict, name
+    argv = [*TINY_ARGS[:2], "--ring-sizes", "1,2,4,8", *TINY_ARGS[4:8], "--seeds", "3", *TINY_ARGS[10:]]
+    assert main(["drift", *argv, "--out", str(tmp_path / "judged")]) == 0
+    out = capsys.readouterr().out
+    under = load(tmp_path / "judged" / "drift.json", schema=DRIFT_SCHEMA)["summary"]["accumulations"]["float32"]
+    assert under["judged"] >= 1 and under["judged"] + under["too_weak"] == under["groups"] == 5
+    weak = f"; {under['too_weak']} too weak to judge" if under["too_weak"] else ""
+    assert out.startswith("PASS: the ring under test (float32 merge, the default) raises no flag in "
+                          f"{under['judged']} judged groups (mode x dtype x distribution x tensor){weak}; "), out
+
+
+def _summary_doc(fits: dict) -> dict:
+    """The summary of these fits (ring sizes 1 to 64, 2 seeds) with the fits, as a document's."""
+    return {"summary": summarise(fits, ring_sizes=(1, 2, 4, 8, 16, 32, 64), seeds=2), "fits": fits}
+
+
+def _fit(tensor: str, errors: list[float], passed: list[bool] | None = None) -> dict:
+    fit = {"implementation": "simulated", "backend": "torch", "mode": "zigzag", "dtype": "float32",
+           "distribution": "normal", "accumulation": "float32", "tensor": tensor}
+    return fit | fit_group(_points(errors, passed=passed), per_token=tensor != "dsinks", tensor=tensor)
+
+
+def test_the_headline_counts_the_groups_judged_and_those_too_weak_to_judge():
+    """A slope decided under its threshold is judged; one whose bounds straddle it is not. Some
+    judged: PASS, counting both; none: no verdict (exit 2), also where only a per-head group
+    (dsinks, judged on its budget alone) was; a flag anywhere: FLAGGED, whatever else."""
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    noise = [1.0, 1.6, 0.7, 1.5, 0.6, 1.4, 0.8]
+    within = _fit("out", [1e-3 * n for n in noise])  # flat, bounds well under 0.8
+    weak = _fit("dq", [1e-3 * p ** 0.5 * n ** 4 for p, n in zip(sizes, noise)])  # noisy: bounds straddle 0.8
+    per_head = _fit("dsinks", [1e-3] * 7)
+    assert (within["slope_judgement"], weak["slope_judgement"]) == ("within", "too weak to judge")
+    assert [judgement(f) for f in (within, weak, per_head)] == ["within", "too weak to judge", "per head"]
+    mixed = _summary_doc({"a": within, "b": weak})
+    assert mixed["summary"]["verdict"] == "pass" and mixed["summary"]["passed"]
+    style, text = headline(mixed)
+    assert style == "good" and text.startswith(
+        "PASS: the ring under test (float32 merge, the default) raises no flag in 1 judged group "
+        "(mode x dtype x distribution x tensor); 1 too weak to judge; largest slope"), text
+    assert mixed["summary"]["to_judge"]["flags"] == "--ring-sizes 1,2,4,8,16,32,64,128 --seeds 4"
+    for fits in ({"b": weak}, {"b": weak, "c": per_head}):
+        doc = _summary_doc(fits)
+        style, text = headline(doc)
+        assert doc["summary"]["verdict"] == "no verdict" and not doc["summary"]["passed"]
+        assert style == "warn" and text.startswith("NO VERDICT") and "--ring-sizes 1,2,4,8,16,32,64,128" in text
+    assert "judged on their budget alone" in headline(_summary_doc({"b": weak, "c": per_head}))[1]
+    # over budget at P=64 with a slope too weak to judge: flagged all the same
+    over = _fit("dk", [1e-3 * p ** 0.5 * n ** 4 for p, n in zip(sizes, noise)], passed=[True] * 6 + [False])
+    flagged = _summary_doc({"b": weak, "d": over})
+    assert over["flags"] == ["budget"] and over["slope_judgement"] == "too weak to judge"
+    assert flagged["summary"]["verdict"] == "flagged"
+    assert flagged["summary"]["to_judge"] is None and headline(flagged)[1].startswith("FLAGGED")
+    with_everything = _summary_doc({"a": within, "b": weak, "c": per_head, "d": over})["summary"]["accumulations"]
+    assert with_everything["float32"] | {"groups": 4, "flagged": 1, "judged": 3, "too_weak": 1, "per_head": 1} \
+        == with_everything["float32"]
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -37,7 +37,9 @@ def test_our_ring_on_process_groups_measures_what_the_simulated_ring_does(run_on
         assert got["tensors"] == want["tensors"], p
         assert "steps" not in got  # the per-step observer is the simulated ring's alone
     assert doc["implementation"] == "ringcheck" and doc["summary"]["under_test"] == AS_IMPLEMENTED
-    assert doc["summary"]["passed"] and doc["summary"]["not_run"] == {}
+    # ring sizes 1, 2, 4: no slope can be fitted, so no verdict (and no flag either)
+    assert doc["summary"]["verdict"] == "no verdict" and doc["summary"]["accumulations"][AS_IMPLEMENTED]["flagged"] == 0
+    assert doc["summary"]["not_run"] == {}
     assert {f["tensor"] for f in doc["fits"].values()} == {"out", "lse", "dq", "dk", "dv"}
 
 
@@ -52,7 +54,8 @@ def test_a_planted_external_ring_is_flagged_and_a_correct_one_is_not(run_on_ring
     bad, good = docs["merge_no_rescale"], docs["textbook"]
     fit = bad["fits"][f"{MUTANTS}:merge_no_rescale/torch/zigzag/float32/normal/acc={AS_IMPLEMENTED}/out"]
     assert "budget" in fit["flags"] and fit["over_budget_at"] == [2, 4]
-    assert not bad["summary"]["passed"] and good["summary"]["passed"]
+    assert bad["summary"]["verdict"] == "flagged" and not bad["summary"]["passed"]
+    assert good["summary"]["verdict"] == "no verdict"  # unflagged, but ring sizes 1, 2, 4 fit no slope
     assert not any(f["flags"] for f in good["fits"].values())
     for doc in docs.values():
         assert doc["summary"]["not_run"] == {t: "not run (--forward-only)" for t in ("dq", "dk", "dv")}
@@ -65,18 +68,35 @@ def test_a_planted_external_ring_is_flagged_and_a_correct_one_is_not(run_on_ring
 
 
 def test_drift_impl_command_writes_the_report_of_that_implementation(tmp_path, capsys):
+    """The issue's run: two ring sizes P >= 2 judge no slope, so the command says NO VERDICT,
+    names the flags that would judge it and exits 2 (it printed PASS and exited 0). With a
+    third ring size it judges some groups and counts both kinds in the headline."""
     # ring sizes from 2: the textbook ring's backward sends dK/dV home even on a ring of one,
     # which gloo refuses (a send to itself)
     argv = [*TINY_ARGS[:2], "--ring-sizes", "2,4", *TINY_ARGS[4:]]
-    assert main(["drift", "--impl", f"{MUTANTS}:textbook", *argv, "--out", str(tmp_path)]) == 0
+    assert main(["drift", "--impl", f"{MUTANTS}:textbook", *argv, "--out", str(tmp_path)]) == 2
     doc = load(tmp_path / "drift.json", schema=DRIFT_SCHEMA)
     assert doc["implementation"] == f"{MUTANTS}:textbook" and doc["spec"]["accumulations"] == [AS_IMPLEMENTED]
     assert sorted({c["P"] for c in doc["cases"].values()}) == [2, 4]
     assert doc["meta"]["command"].startswith(f"ringcheck drift --impl {MUTANTS}:textbook")
+    assert doc["summary"]["verdict"] == "no verdict" and doc["summary"]["to_judge"]["ring_sizes"] == [2, 4, 8]
     page = (tmp_path / "drift.html").read_text()
     assert page.count("data:image/png;base64,") == 2  # error against P, fitted slopes (no per-step drift)
     assert "Separation per setting" not in page  # one ring, no control to separate it from
-    assert "PASS: the ring under test (as implemented)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PASS" not in out and out.startswith(
+        "NO VERDICT: the ring under test (as implemented) raises no flag, but none of its 5 groups"), out
+    assert "this sweep has 2 (2, 4)" in out and out.rstrip().endswith("run again with --ring-sizes 2,4,8 --seeds 3")
+    # P = 3 rather than 8: a third ring size at the cost of three processes
+    argv = [*TINY_ARGS[:2], "--ring-sizes", "2,3,4", *TINY_ARGS[4:]]
+    code = main(["drift", "--impl", f"{MUTANTS}:textbook", *argv, "--out", str(tmp_path / "three")])
+    under = load(tmp_path / "three" / "drift.json", schema=DRIFT_SCHEMA)["summary"]["accumulations"][AS_IMPLEMENTED]
+    out = capsys.readouterr().out
+    assert code == 0 and under["flagged"] == 0 and under["judged"] >= 1, out
+    weak = f"; {under['too_weak']} too weak to judge" if under["too_weak"] else ""
+    group = "group" if under["judged"] == 1 else "groups"
+    assert out.startswith(f"PASS: the ring under test (as implemented) raises no flag in {under['judged']} judged "
+                          f"{group} (mode x dtype x distribution x tensor){weak}; "), out
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -99,8 +119,8 @@ def test_under_torchrun_the_simulated_sweep_is_run_and_written_once(torchrun_wor
         pytest.skip("starts its own torchrun world: plain pytest")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "-m",
-                           "ringcheck", "drift", "--dtypes", "bfloat16", "--ring-sizes", "1,2", "--distributions",
-                           "normal", "--modes", "causal", "--seeds", "8", "--out", str(tmp_path / "out"), "-q"],
+                           "ringcheck", "drift", "--dtypes", "bfloat16", "--ring-sizes", "1,2,4,8", "--distributions",
+                           "normal", "--modes", "causal", "--seeds", "3", "--out", str(tmp_path / "out"), "-q"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("wrote ") == 1, done.stdout

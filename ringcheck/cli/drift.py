@@ -120,7 +120,8 @@ def _cmd_drift(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, spec: DriftSpec, implementation: Implementation, console, *,
            notes: list[str] | None = None, main: bool = True) -> int:
     """Run the sweep (seeds raised for the fits, said aloud); on the main process, write and
-    print the report. The exit code: 1 when the ring under test is flagged."""
+    print the report. The exit code (`_exit_code`): 1 when the ring under test is flagged, 2
+    when no verdict could be reached (every group too weak to judge), with what would judge it."""
     notes = list(notes or [])
     seeds = seeds_for_fit(spec, implementation)
     if seeds > spec.seeds:  # too few points for a slope's confidence bounds: more seeds, said aloud
@@ -132,14 +133,23 @@ def _sweep(args: argparse.Namespace, spec: DriftSpec, implementation: Implementa
     with drift_progress(count_runs(spec, implementation), console, enabled=shows) as progress:
         doc = run_drift(spec, implementation=implementation, progress=progress)
     if not main:  # another rank of the torchrun world: the same verdict, rank 0 reports it
-        return EXIT_OK if doc["summary"]["passed"] else EXIT_FAILED
+        return _exit_code(doc["summary"])
     doc["summary"]["notes"] = notes
     doc["meta"] = command_meta(args, start, threads=args.threads)
     paths = write_drift_reports(doc, args.out)
     print_drift_summary(doc, console)
     console.print(f"wrote {', '.join(str(p) for p in paths.values())} in {doc['meta']['elapsed_s']:.0f} s",
                   highlight=False)
-    return EXIT_OK if doc["summary"]["passed"] else EXIT_FAILED
+    to_judge = doc["summary"]["to_judge"]
+    if doc["summary"]["verdict"] == "no verdict":  # the last line a CI log shows
+        console.print(f"no verdict (exit {EXIT_USAGE}): {to_judge['why']}; run again with {to_judge['flags']}",
+                      style="bold yellow", markup=False, highlight=False)
+    return _exit_code(doc["summary"])
+
+
+def _exit_code(summary: dict) -> int:
+    """0 pass, 1 the ring under test is flagged, 2 no verdict could be reached."""
+    return {"pass": EXIT_OK, "flagged": EXIT_FAILED}.get(summary["verdict"], EXIT_USAGE)
 
 
 def _cmd_report_diff(args: argparse.Namespace) -> int:

@@ -25,6 +25,11 @@ random walk of P roundings). Flags (`RULES`):
   tensor by at least one rounding of its output dtype (see `RULES["bias"]`);
 - ``nonfinite``: NaN/Inf where the truth is finite.
 
+The summary (`ringcheck.commands.drift_summary.summarise`) counts per accumulation the groups
+flagged, judged and too weak to judge, and gives the verdict on the ring under test: "flagged",
+"pass" (no flag, and at least one slope decided), or "no verdict" (no group could be judged:
+never a PASS; the command exits 2 and names the ring sizes and seeds that would judge it).
+
 The ring under test is our simulated ring (`SIMULATED`, with the per-hop round trip as its
 control) or any implementation under the `--impl` contract on real process groups
 (`ring_implementation`: local gloo rings or the torchrun world's sub-groups; one accumulation,
@@ -63,9 +68,6 @@ from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
 from ..testing.impl_runner import RingRun, impl_shards_task, whole_results
 from .drift_model import (
     FIT_MIN_P,
-    FLAGS,
-    MIN_FIT_SAMPLES,
-    MIN_FIT_SIZES,
     PER_HEAD_RULE,
     RULES,
     StepRecorder,
@@ -77,6 +79,7 @@ from .drift_model import (
     step_truths,
     tensor_metrics,
 )
+from .drift_summary import AS_IMPLEMENTED, UNDER_TEST, fit_seeds, summarise
 
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_RING_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -88,10 +91,7 @@ DEFAULT_BACKENDS = ("torch",)
 DEFAULT_TOKENS_PER_RANK = 8
 # "float32" is the ring under test (the default merge); "input" rounds the running output to
 # the input dtype at every hop, a control that shows what per-hop rounding looks like
-DEFAULT_ACCUMULATIONS = ("float32", "input")
-UNDER_TEST = "float32"
-# the accumulation label of an --impl: it has no switch, it runs as it is built (and is under test)
-AS_IMPLEMENTED = "impl"
+DEFAULT_ACCUMULATIONS = (UNDER_TEST, "input")
 
 def _names(what: str, values: Iterable[str], known: Iterable[str]) -> tuple[str, ...]:
     values, known = tuple(values), list(known)
@@ -270,10 +270,7 @@ def seeds_for_fit(spec: DriftSpec, implementation: Implementation = SIMULATED) -
     P >= 2 that `implementation` runs, times seeds): at least `spec.seeds`; `spec.seeds` when
     there are fewer than MIN_FIT_SIZES such ring sizes. The command raises
     a sweep to it (and says so); a fit with fewer points is reported as too weak to judge."""
-    fitted = sum(1 for p in _plan(spec, implementation)[1] if p >= FIT_MIN_P)
-    if fitted < MIN_FIT_SIZES:  # no seed count makes a fit of these ring sizes: the report says so
-        return spec.seeds
-    return max(spec.seeds, -(-MIN_FIT_SAMPLES // fitted))
+    return fit_seeds(sum(1 for p in _plan(spec, implementation)[1] if p >= FIT_MIN_P), spec.seeds)
 
 
 def count_runs(spec: DriftSpec, implementation: Implementation = SIMULATED) -> int:
@@ -363,48 +360,5 @@ def build_document(spec: DriftSpec, implementation: str, raw: dict[tuple, list[d
             "implementation": implementation,
             "rules": {**RULES, **({"per_head": PER_HEAD_RULE} if any(g[-1] == "dsinks" for g in groups) else {})},
             "cases": cases, "fits": fits,
-            "summary": {**summarise(fits), "not_run": dict(not_run or {})}}
-
-
-def summarise(fits: dict[str, dict]) -> dict:
-    """Per accumulation: how many groups, how many flagged, by which flag; per (backend, mode,
-    dtype, distribution): the flagged tensors per accumulation, whether the flags separate
-    the ring under test from the control, and the slope and projected budget crossing of
-    `out` per accumulation (where the flags do not separate the two, the slopes may)."""
-    by_acc: dict[str, dict] = {}
-    for fit in fits.values():
-        s = by_acc.setdefault(fit["accumulation"], {
-            "groups": 0, "flagged": 0, "flags": {k: 0 for k in FLAGS}, "max_slope": None, "too_weak": 0})
-        s["groups"] += 1
-        s["flagged"] += bool(fit["flags"])
-        s["too_weak"] += fit["slope_judgement"] == "too weak to judge"
-        for f in fit["flags"]:
-            s["flags"][f] += 1
-        if fit["slope"] is not None and (s["max_slope"] is None or fit["slope"] > s["max_slope"]):
-            s["max_slope"] = fit["slope"]
-    settings: dict[str, dict] = {}
-    for fit in fits.values():
-        name = "/".join((fit["backend"], fit["mode"], fit["dtype"], fit["distribution"]))
-        row = settings.setdefault(name, {"backend": fit["backend"], "mode": fit["mode"], "dtype": fit["dtype"],
-                                         "distribution": fit["distribution"], "flagged": {}, "out_slope": {},
-                                         "out_projected_budget_P": {}})
-        flagged = row["flagged"].setdefault(fit["accumulation"], [])
-        if fit["flags"]:
-            flagged.append(fit["tensor"])
-        if fit["tensor"] == "out":
-            row["out_slope"][fit["accumulation"]] = fit["slope"]
-            row["out_projected_budget_P"][fit["accumulation"]] = fit["projected_budget_P"]
-    under_test = AS_IMPLEMENTED if AS_IMPLEMENTED in by_acc else UNDER_TEST
-    for row in settings.values():
-        under = row["flagged"].get(under_test)
-        control = row["flagged"].get("input")
-        # for float32 inputs the round trip goes through float32 itself: no contrast to find
-        row["separated"] = (None if under is None or control is None or row["dtype"] == "float32"
-                            else (not under) and bool(control))
-    under = by_acc.get(under_test)
-    return {
-        "under_test": under_test,
-        "accumulations": by_acc,
-        "settings": settings,
-        "passed": under is None or under["flagged"] == 0,
-    }
+            "summary": {**summarise(fits, ring_sizes=sorted({key[-1] for key in raw}), seeds=spec.seeds),
+                        "not_run": dict(not_run or {})}}

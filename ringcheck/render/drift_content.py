@@ -95,11 +95,57 @@ def tensor_names(doc: dict) -> list[str]:
     return list(first["tensors"])
 
 
-def verdict_lines(doc: dict) -> list[tuple[str, str]]:
-    """(style, text) lines: the verdict on the ring under test, then the control, then the
-    separation of the two."""
+def verdict(doc: dict) -> str:
+    """The verdict on the ring under test: "pass", "flagged" or "no verdict" (a document from
+    before the summary said so: "pass" or "flagged" from `passed`)."""
     s = doc["summary"]
-    lines = [("info", f"Note: {note}") for note in s.get("notes", [])]
+    return s.get("verdict") or ("pass" if s["passed"] else "flagged")
+
+
+def _to_judge_words(summary: dict) -> str:
+    """What would judge the groups too weak to judge, with the flags to run again with."""
+    to_judge = summary.get("to_judge")
+    if not to_judge:  # a document from before the summary said so
+        return "raise --seeds or add ring sizes to decide"
+    return f"{to_judge['why']}; to decide, run again with `{to_judge['flags']}`"
+
+
+def headline(doc: dict) -> tuple[str, str]:
+    """(style, text) of the verdict on the ring under test: PASS with the groups judged and
+    those too weak to judge, FLAGGED with the flagged groups, or NO VERDICT (style "warn") with
+    what would judge it."""
+    s = doc["summary"]
+    what = ACC_NAME.get(s["under_test"], s["under_test"])
+    a = s["accumulations"].get(s["under_test"])
+    if a is None:
+        return "warn", f"NO VERDICT: no ring under test ({what}) ran; {_to_judge_words(s)}"
+    flags = ", ".join(f"{k}: {v}" for k, v in a["flags"].items() if v) or "none"
+    slope = "n/a" if a["max_slope"] is None else f"{a['max_slope']:+.2f}"
+    groups = "(mode x dtype x distribution x tensor)"
+    found = verdict(doc)
+    if found == "flagged":
+        flagged = [f for f in doc["fits"].values() if f["accumulation"] == s["under_test"] and f["flags"]]
+        named = "; ".join(_flagged_group(f) for f in flagged[:6]) + ("; ..." if len(flagged) > 6 else "")
+        return "bad", (f"FLAGGED: the ring under test ({what}) is flagged in {a['flagged']} of {a['groups']} "
+                       f"groups ({flags}); largest slope {slope}: {named}")
+    if found == "no verdict":
+        per_head = (f"; the {a['per_head']} with one value per head (dsinks) are judged on their budget alone, "
+                    "which says nothing of the growth with ring size" if a.get("per_head") else "")
+        return "warn", (f"NO VERDICT: the ring under test ({what}) raises no flag, but none of its {a['groups']} "
+                        f"groups {groups} could be judged: {a['too_weak']} too weak to judge{per_head}; "
+                        f"{_to_judge_words(s)}")
+    judged = a.get("judged", a["groups"])  # a document from before the summary counted them
+    weak = f"; {a['too_weak']} too weak to judge" if a.get("too_weak") and "judged" in a else ""
+    return "good", (f"PASS: the ring under test ({what}) raises no flag in {judged} judged "
+                    f"group{'' if judged == 1 else 's'} {groups}"
+                    f"{weak}; largest slope {slope}")
+
+
+def verdict_lines(doc: dict) -> list[tuple[str, str]]:
+    """(style, text) lines: the verdict on the ring under test (`headline`), the notes, the
+    groups too weak to judge, then the control, then the separation of the two."""
+    s = doc["summary"]
+    lines = [headline(doc)] + [("info", f"Note: {note}") for note in s.get("notes", [])]
     for tensor, why in s.get("not_run", {}).items():
         lines.append(("info", f"{tensor}: {why}; no verdict on it (not a pass)"))
     for acc, a in s["accumulations"].items():
@@ -107,23 +153,16 @@ def verdict_lines(doc: dict) -> list[tuple[str, str]]:
         slope = "n/a" if a["max_slope"] is None else f"{a['max_slope']:+.2f}"
         what = ACC_NAME.get(acc, acc)
         if acc == s["under_test"]:
-            if a["flagged"]:
-                groups = [f for f in doc["fits"].values() if f["accumulation"] == acc and f["flags"]]
-                named = "; ".join(_flagged_group(f) for f in groups[:6]) + ("; ..." if len(groups) > 6 else "")
-                lines.append(("bad", (f"FLAGGED: the ring under test ({what}) is flagged in {a['flagged']} of "
-                                     f"{a['groups']} groups ({flags}); largest slope {slope}: {named}")))
-            else:
-                lines.append(("good", (f"PASS: the ring under test ({what}) raises no flag in {a['groups']} "
-                                      f"groups (mode x dtype x distribution x tensor); largest slope {slope}")))
             if a.get("too_weak"):
                 weak = [f for f in doc["fits"].values()
-                        if f["accumulation"] == acc and f.get("slope_judgement") == "too weak to judge"]
+                        if f["accumulation"] == acc and not f["flags"]
+                        and f.get("slope_judgement") == "too weak to judge"]
                 named = "; ".join(f"{f['mode']}/{f['dtype']}/{f['distribution']}/{f['tensor']} "
                                   f"{_bounds(f)}" for f in weak[:4]) + ("; ..." if len(weak) > 4 else "")
                 lines.append(("info", (f"Too weak to judge: the slope of {a['too_weak']} of {a['groups']} groups "
                                       "of the ring under test (its confidence bounds straddle the threshold, or "
-                                      f"too few ring sizes or seeds to fit): {named}. No flag is raised on them; "
-                                      "raise --seeds or add ring sizes to decide")))
+                                      f"too few ring sizes or seeds to fit): {named}. No flag is raised on them"
+                                      + ("" if verdict(doc) == "no verdict" else f"; {_to_judge_words(s)}"))))
         else:
             weak = f"; slope too weak to judge in {a['too_weak']}" if a.get("too_weak") else ""
             lines.append(("info", (f"Control ({what}): flagged in {a['flagged']} of {a['groups']} groups "

@@ -149,7 +149,7 @@ def drift_progress(total: int, console: Console | None = None, *, enabled: bool 
 def print_drift_summary(doc: dict, console: Console | None = None, *, worst: int = 10) -> None:
     """Verdict first, then the separation per setting, then the worst cases."""
     console = console or Console()
-    colour = {"good": "bold green", "bad": "bold red", "info": ""}
+    colour = {"good": "bold green", "bad": "bold red", "warn": "bold yellow", "info": ""}
     for style, text in verdict_lines(doc):
         console.print(text, style=colour[style], highlight=False)
     accs = accumulations(doc)
