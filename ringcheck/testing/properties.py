@@ -86,8 +86,10 @@ def repro(check: str, case: Case, **params) -> str:
             f"{check}({args})\"")
 
 
-def failure(check: str, case: Case, what: str, **params) -> AssertionError:
-    return AssertionError(f"{check} failed for {case.describe()}: {what}\n"
+def failure(check: str, case: Case, what: str, *, subject: str | None = None, **params) -> AssertionError:
+    """The error of a failed property: what failed, for `subject` (default: the case's words),
+    and the command that replays it."""
+    return AssertionError(f"{check} failed for {case.describe() if subject is None else subject}: {what}\n"
                           f"  reproduce: {repro(check, case, **params)}")
 
 
@@ -226,20 +228,41 @@ def check_v_negation(case: Case, impl=simulated_impl) -> None:
 
 # ---- metamorphic: K/V order, causal prefix, batch and heads, GQA -----------------------------
 
-def _budget_agreement(check, case_a, inputs_a, got_a, case_b, inputs_b, got_b, tensors, **params):
+def _off_from_truth(name: str, runs) -> str:
+    """Which of two runs `(label, TensorVerdict)` is further from the float64 truth in `name`,
+    and by how much (each run's largest error, and whether it is within its own budget)."""
+    (far, vf), (near, vn) = sorted(runs, key=lambda run: -run[1].stats.max_abs)
+
+    def budget(v) -> str:
+        return f"{'within' if v.passed else 'over'} its budget"
+
+    error = vn.stats.max_abs
+    than = (f"{vf.stats.max_abs / error:.3g}x {near}'s {error:.3e}" if error > 0 else f"{near}'s is 0")
+    return (f"against float64, {far} is further off: max |error| {vf.stats.max_abs:.3e} ({budget(vf)}), "
+            f"{than} ({budget(vn)})")
+
+
+def _budget_agreement(check, case_a, inputs_a, got_a, case_b, inputs_b, got_b, tensors, *, labels, subject=None,
+                      **params):
     """Two runs of one mathematical result agree within the sum of their budgets (if both are
-    within budget of the truth, they are within that of each other)."""
+    within budget of the truth, they are within that of each other). `labels` name the two runs
+    in a failure, which also says which run is further from the float64 truth; `subject` is
+    what the failure is for (default: case_a's words)."""
     va = _verdict(case_a, inputs_a, got_a, tensors)
     vb = _verdict(case_b, inputs_b, got_b, tensors)
+    la, lb = labels
     for name in present(got_a, tensors):
         x, y = got_a.get(name).double(), got_b.get(name).double()
-        if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-            raise failure(check, case_a, f"{name} is not finite", **params)
+        bad = [label for label, t in ((la, x), (lb, y)) if not torch.isfinite(t).all()]
+        if bad:
+            raise failure(check, case_a, f"{name} of {' and of '.join(bad)} is not finite", subject=subject, **params)
         allowed = va[name].max_allowed + vb[name].max_allowed
         diff = (x - y).abs()
         if not (diff <= allowed).all():
-            raise failure(check, case_a, f"{name} differs by more than the two budgets "
-                        f"({va[name].max_allowed:.3e} + {vb[name].max_allowed:.3e}): " + _worst(diff, allowed), **params)
+            raise failure(check, case_a, f"{name} of {la} and of {lb} differ by more than the two budgets "
+                          f"({va[name].max_allowed:.3e} + {vb[name].max_allowed:.3e}): " + _worst(diff, allowed)
+                          + "; " + _off_from_truth(name, ((la, va[name]), (lb, vb[name]))), subject=subject,
+                          **params)
 
 
 def check_kv_permutation(case: Case, permutation: list[int], impl=simulated_impl) -> None:
@@ -255,7 +278,7 @@ def check_kv_permutation(case: Case, permutation: list[int], impl=simulated_impl
     back[perm] = torch.arange(len(perm))
     rp = Results(rp.out, rp.lse, rp.dq, *(None if t is None else t[:, back] for t in (rp.dk, rp.dv)))
     _budget_agreement("check_kv_permutation", case, x, r, case, xp, rp, budget_tensors(case),
-                      permutation=permutation)
+                      labels=("K/V in order", "K/V permuted"), permutation=permutation)
 
 
 def check_causal_prefix(case: Case, cut: int, impl=simulated_impl) -> None:
@@ -342,17 +365,22 @@ def check_gqa_is_mha_with_repeated_kv(case: Case, impl=simulated_impl) -> None:
         return t.double().view(b, s, spec.kv_heads, g, d).sum(3)
 
     rm = Results(rm.out, rm.lse, rm.dq, group_sum(rm.dk), group_sum(rm.dv))
-    _budget_agreement("check_gqa_is_mha_with_repeated_kv", case, x, r, case, x, rm, budget_tensors(case))
+    _budget_agreement("check_gqa_is_mha_with_repeated_kv", case, x, r, case, x, rm, budget_tensors(case),
+                      labels=("GQA", "MHA on repeated K/V"))
 
 
 # ---- metamorphic: ring size and layout -------------------------------------------------------
 
 def check_ring_invariance(case: Case, world_size: int, layout: str, impl=simulated_impl) -> None:
-    """The same attention on another ring (size and layout) agrees within the two budgets."""
+    """The same attention on another ring (size and layout) agrees within the two budgets; a
+    failure names both rings and the one further from the float64 truth."""
     other = Case(case.spec, RingSpec(world_size, layout), case.seed, case.distribution, case.backend)
     x = _inputs(case)  # the same tensors on both rings (late-max placed them for the first)
+    mine, theirs = (f"P={c.ring.world_size} {c.ring.layout}" for c in (case, other))
+    rest = case.describe().removeprefix(mine + " ")  # the case's words after its ring's
     _budget_agreement("check_ring_invariance", case, x, _run(case, x, impl), other, x, _run(other, x, impl),
-                      budget_tensors(case), world_size=world_size, layout=layout)
+                      budget_tensors(case), labels=(mine, theirs), subject=f"{mine} vs {theirs}, {rest}",
+                      world_size=world_size, layout=layout)
 
 
 def check_determinism(case: Case, impl=simulated_impl) -> None:
