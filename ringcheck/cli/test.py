@@ -8,12 +8,21 @@ in-package suite, `ringcheck.testing.impl_suite`); every argument it does not na
 to pytest unchanged (``--profile nightly``, ``--ring-timeout 30``, ``-k budget``, ``-x``, test
 paths, ...). The exit code is pytest's: 0 every test passed, 1 a test failed, 2-5 pytest's
 usage, internal and no-tests codes.
+
+pytest runs as ``python -m pytest`` in a fresh interpreter (this process is replaced by it),
+not as `pytest.main` here: this process has imported ringcheck already, and pytest marks an
+installed plugin's packages for assertion rewriting when it starts, so it would warn
+"Module already imported so cannot be rewritten" for each (ringcheck, reference).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
+from ..entry import ROOT
 from .common import UsageError
 
 # our flag -> the plugin's pytest option (the flags mean what validate's mean)
@@ -32,14 +41,26 @@ def pytest_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return argv + list(extra)
 
 
-def _test(args: argparse.Namespace) -> int:
-    # start-up time: pytest is loaded only by this command
-    import pytest
+def pytest_environ(environ) -> dict[str, str]:
+    """The environment of the pytest process: this one's, with the directory that holds this
+    ringcheck first on PYTHONPATH, so that pytest imports the package this command runs from
+    (`ringcheck.entry.pin_package`; a folder named ringcheck in the working directory does not
+    shadow it)."""
+    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    return {**environ, "PYTHONPATH": os.pathsep.join([ROOT, *paths])}
 
+
+def _test(args: argparse.Namespace) -> int:
     extra = list(getattr(args, "passed_on", []))
     if "--ring-impl" in extra:
         raise UsageError("give the implementation once, as --impl (ringcheck test passes --ring-impl to pytest)")
-    return int(pytest.main(pytest_args(args, extra)))
+    argv = [sys.executable, "-m", "pytest", *pytest_args(args, extra)]
+    env = pytest_environ(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":  # pytest in this process's place: a torchrun rank stays the process torchrun started
+        os.execve(sys.executable, argv, env)
+    return subprocess.call(argv, env=env)  # Windows' exec starts another process: wait for pytest as a child
 
 
 def _add_test(sub) -> None:

@@ -28,7 +28,7 @@ out and lse, and its backward half (dq, dk, dv) is reported as a skipped test "n
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
@@ -63,10 +63,16 @@ _REFUSALS: list[str] = []  # the adapter's refusals during the current search
 def _search(body) -> None:
     """Run `body(data)` under Hypothesis with the loaded profile (--profile; derandomized under
     torchrun, so every rank draws the same examples). Cases the implementation's own rules
-    refuse are drawn again; a property whose every case is refused is skipped with the reason."""
+    refuse are drawn again; a property whose every case is refused is skipped with the reason.
+
+    A failure shows the shrunk case and the `reproduce:` line of `_holds`, and nothing meant for
+    ringcheck's own developers: no `@reproduce_failure` blob (a user cannot decorate a test of
+    the package) and no explain phase (its "Explanation" lists lines of ringcheck's files)."""
+    __tracebackhide__ = True
     _REFUSALS.clear()
     profile = settings.default
-    search = settings(profile, suppress_health_check=[*profile.suppress_health_check, HealthCheck.filter_too_much])
+    search = settings(profile, suppress_health_check=[*profile.suppress_health_check, HealthCheck.filter_too_much],
+                      print_blob=False, phases=[phase for phase in profile.phases if phase is not Phase.explain])
     try:
         search(given(data=st.data())(body))()
     except Unsatisfiable:
