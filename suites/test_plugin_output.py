@@ -4,7 +4,9 @@ A failure shows the shrunk case and the `reproduce:` line that replays it agains
 implementation, and nothing meant for ringcheck's own developers: no Hypothesis
 `@reproduce_failure` blob (a user cannot decorate a test of the package), no "Explanation" of
 lines in ringcheck's files, no `PytestAssertRewriteWarning` from `ringcheck test`. A ring
-invariance failure names both rings and the one off from float64.
+invariance failure names both rings and the one off from float64. The suite's test ids have a
+file part (``ringcheck/testing/impl_suite.py::...``) also when it is collected from outside the
+rootdir, and such an id selects its test from any directory.
 
 The runs are subprocesses from an empty directory (``--noconftest``: this checkout's root
 conftest sits above the package), with a clean environment (no torchrun variables: a user's
@@ -23,8 +25,10 @@ import pytest
 
 from ringcheck.judge.check import Case, simulated_impl
 from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.testing.plugin import IMPL_SUITE, SUITE_ID
 from ringcheck.testing.properties import check_ring_invariance
 
+ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RINGCHECK_TORCHRUN_RANK_PID")
 MUTANT = "ringcheck.testing.mutants:dkdv_not_home"  # dK and dV wrong on every ring of 2 or more, right at P=1
 
@@ -102,12 +106,25 @@ def _collected(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stdout.splitlines() if "::test_" in line]
 
 
+def test_test_ids_have_a_file_part_outside_the_rootdir(tmp_path):
+    result = _run("-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "--collect-only", "-q",
+                  "--ring-impl", "ringcheck.testing.mutants:textbook", cwd=tmp_path)  # rootdir: the empty directory
+    ids = _collected(result)
+    assert result.returncode == 0 and len(ids) > 10, _said(result)
+    assert all(i.startswith("ringcheck/testing/impl_suite.py::test_") for i in ids), _said(result)
+    assert "ringcheck/testing/impl_suite.py::test_budget_against_float64[forward+backward]" in ids, _said(result)
+    # the ids a run in this checkout gives (pytest's own: the path from the rootdir)
+    assert SUITE_ID == IMPL_SUITE.resolve().relative_to(ROOT).as_posix()
+
+
 def test_ringcheck_test_starts_pytest_without_assert_rewrite_warnings(tmp_path):
     """`ringcheck test` used to call pytest.main in its own process, where ringcheck and reference
-    were imported already: pytest warned it could not rewrite them. It now starts pytest afresh."""
+    were imported already: pytest warned it could not rewrite them. It now starts pytest afresh.
+    The test is selected by its id as a failure names it, from a directory without that file."""
     result = _run("-m", "ringcheck", "test", "--impl", "ringcheck.testing.mutants:textbook", "--noconftest",
-                  "-p", "no:cacheprovider", "--collect-only", "-q", "-k", "determinism", cwd=tmp_path)
+                  "-p", "no:cacheprovider", "--collect-only", "-q", "ringcheck/testing/impl_suite.py::test_determinism",
+                  cwd=tmp_path)
     assert result.returncode == 0, _said(result)
-    assert [i.split("::")[1] for i in _collected(result)] == ["test_determinism[forward+backward]"], _said(result)
+    assert _collected(result) == ["ringcheck/testing/impl_suite.py::test_determinism[forward+backward]"], _said(result)
     for warned in ("PytestAssertRewriteWarning", "Module already imported so cannot be rewritten"):
         assert warned not in result.stdout + result.stderr, _said(result)

@@ -300,6 +300,8 @@ def run_on_ring(request):
 
 _IMPL = pytest.StashKey()   # ImplConfig or None
 IMPL_SUITE = Path(__file__).with_name("impl_suite.py")
+# the file part of its test ids wherever it is collected from: its path in the package's directory
+SUITE_ID = IMPL_SUITE.relative_to(IMPL_SUITE.parents[2]).as_posix()  # ringcheck/testing/impl_suite.py
 
 
 def _add_impl_options(parser) -> None:
@@ -348,8 +350,31 @@ def _configure_impl(config) -> None:
     suite = str(IMPL_SUITE)
     if config.args_source != pytest.Config.ArgsSource.ARGS:
         config.args[:] = [suite]  # no test paths given: the suite on the implementation is the run
-    elif not any(Path(arg.split("::")[0]).resolve() == IMPL_SUITE.resolve() for arg in config.args):
+        return
+    config.args[:] = [_suite_arg(arg, config.invocation_params.dir) for arg in config.args]
+    if not any(Path(arg.split("::")[0]).resolve() == IMPL_SUITE.resolve() for arg in config.args):
         config.args.append(suite)
+
+
+def _suite_arg(arg: str, invocation_dir: Path) -> str:
+    """A test id of the suite as a failure names it (``ringcheck/testing/impl_suite.py::test_x``)
+    selects that test wherever the package is installed: its file part becomes the suite's path."""
+    path, sep, rest = arg.partition("::")
+    if path == SUITE_ID and not (invocation_dir / path).exists():
+        return str(IMPL_SUITE) + sep + rest
+    return arg
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path, parent):
+    """The suite collected from outside the rootdir (an installed ringcheck, run from the user's
+    project) gets `SUITE_ID` as the file part of its test ids. pytest names a file outside the
+    rootdir by its path relative to the command-line argument that named it, here the file
+    itself: an empty part (``::test_budget_against_float64[...]``). Under the rootdir (this
+    checkout) pytest's own id, the path from there, stands."""
+    if module_path.resolve() != IMPL_SUITE.resolve() or module_path.is_relative_to(parent.config.rootpath):
+        return None
+    return pytest.Module.from_parent(parent, path=module_path, nodeid=SUITE_ID)
 
 
 @pytest.fixture(scope="session")
