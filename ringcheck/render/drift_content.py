@@ -134,8 +134,8 @@ def headline(doc: dict) -> tuple[str, str]:
         return "warn", (f"NO VERDICT: the ring under test ({what}) raises no flag, but none of its {a['groups']} "
                         f"groups {groups} could be judged: {a['too_weak']} too weak to judge{per_head}; "
                         f"{_to_judge_words(s)}")
-    judged = a.get("judged", a["groups"])  # a document from before the summary counted them
-    weak = f"; {a['too_weak']} too weak to judge" if a.get("too_weak") and "judged" in a else ""
+    judged = a.get("judged", a["groups"] - a.get("too_weak", 0))  # (a document from before it counted them)
+    weak = f"; {a['too_weak']} too weak to judge" if a.get("too_weak") else ""
     return "good", (f"PASS: the ring under test ({what}) raises no flag in {judged} judged "
                     f"group{'' if judged == 1 else 's'} {groups}"
                     f"{weak}; largest slope {slope}")
@@ -234,7 +234,12 @@ def separation_rows(doc: dict) -> list[list[str]]:
 
 
 def blocks(doc: dict) -> list[tuple]:
-    """The content of the Markdown and HTML reports, as blocks."""
+    """The content of the Markdown and HTML reports, as blocks: ("h1" | "h2" | "h3" | "p" |
+    "code", text), ("list", items), ("table", headers, rows), ("details", title, blocks: a
+    section folded away in the HTML), ("plots", "error" | "detail": the figures of
+    `ringcheck.render.plots.error_plots` or `detail_plots`, in the HTML only). In order: the
+    command, the sweep, the verdict, the error against ring size, how to read it, the tables,
+    the other figures, the run."""
     spec, meta = doc["spec"], doc.get("meta", {})
     accs = accumulations(doc)
     sizes = ring_sizes(doc)
@@ -256,9 +261,10 @@ def blocks(doc: dict) -> list[tuple]:
                    f"{', '.join(ACC_LABEL.get(a, a) for a in accs)}; {spec['seeds']} seeds; {shape}.")))
     b.append(("h2", "Verdict"))
     b.append(("list", [text for _, text in verdict_lines(doc)]))
-    b.append(("h2", "How to read it"))
+    b.append(("plots", "error"))  # the picture of error against ring size, right under the verdict
     r = doc["rules"]
-    b.append(("list", [f"Model: {r['fit']}.", f"Expected: {r['expected']}.", f"Diagnosis: {r['diagnosis']}.",
+    b.append(("details", "How to read it", [("list", [
+                       f"Model: {r['fit']}.", f"Expected: {r['expected']}.", f"Diagnosis: {r['diagnosis']}.",
                        f"Slope {r['slope']}.", f"Budget {r['budget']}.", f"Bias {r['bias']}.",
                        f"Non-finite {r['nonfinite']}.", f"Projected P: {r['projected']}.",
                        ("The float32 merge is the ring under test (the exit code follows it); the per-hop "
@@ -266,7 +272,7 @@ def blocks(doc: dict) -> list[tuple]:
                        "the control that shows what the flags see. For float32 inputs the round trip "
                        "goes through float32 itself and costs no more than the accumulation, so the two "
                        "coincide there up to float32 rounding."),
-                       f"Metrics {r['metrics']}."]))
+                       f"Metrics {r['metrics']}."])]))
     if len(accs) > 1:  # an --impl has no control to separate it from
         b.append(("h2", "Separation per setting"))
         b.append(("p", ("Tensors flagged in each setting, per accumulation; separated = the default ring has no "
@@ -334,7 +340,7 @@ def blocks(doc: dict) -> list[tuple]:
                     rows.append([mode, dtype, dist, ACC_SHORT.get(a, a)]
                                 + [_e(c["steps"]["out_rel_norm"][s - 1] / unit_roundoff(dtype)) for s in steps])
         b.append(("table", ["mode", "dtype", "distribution", "accumulation"] + [f"s={s}" for s in steps], rows))
-    b.append(("plots",))
+    b.append(("plots", "detail"))
     if meta:
         b.append(("h2", "Run"))
         b.append(("list", [f"{k}: {v}" for k, v in meta.items() if k != "command"]))

@@ -29,10 +29,22 @@ def ranks_words(ranks: list[int] | None) -> str:
     return ",".join(str(r) for r in ranks or ())
 
 
+def mesh_words(mesh: dict | None) -> str:
+    """validate's mesh as one line, e.g. 'Mesh cp=4,tp=2: cp groups [0, 2, 4, 6] [1, 3, 5, 7]'
+    (its `text`, then every `<dim>_groups`); "" without a mesh."""
+    if not mesh:
+        return ""
+    groups = [f"{key.removesuffix('_groups')} groups " + " ".join(f"[{', '.join(map(str, g))}]" for g in value)
+              for key, value in mesh.items() if key.endswith("_groups") and isinstance(value, list)]
+    return f"Mesh {mesh.get('text', '')}" + (": " + "; ".join(groups) if groups else "")
+
+
 def validate_markdown(report: dict[str, Any]) -> str:
-    """The verdict, the command, one table row per check (with its per-tensor verdicts and
-    failing ranks), then the run's meta."""
+    """The verdict, the mesh (when the document has one), the command, one table row per check
+    (with its per-tensor verdicts and failing ranks), then the run's meta."""
+    mesh = mesh_words(report.get("mesh"))
     lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
+             *([mesh, ""] if mesh else []),
              f"`{report['command']}`", "",
              *([f"Variants validated: {report['variants']}", ""] if report.get("variants") else []),
              "| check | status | error | budget | per tensor | failing ranks | detail |",
@@ -49,8 +61,12 @@ def validate_markdown(report: dict[str, Any]) -> str:
 
 def drift_markdown(doc: dict) -> str:
     """The drift report as Markdown; the plots are only in the HTML page."""
+    return "\n\n".join(_blocks_markdown(blocks(doc))) + "\n"
+
+
+def _blocks_markdown(content: list[tuple]) -> list[str]:
     out = []
-    for block in blocks(doc):
+    for block in content:
         kind = block[0]
         if kind in ("h1", "h2", "h3"):
             out.append("#" * int(kind[1]) + " " + block[1])
@@ -66,7 +82,10 @@ def drift_markdown(doc: dict) -> str:
                      "|" + "|".join("---" for _ in headers) + "|"]
             lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in rows]
             out.append("\n".join(lines))
-        elif kind == "plots":
+        elif kind == "details":  # folded away in the HTML; a section here
+            out.append(f"## {block[1]}")
+            out += _blocks_markdown(block[2])
+        elif kind == "plots" and block[1] == "error":
             out.append("Plots (error against ring size per dtype with the budget drawn in, per-step drift, "
                        "slopes): see `drift.html` next to this file.")
-    return "\n\n".join(out) + "\n"
+    return out
