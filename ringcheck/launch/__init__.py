@@ -1,6 +1,7 @@
 """Process groups: the one place that creates them, so a dead rank is an error, never a hang.
 
-Two ways to get ranks, one interface (`run(ring_size, task, *args)`, `size`, `close()`):
+Two ways to get ranks, one interface (`run(ring_size, task, *args)`, `run_groups(plan, task,
+*args)`, `size`, `close()`):
 
 - `TorchrunWorld`: this process is one rank of a world launched by torchrun (or any launcher
   that sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT); `from_torchrun_env` reads that
@@ -13,9 +14,11 @@ A *task* is a module-level function `task(member, *args)` (picklable by referenc
 rank of a ring of `ring_size` ranks; `member` is a `RingMember` (ring rank, ring size, the
 ring's process group, the timeout, the device). A ring smaller than the world is a sub-group
 of the world's *last* ranks, so ring ranks differ from global ranks and the conversion is
-exercised. `run` returns the tasks' results in ring-rank order, or raises `RingError` naming
-every rank that raised, died or did not answer, with what each said — on every rank in
-torchrun mode (a collective verdict), in the parent with local rings.
+exercised. `run_groups` runs a task on several rings at once (a `GroupPlan`: the rings of a
+mesh, in global ranks, e.g. the strided CP groups of cp=4,tp=2), each rank with its ring's
+group, and returns the results per ring. `run` returns the tasks' results in ring-rank order,
+or raises `RingError` naming every rank that raised, died or did not answer, with what each
+said — on every rank in torchrun mode (a collective verdict), in the parent with local rings.
 
 Timeouts: `timeout` (default 60 s) bounds every ring wait (see `comm.RingComm`); collectives
 of the control plane get twice that plus a margin (a rank that failed fast must outwait a rank
@@ -29,11 +32,11 @@ from typing import Mapping
 
 from ..spec import DEFAULT_TIMEOUT
 from .channel import ProgressFile, relay
-from .common import GRACE, START_TIMEOUT, RingError, RingMember, Task, control_timeout
+from .common import GRACE, START_TIMEOUT, GroupPlan, RingError, RingMember, Task, control_timeout
 from .local import LocalRingPool, LocalRings
 from .torchrun import CLAIMED_BY, TorchrunEnv, TorchrunWorld, from_torchrun_env
 
-__all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "LocalRingPool", "LocalRings", "ProgressFile", "RingError",
+__all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "GroupPlan", "LocalRingPool", "LocalRings", "ProgressFile", "RingError",
            "RingMember", "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout", "from_torchrun_env", "open_ring", "relay"]
 
 

@@ -6,8 +6,10 @@ import datetime
 import re
 import sys
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch.distributed as dist
 
 from ..ring.comm import STOPPED
 
@@ -28,7 +30,10 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
 
 @dataclass(frozen=True)
 class RingMember:
-    """What a task gets to know about its place: ring rank and size, group, timeout, device."""
+    """What a task gets to know about its place: ring rank and size, group, timeout, device;
+    inside a mesh of groups (`GroupPlan`) also which group of the plan it is in (`group_index`,
+    its global ranks `group_ranks`), the plan's words (`place`), and the handles of the other
+    families of groups it belongs to (`groups`, by family name: e.g. "mesh", every rank of it)."""
 
     rank: int
     world_size: int
@@ -36,16 +41,119 @@ class RingMember:
     timeout: float
     global_rank: int
     device: str = "cpu"
+    group_index: int = 0
+    group_ranks: tuple[int, ...] = ()
+    place: str = ""
+    groups: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Which process groups a task runs on, in global ranks of the world: `groups` are the
+    rings (the task runs once on every rank of each, every ring at the same time), and `also`
+    names further families of groups that members get handles to (family -> groups; e.g. the
+    whole mesh, for a gradient all-reduce). Ranks in no ring are idle for the task. `label`
+    names the plan in messages and logs (e.g. "mesh cp=4,tp=2")."""
+
+    groups: tuple[tuple[int, ...], ...]
+    also: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        groups = tuple(tuple(int(r) for r in g) for g in self.groups)
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "also", tuple((str(n), tuple(tuple(int(r) for r in g) for g in gs))
+                                               for n, gs in self.also))
+        seen = [r for g in groups for r in g]
+        if not groups or any(not g for g in groups) or len(seen) != len(set(seen)) or min(seen) < 0:
+            raise ValueError(f"a group plan needs disjoint, non-empty rings of ranks >= 0, got {groups}")
+
+    @classmethod
+    def ring(cls, world_size: int, ring_size: int) -> "GroupPlan":
+        """One ring of the world's last `ring_size` ranks (ring ranks differ from global ones)."""
+        return cls((tuple(range(world_size - ring_size, world_size)),))
+
+    @property
+    def size(self) -> int:
+        """The smallest world that holds the plan."""
+        return 1 + max(r for g in (*self.groups, *(g for _, gs in self.also for g in gs)) for r in g)
+
+    def place_of(self, global_rank: int) -> tuple[int, int] | None:
+        """(ring index, rank in that ring) of a global rank, None when it is in no ring."""
+        for i, g in enumerate(self.groups):
+            if global_rank in g:
+                return i, g.index(global_rank)
+        return None
+
+    def ring_words(self, index: int) -> str:
+        ranks = ",".join(map(str, self.groups[index]))
+        return f"group {index} (global ranks {ranks})" if len(self.groups) > 1 else f"global ranks {ranks}"
+
+    def rank_name(self, global_rank: int) -> str:
+        """'rank r (global rank g)', with its group inside a plan of several rings."""
+        place = self.place_of(global_rank)
+        if place is None:
+            return f"global rank {global_rank} (outside the ring)"
+        index, rank = place
+        if len(self.groups) == 1:
+            return f"rank {rank} (global rank {global_rank})"
+        return f"rank {rank} of group {index} (global rank {global_rank})"
+
+    def short_name(self, global_rank: int) -> str:
+        place = self.place_of(global_rank)
+        if place is None:
+            return f"global {global_rank}"
+        return str(place[1]) if len(self.groups) == 1 else f"{place[1]} (group {place[0]}, global {global_rank})"
+
+    def describe(self, index: int) -> str:
+        """A member's place, for its log: the plan's label and its ring's global ranks."""
+        return " ".join(x for x in (self.label, self.ring_words(index)) if x)
+
+    def keyed(self, errors: Mapping[int, Any]) -> tuple[dict[int, Any], dict[int, int]]:
+        """`errors` keyed by global rank -> (keyed by ring rank for a plan of one ring, by global
+        rank otherwise: the keys of `RingError.failures`; key -> global rank)."""
+        if len(self.groups) == 1:
+            mine = {g: self.place_of(g) for g in errors}
+            out = {mine[g][1]: text for g, text in errors.items() if mine[g] is not None}
+            return out, {mine[g][1]: g for g in errors if mine[g] is not None}
+        return dict(errors), {g: g for g in errors}
+
+    def split(self, values: Sequence[Any]) -> list[list[Any]]:
+        """Values indexed by global rank -> one list per ring, in ring-rank order."""
+        return [[values[r] for r in g] for g in self.groups]
+
+
+def plan_groups(plan: GroupPlan, rank: int, timeout: float, device: str = "cpu") -> RingMember | None:
+    """Make every process group of `plan` (collective: every rank of the world calls it with the
+    same plan, in the same order) and return this rank's `RingMember`, or None where the rank is
+    in no ring of the plan."""
+    handles = [dist.new_group(ranks=list(g), timeout=as_timedelta(timeout)) for g in plan.groups]
+    families: dict[str, Any] = {}
+    for name, groups in plan.also:
+        for g in groups:
+            handle = dist.new_group(ranks=list(g), timeout=as_timedelta(timeout))
+            if rank in g:
+                families[name] = handle
+    place = plan.place_of(rank)
+    if place is None:
+        return None
+    index, ring_rank = place
+    ring = plan.groups[index]
+    return RingMember(ring_rank, len(ring), handles[index], timeout, rank, device, index, ring,
+                      plan.describe(index), families)
 
 
 class RingError(RuntimeError):
-    """A task failed on some rank of a ring; `failures` maps ring rank -> what happened there
-    (a process outside the ring that failed is named in the message only)."""
+    """A task failed on some rank; `failures` maps ring rank -> what happened there for a task
+    on one ring, global rank -> what happened there for a task on several rings at once (a
+    process outside every ring that failed is named in the message only); `global_ranks` maps
+    those keys to global ranks."""
 
-    def __init__(self, message: str, failures: dict, offset: int = 0):
+    def __init__(self, message: str, failures: dict, offset: int | dict = 0):
         super().__init__(message)
         self.failures = failures
-        self.global_ranks = {r: r + offset for r in failures}  # ring rank -> global rank
+        # key -> global rank
+        self.global_ranks = dict(offset) if isinstance(offset, dict) else {r: r + offset for r in failures}
 
 
 def describe_task(task: Task) -> str:
@@ -72,35 +180,29 @@ def failure_kinds(errors: dict[int, str], silent: Iterable[int] = ()) -> dict[in
     return kinds
 
 
-def failure_message(task: Task, where: str, world_size: int, ring_size: int, errors: dict[int, str], *,
+def failure_message(task: Task, where: str, plan: GroupPlan, errors: dict[int, str], *,
                     silent: Iterable[int] = ()) -> str:
     """One message for every process of the world (keyed by global rank) that failed: a
     headline naming the culprits apart from the ranks that only timed out waiting for them,
     a line each (the first line of its text), then what each said in full. `silent`: the
-    processes that never answered. A ring is the world's last `ring_size` ranks, so ring
-    rank = global rank - (world_size - ring_size)."""
-    first = world_size - ring_size
-
-    def name(g: int) -> str:
-        return f"rank {g - first} (global rank {g})" if g >= first else f"global rank {g} (outside the ring)"
-
-    def short(g: int) -> str:
-        return str(g - first) if g >= first else f"global {g}"
-
+    processes that never answered. Ranks are named by their place in `plan` (ring rank and
+    global rank; the group too when the plan has several rings)."""
     ranks = sorted(errors)
     kinds = failure_kinds(errors, silent)
-    groups = [(kind, [short(g) for g in ranks if kinds[g] == kind])
+    groups = [(kind, [plan.short_name(g) for g in ranks if kinds[g] == kind])
               for kind in ("died", "raised", "never answered", "timed out waiting", "stopped after the failure")]
     groups = [(kind, who) for kind, who in groups if who]
     headline = "; ".join(f"{kind}: {', '.join(who)}" for kind, who in groups)
-    lines = [f"{describe_task(task)} failed on a ring of {ring_size} ({where}); failing ranks: "
-             + ", ".join(str(g - first) for g in ranks if g >= first) + f" — {headline}"]
+    rings = len(plan.groups)
+    on = f"a ring of {len(plan.groups[0])}" if rings == 1 else f"{rings} rings of {plan.label or 'a mesh'}"
+    lines = [f"{describe_task(task)} failed on {on} ({where}); failing ranks: "
+             + ", ".join(plan.short_name(g) for g in ranks if plan.place_of(g) is not None) + f" — {headline}"]
     for g in ranks:  # every error text starts with a one-line summary
         text = errors[g].strip() or "(no message)"
-        lines.append(f"  {name(g)} [{kinds[g]}]: {text.splitlines()[0]}")
+        lines.append(f"  {plan.rank_name(g)} [{kinds[g]}]: {text.splitlines()[0]}")
     for g in ranks:
         if "\n" in errors[g].strip():
-            lines.append(f"{name(g)} in full:\n    " + errors[g].strip().replace("\n", "\n    "))
+            lines.append(f"{plan.rank_name(g)} in full:\n    " + errors[g].strip().replace("\n", "\n    "))
     return "\n".join(lines)
 
 
@@ -111,8 +213,10 @@ def raised_text() -> str:
     return f"raised {type(exc).__name__}: {first}\n{traceback.format_exc()}"
 
 
-def ring_failures(world_size: int, ring_size: int, errors: dict[int, str]) -> dict[int, str]:
-    first = world_size - ring_size
-    return {g - first: text for g, text in errors.items() if g >= first}
+def ring_error(task: Task, where: str, plan: GroupPlan, errors: dict[int, str], *,
+               silent: Iterable[int] = ()) -> RingError:
+    """The `RingError` of a task that failed on the ranks `errors` names (by global rank)."""
+    failures, global_ranks = plan.keyed(errors)
+    return RingError(failure_message(task, where, plan, errors, silent=silent), failures, global_ranks)
 
 

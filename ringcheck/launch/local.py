@@ -24,15 +24,14 @@ from ..spec import DEFAULT_TIMEOUT, check_timeout
 from .common import (
     GRACE,
     START_TIMEOUT,
-    RingError,
-    RingMember,
+    GroupPlan,
     Task,
     as_timedelta,
     control_timeout,
     describe_task,
-    failure_message,
+    plan_groups,
     raised_text,
-    ring_failures,
+    ring_error,
 )
 from .rank_task import STOP_PREFIX, StopFlag, log_path, rank_task
 
@@ -74,7 +73,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
     except Exception:
         conn.send_bytes(pickle.dumps(("error", f"could not join the ring: {raised_text()}")))
         return
-    rings: dict[int, Any] = {}
+    plans: dict[GroupPlan, Any] = {}
     index = 0
     while True:
         try:
@@ -82,7 +81,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
         except (EOFError, OSError):  # the parent is gone: leave, never linger
             break
         try:
-            kind, ring_size, task, args = pickle.loads(message)
+            kind, plan, task, args = pickle.loads(message)
         except Exception:
             conn.send_bytes(pickle.dumps(("error", f"could not unpickle the task: {raised_text()}")))
             continue
@@ -91,14 +90,12 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
         index += 1  # every worker counts every task: the same stop flag key on every rank
         flag = StopFlag(store, f"{STOP_PREFIX}/{index}")
         try:
-            if ring_size not in rings:  # every worker gets every task, so all make the group together
-                rings[ring_size] = dist.new_group(ranks=list(range(world_size - ring_size, world_size)),
-                                                  timeout=as_timedelta(timeout))
-            ring_rank = rank - (world_size - ring_size)
-            if ring_rank < 0:
+            if plan not in plans:  # every worker gets every task, so all make the groups together
+                plans[plan] = plan_groups(plan, rank, timeout)
+            member = plans[plan]
+            if member is None:
                 reply = pickle.dumps(("idle", None))
             else:
-                member = RingMember(ring_rank, ring_size, rings[ring_size], timeout, rank, "cpu")
                 with rank_task(member, describe_task(task), index, flag=flag, log_dir=log_dir) as failed:
                     try:
                         reply = pickle.dumps(("ok", task(member, *args)))
@@ -190,8 +187,8 @@ class LocalRingPool:
             self._relay_stderr()
             errors = {r: text or "did not join in time" for r, (kind, text) in replies.items() if kind != "ready"}
             if errors:
-                raise RingError(failure_message(_worker_main, "local gloo ring, start-up", world_size, world_size,
-                                                 errors), errors)
+                raise ring_error(_worker_main, "local gloo ring, start-up", GroupPlan.ring(world_size, world_size),
+                                 errors)
         except BaseException:
             self.close(graceful=False)
             raise
@@ -287,18 +284,28 @@ class LocalRingPool:
         return replies
 
     def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None) -> list[Any]:
-        """`task(member, *args)` on every rank of a ring of `ring_size` (<= size) processes.
+        """`task(member, *args)` on every rank of a ring of `ring_size` (<= size) processes: the
+        pool's last ranks, so ring ranks differ from global ranks.
 
         `deadline` (seconds, default 10 x timeout) bounds the whole task; ring waits inside
         are bounded by the timeout already, so it only catches work that never ends.
         """
         __tracebackhide__ = True
-        if self._closed:
-            raise RuntimeError(f"this local ring of {self.size} was closed after a failure; start a new one")
         if not 1 <= ring_size <= self.size:
             raise ValueError(f"a ring of {ring_size} ranks does not fit in a local ring of {self.size} processes")
+        return self.run_groups(GroupPlan.ring(self.size, ring_size), task, *args, deadline=deadline)[0]
+
+    def run_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> list[list[Any]]:
+        """`task(member, *args)` on every rank of every ring of `plan` (global ranks of this
+        pool), all rings at once; the results per ring, in ring-rank order."""
+        __tracebackhide__ = True
+        if self._closed:
+            raise RuntimeError(f"this local ring of {self.size} was closed after a failure; start a new one")
+        if plan.size > self.size:
+            raise ValueError(f"the groups {[list(g) for g in plan.groups]} need {plan.size} processes; this local "
+                             f"ring has {self.size}")
         limit = 10 * self.timeout if deadline is None else check_timeout(deadline)
-        message = pickle.dumps(("task", ring_size, task, args))
+        message = pickle.dumps(("task", plan, task, args))
         for r, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(message)
@@ -306,7 +313,6 @@ class LocalRingPool:
                 pass  # a dead worker shows up in _collect
         replies = self._collect(range(self.size), time.monotonic() + limit, what="task")
         self._relay_stderr()
-        first = self.size - ring_size
         errors = {r: text for r, (kind, text) in replies.items() if kind == "error"}
         silent = [r for r, (kind, _) in replies.items() if kind == "silent"]
         if errors or silent:
@@ -314,9 +320,8 @@ class LocalRingPool:
             why = (f"did not answer within the grace of {self.grace:g} s after the first failure" if errors
                    else f"did not answer within the task deadline of {limit:g} s")
             errors.update({r: f"{why}; stopped with the ring" for r in silent})
-            raise RingError(failure_message(task, f"local gloo ring of {self.size} processes", self.size, ring_size,
-                                             errors, silent=silent), ring_failures(self.size, ring_size, errors), first)
-        return [replies[r][1] for r in range(first, self.size)]
+            raise ring_error(task, f"local gloo ring of {self.size} processes", plan, errors, silent=silent)
+        return plan.split([replies[r][1] for r in range(self.size)])
 
     def close(self, *, graceful: bool = True) -> None:
         """Stop every worker and reap it: no process outlives the pool. `graceful` first asks
@@ -385,6 +390,13 @@ class LocalRings:
             exact: bool = False) -> list[Any]:
         __tracebackhide__ = True
         return self.pool(ring_size, exact=exact).run(ring_size, task, *args, deadline=deadline)
+
+    def run_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> list[list[Any]]:
+        """`task` on every ring of `plan` at once, in a pool of exactly `plan.size` processes (the
+        plan is the whole world: an implementation that talks over the default group reaches
+        the other rings' ranks, never idle ones); results per ring."""
+        __tracebackhide__ = True
+        return self.pool(plan.size, exact=True).run_groups(plan, task, *args, deadline=deadline)
 
     def close(self) -> None:
         for pool in self._pools:

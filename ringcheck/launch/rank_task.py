@@ -104,8 +104,9 @@ def _rank_log(log_dir, member: Any, task_name: str, index: int) -> Iterator[tupl
     records: list[dict] = []
     with open(path, "a", encoding="utf-8") as log:
         stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        place = f"; {member.place}" if getattr(member, "place", "") else ""
         log.write(f"=== task {index}: {task_name} on a ring of {member.world_size}, ring rank {member.rank} "
-                  f"(global rank {member.global_rank}, pid {os.getpid()}, {member.device}) at {stamp}\n")
+                  f"(global rank {member.global_rank}{place}, pid {os.getpid()}, {member.device}) at {stamp}\n")
         log.flush()
         outcome: list[str] = []
         out, err = sys.stdout, sys.stderr

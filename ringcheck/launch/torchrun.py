@@ -15,15 +15,14 @@ import torch.distributed as dist
 
 from ..spec import DEFAULT_TIMEOUT, check_timeout
 from .common import (
-    RingError,
-    RingMember,
+    GroupPlan,
     Task,
     as_timedelta,
     control_timeout,
     describe_task,
-    failure_message,
+    plan_groups,
     raised_text,
-    ring_failures,
+    ring_error,
 )
 from .rank_task import STOP_PREFIX, StopFlag, StuckWatchdog, rank_task
 
@@ -84,8 +83,9 @@ class TorchrunWorld:
 
     Initializes the default group from the environment (gloo for CPU tensors, and NCCL for
     CUDA tensors where CUDA is available: the device of the tensors picks the backend), a gloo
-    control group for verdicts, and one sub-group per ring size, made on first use and
-    replaced after a failure (a ring that timed out may hold stale transfers).
+    control group for verdicts, and the groups of each `GroupPlan` (one ring per ring size, or
+    the rings of a mesh), made on first use and replaced after a failure (a ring that timed out
+    may hold stale transfers).
     """
 
     is_torchrun = True
@@ -114,7 +114,7 @@ class TorchrunWorld:
             raise RuntimeError(f"torch.distributed is initialized as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
         self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
-        self._rings: dict[int, Any] = {}
+        self._plans: dict[GroupPlan, Any] = {}  # a plan's member (None: idle in it), made on first use
         os.environ[CLAIMED_BY] = str(os.getpid())  # this process is the rank (see CLAIMED_BY)
         # the stop flags live in the store every rank joined through; keys unique to this world
         # object (rank 0's pid and clock), since one process may open several in turn
@@ -132,23 +132,32 @@ class TorchrunWorld:
         dist.all_gather_object(gathered, obj, group=self.control)
         return gathered
 
-    def _ring_group(self, ring_size: int):
-        if ring_size not in self._rings:  # collective: every rank gets here in the same order
-            ranks = list(range(self.size - ring_size, self.size))
-            self._rings[ring_size] = dist.new_group(ranks=ranks, timeout=as_timedelta(self.timeout))
-        return self._rings[ring_size]
+    def _member(self, plan: GroupPlan):
+        if plan not in self._plans:  # collective: every rank gets here in the same order
+            self._plans[plan] = plan_groups(plan, self.rank, self.timeout, self.device)
+        return self._plans[plan]
 
     def run(self, ring_size: int, task: Task, *args: Any) -> list[Any]:
+        """`task(member, *args)` on a ring of the world's last `ring_size` ranks; every rank gets
+        every ring rank's result (or the same `RingError`)."""
         __tracebackhide__ = True  # pytest shows the failure, not this frame
         if not 1 <= ring_size <= self.size:
             raise ValueError(f"a ring of {ring_size} ranks does not fit in the torchrun world of {self.size}; "
                              f"launch with `torchrun --nproc-per-node={ring_size} ...` or more")
-        group = self._ring_group(ring_size)
-        ring_rank = self.rank - (self.size - ring_size)
+        return self.run_groups(GroupPlan.ring(self.size, ring_size), task, *args)[0]
+
+    def run_groups(self, plan: GroupPlan, task: Task, *args: Any) -> list[list[Any]]:
+        """`task(member, *args)` on every ring of `plan` (global ranks of this world) at once;
+        every rank gets every ring's results, per ring in ring-rank order (or the same
+        `RingError`). Ranks in no ring of the plan wait for the others."""
+        __tracebackhide__ = True
+        if plan.size > self.size:
+            raise ValueError(f"the groups {[list(g) for g in plan.groups]} need a world of {plan.size} ranks; the "
+                             f"torchrun world has {self.size}: launch with `torchrun --nproc-per-node={plan.size} ...`")
+        member = self._member(plan)
         self._tasks += 1
         flag = None if self._store is None else StopFlag(self._store, f"{self._stop_prefix}/{self._tasks}")
-        if ring_rank >= 0:
-            member = RingMember(ring_rank, ring_size, group, self.timeout, self.rank, self.device)
+        if member is not None:
             watchdog = (StuckWatchdog(flag, self.stuck_grace, self.stuck_exit_code, f"rank {self.rank}", self.log_dir)
                         if flag is not None and self.stuck_exit_code is not None else contextlib.nullcontext())
             with rank_task(member, describe_task(task), self._tasks, flag=flag, log_dir=self.log_dir) as failed, \
@@ -167,13 +176,12 @@ class TorchrunWorld:
         outcomes = self.all_gather(outcome)
         errors = {g: text for g, (kind, text) in enumerate(outcomes) if kind == "error"}
         if errors:
-            self._rings.pop(ring_size, None)  # every rank drops it (they all see the failure)
-            raise RingError(failure_message(task, f"torchrun world of {self.size}", self.size, ring_size, errors),
-                            ring_failures(self.size, ring_size, errors), self.size - ring_size)
-        return [value for _, value in outcomes[self.size - ring_size:]]
+            self._plans.pop(plan, None)  # every rank drops its groups (they all see the failure)
+            raise ring_error(task, f"torchrun world of {self.size}", plan, errors)
+        return plan.split([value for _, value in outcomes])
 
     def close(self) -> None:
-        self._rings.clear()
+        self._plans.clear()
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
 
