@@ -17,6 +17,7 @@ from ..ring import simulate_ring
 from ..ring.layouts import positions
 from ..spec import AttentionSpec, Budget, RingSpec
 from .inputs import Inputs, make_inputs
+from .sinks import judge_sinks
 from .verdict import TENSORS, Verdict, float32_floors, judge
 
 # what users call a "mode": (causal, layout)
@@ -67,6 +68,10 @@ class Results:
     dk: torch.Tensor
     dv: torch.Tensor
     dsinks: torch.Tensor | None = None  # (heads,), when the case has sinks
+    # a ring's own: each rank's sinks gradient as it returned it, and the convention declared
+    # for them (`ringcheck.judge.sinks`): dsinks is their combination under it
+    dsinks_parts: tuple[torch.Tensor, ...] | None = None
+    sinks_grad: str = "partial"
 
     def get(self, tensor: str) -> torch.Tensor:
         return getattr(self, tensor)
@@ -175,10 +180,12 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
         tensors = (*tensors, "dsinks")
 
-    def judged(name: str, conventions=()):
+    def judged(name: str, conventions=(), value=None):
         per_token = name != "dsinks"  # dsinks is per head: no rank or token to name
-        return judge(name, got.get(name), true.get(name), peer_results.get(name), k=budget.k_for(name),
-                     dtype=torch.float32 if name == "lse" else case.spec.torch_dtype,
+        if name == "dsinks" and value is None:  # each rank's sinks gradient, under its convention
+            return judge_sinks(lambda parts: judged(name, conventions, parts), got)
+        return judge(name, got.get(name) if value is None else value, true.get(name), peer_results.get(name),
+                     k=budget.k_for(name), dtype=torch.float32 if name == "lse" else case.spec.torch_dtype,
                      locate=locator(case.spec, case.ring, name) if per_token else None,
                      floor=floors.get(name, 0.0), owner=(seq_dim(name), owner) if per_token else None,
                      conventions=conventions)

@@ -52,6 +52,7 @@ class TensorVerdict:
     failing_ranks: tuple[int, ...] = ()
     half_ulp: float = 0.0  # the peer error's floor at that element: half an ulp of the delivered dtype
     convention: bool = False  # the error is against a computation convention's truth (closer than the exact one)
+    note: str = ""  # what the failure means, where a check knows more (e.g. the sinks gradient's convention)
 
     @property
     def error(self) -> float:
@@ -81,6 +82,8 @@ class TensorVerdict:
             text += f"; {self.over_budget} of {s.numel} elements ({pct:.2f}%) over budget"
             if s.nonfinite:
                 text += f"; {s.nonfinite} NaN/Inf where the truth is finite"
+        if self.note:
+            text += f"; {self.note}"
         return text
 
 
@@ -237,6 +240,7 @@ class Verdict:
 
     case: str
     tensors: list[TensorVerdict] = field(default_factory=list)
+    group: str = ""  # the CP group of a mesh that produced the results, in words ("": the only one)
 
     @property
     def passed(self) -> bool:

@@ -31,7 +31,7 @@ from .loops import REAL_PARTS, RingConfig, RingParts, StepObserver
 def make_config(*, world_size: int, layout: str, causal: bool, softmax_scale: float | None,
                 head_dim: int, backend: str, accumulate: str = "float32",
                 parts: RingParts = REAL_PARTS, seq_len: int | None = None, cu_seqlens=None,
-                window=None, softcap=None) -> RingConfig:
+                window=None, softcap=None, sinks_grad: str = "partial") -> RingConfig:
     """A validated `RingConfig`; an unknown or unavailable backend fails here, before any work.
     `seq_len` (the whole sequence's) is needed to check `cu_seqlens`."""
     check_layout(layout)
@@ -44,14 +44,15 @@ def make_config(*, world_size: int, layout: str, causal: bool, softmax_scale: fl
     return RingConfig(world_size=world_size, layout=layout, causal=causal,
                       scale=check_softmax_scale(softmax_scale, head_dim), backend=backend,
                       accumulate=accumulate, parts=parts, cu_seqlens=cu, window=check_window(window),
-                      softcap=check_softcap(softcap))
+                      softcap=check_softcap(softcap), sinks_grad=sinks_grad)
 
 
 def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int,
                   causal: bool = False, softmax_scale: float | None = None,
                   layout: str = "contiguous", backend: str = "torch", return_lse: bool = False,
                   accumulate: str = "float32", observer: StepObserver | None = None,
-                  parts: RingParts = REAL_PARTS, cu_seqlens=None, window=None, softcap=None, sinks=None):
+                  parts: RingParts = REAL_PARTS, cu_seqlens=None, window=None, softcap=None, sinks=None,
+                  sinks_grad: str = "partial"):
     """Ring attention on whole tensors through P virtual ranks in one process.
 
     q is (batch, seq, heads, head_dim), k (batch, seq, kv_heads, head_dim) and v (batch, seq,
@@ -64,7 +65,9 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_si
     right)` (flash-attention's convention, -1 unbounded), `softcap` (scores softcap *
     tanh(s / softcap)), `sinks` (heads,) logits joining every non-padding row's softmax.
     `accumulate` and `observer` are for drift studies (see `RingConfig`, `StepObserver`);
-    `parts` is the seam for planted bugs (see `RingParts`).
+    `parts` is the seam for planted bugs (see `RingParts`). `sinks_grad` is `ring_attention`'s;
+    on whole tensors both conventions give the whole sequence's sinks gradient (under
+    "partial" the P ranks' shares are summed in rank order, as a framework would).
     """
     check_qkv(q, k, v, what="sequence")
     ring = RingSpec(world_size, layout)
@@ -72,7 +75,7 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_si
     config = make_config(world_size=world_size, layout=layout, causal=causal,
                          softmax_scale=softmax_scale, head_dim=q.shape[-1], backend=backend,
                          accumulate=accumulate, parts=parts, seq_len=q.shape[1], cu_seqlens=cu_seqlens,
-                         window=window, softcap=softcap)
+                         window=window, softcap=softcap, sinks_grad=sinks_grad)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     cu = config.cu_seqlens
     pieces = [shard(t, layout=layout, rank=r, world_size=world_size, dim=1, cu_seqlens=cu)
@@ -87,7 +90,7 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_si
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                    softmax_scale: float | None = None, group=None, layout: str = "contiguous",
                    backend: str = "torch", return_lse: bool = False, timeout: float = DEFAULT_TIMEOUT,
-                   cu_seqlens=None, window=None, softcap=None, sinks=None):
+                   cu_seqlens=None, window=None, softcap=None, sinks=None, sinks_grad: str = "partial"):
     """Ring attention over the ranks of `group` (the default world group when None).
 
     This rank's shard in, this rank's output out: q is (batch, local_seq, heads, head_dim), k
@@ -98,8 +101,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     the tensors. `timeout` (seconds) bounds every wait on a peer.
 
     The variants are those of `simulate_ring`; `cu_seqlens` holds the *global* document
-    boundaries (the same on every rank). `sinks` is the same (heads,) tensor on every rank,
-    and its gradient on every rank is the whole sequence's (the sum over the group's rows).
+    boundaries (the same on every rank). `sinks` is the same (heads,) tensor on every rank;
+    its gradient follows `sinks_grad`: "partial" (the default) gives each rank its own rows'
+    share, for a framework that reduces replicated gradients over the data x context-parallel
+    group itself (Megatron-LM, torchtitan); "reduced" gives every rank the whole sequence's
+    (the sum over the group's rows, added in rank order), for one that does not.
     """
     require_distributed("calling ring_attention")
     check_qkv(q, k, v, what="shard")
@@ -107,7 +113,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     config = make_config(world_size=comm.world_size, layout=layout, causal=causal,
                          softmax_scale=softmax_scale, head_dim=q.shape[-1], backend=backend,
                          seq_len=q.shape[1] * comm.world_size, cu_seqlens=cu_seqlens, window=window,
-                         softcap=softcap)
+                         softcap=softcap, sinks_grad=sinks_grad)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     if layout in ("zigzag", *DOC_LAYOUTS) and q.shape[1] % 2:
         raise ValueError(f"a {layout} shard holds two equal chunks, but this shard has {q.shape[1]} tokens; "

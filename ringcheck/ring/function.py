@@ -10,15 +10,16 @@ import torch
 
 from .backends import get_backend
 from .drivers import Driver
-from .loops import RankShard, RingConfig, StepObserver
+from .loops import RankShard, RingConfig, StepObserver, sum_in_rank_order
 
 
 class RingFunction(torch.autograd.Function):
     """Ring attention over the ranks a driver runs locally (all P simulated, or one).
 
     Inputs are the sinks (heads,) or None, then the local ranks' q shards, k shards and v
-    shards; outputs are their outputs then their lse. The gradient of the sinks is the one of
-    the whole ring (every rank's rows), the same on every rank."""
+    shards; outputs are their outputs then their lse. The gradient of the sinks follows
+    `config.sinks_grad`: this rank's rows' share ("partial"; all P simulated ranks' shares
+    summed), or the whole ring's on every rank ("reduced")."""
 
     @staticmethod
     def forward(ctx, config: RingConfig, driver: Driver, observer, sinks, *tensors):
@@ -54,7 +55,10 @@ class RingFunction(torch.autograd.Function):
         dvs = [res[2] for res in results]
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = results[0][3].to(sinks.dtype)  # every rank holds the whole ring's sum
+            if config.sinks_grad == "partial" and m > 1:  # every simulated rank's share, summed as the ring would
+                dsinks = sum_in_rank_order([res[3] for res in results]).to(sinks.dtype)
+            else:  # one rank's own share ("partial"), or the whole ring's sum that every rank holds ("reduced")
+                dsinks = results[0][3].to(sinks.dtype)
         return (None, None, None, dsinks, *dqs, *dks, *dvs)
 
 

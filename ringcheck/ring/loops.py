@@ -15,7 +15,7 @@ execute the same per-rank code, operation for operation, and must agree bit for 
 
 The pieces a loop is made of (the block plan, the merge, the loops themselves) are named in
 `RingParts`, carried by `RingConfig.parts`: that is the one seam through which tests plant a
-bug in an otherwise correct ring (see `ringcheck.testing.planted`).
+bug in an otherwise correct ring (see `ringcheck.catalogue.planted`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ from .layouts import block_plan, positions
 from .merge import finish, merge_into, start_state
 
 ACCUMULATIONS = ("float32", "input")
+SINKS_GRAD = ("partial", "reduced")  # who sums the sinks' gradient: the framework, or the ring
+
+
+def check_sinks_grad(sinks_grad: object) -> str:
+    if sinks_grad not in SINKS_GRAD:
+        raise ValueError(f"sinks_grad must be one of {list(SINKS_GRAD)}, got {sinks_grad!r} (partial: each rank's "
+                         f"own rows' share, the framework reduces it; reduced: the ring all-reduces it)")
+    return sinks_grad
 
 
 @dataclass(frozen=True)
@@ -106,9 +114,13 @@ class RingConfig:
     cu_seqlens: tuple[int, ...] | None = None
     window: tuple[int, int] = (-1, -1)
     softcap: float | None = None
+    # the sinks gradient each rank returns: "partial", its own rows' share (the framework sums
+    # it, as Megatron-LM and torchtitan do); "reduced", the whole ring's (summed on the ring)
+    sinks_grad: str = "partial"
 
     def __post_init__(self) -> None:
         RingSpec(self.world_size, self.layout)
+        check_sinks_grad(self.sinks_grad)
         if self.accumulate not in ACCUMULATIONS:
             raise ValueError(f"accumulate={self.accumulate!r} is unknown; choose one of {list(ACCUMULATIONS)}")
 
@@ -199,13 +211,14 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
                   dlse: torch.Tensor | None, backend: BlockBackend,
                   sinks: torch.Tensor | None = None) -> RankLoop:
     """One rank's backward; returns (dq, dk, dv) in the input dtype, and dsinks (heads,)
-    float32 of the whole ring (None without sinks).
+    float32: this rank's rows' share under ``sinks_grad="partial"``, the whole ring's under
+    ``"reduced"`` (None without sinks).
 
     `out` and `lse` are this rank's merged float32 results (lse includes the sink). A
     gradient flowing into lse enters as dS = P (dP - delta + dlse), so it folds into delta;
-    the sink is a column with no value, so its dS is -exp(sink - lse) delta, summed over the
-    rows of every rank (their partials travel the ring once and are added in rank order, the
-    same sum on every rank and in the simulated ring).
+    the sink is a column with no value, so its dS is -exp(sink - lse) delta, summed over this
+    rank's rows, and under "reduced" over the rows of every rank (their partials travel the ring
+    once and are added in rank order, the same sum on every rank and in the simulated ring).
     """
     n = q.shape[1]
     delta = row_delta(out, dout)
@@ -254,7 +267,9 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
     sink = sink_rows(config, shard, sinks, q.shape[0], n)
     if sink is not None:
         weight = torch.exp(sink - lse.masked_fill(torch.isneginf(lse), 0.0)).masked_fill(torch.isneginf(sink), 0.0)
-        dsinks = yield from _sum_over_ring(config, shard, -(weight * delta).sum((0, 2)))
+        dsinks = -(weight * delta).sum((0, 2))
+        if config.sinks_grad == "reduced":
+            dsinks = yield from _sum_over_ring(config, shard, dsinks)
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), dsinks
 
 
@@ -270,7 +285,13 @@ def _sum_over_ring(config: RingConfig, shard: RankShard, mine: torch.Tensor) -> 
     if sorted(partials) != list(range(config.world_size)):
         raise RuntimeError(f"rank {shard.rank}: the ring sum received the partials of ranks {sorted(partials)}, "
                            f"expected every rank 0..{config.world_size - 1}")
-    total = torch.zeros_like(mine)
-    for r in range(config.world_size):
-        total = total + partials[r]
+    return sum_in_rank_order([partials[r] for r in range(config.world_size)])
+
+
+def sum_in_rank_order(parts) -> torch.Tensor:
+    """The sum of every rank's share of a small tensor, added in ring-rank order: the one order
+    of the ring's own sum, the simulated ring's and a harness that sums "partial" shares."""
+    total = torch.zeros_like(parts[0])
+    for part in parts:
+        total = total + part
     return total
