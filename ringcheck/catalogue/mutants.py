@@ -1,0 +1,254 @@
+"""A catalogue of deliberately broken ring attentions, written against the `--impl` contract.
+
+Each public function here is an implementation a user could hand to
+``ringcheck validate --impl ringcheck.testing.mutants:<name>``:
+
+    fn(q, k, v, *, causal, softmax_scale, group) -> (out, lse)
+
+with q this rank's shard (batch, local_seq, heads, head_dim) and k, v (batch, local_seq,
+kv_heads, head_dim) in the zig-zag layout. `textbook` is a correct, plain ring (forward and
+backward by hand, communication with torch.distributed); every other function is `textbook`
+with exactly one real bug class switched on. `validate` must pass `textbook` and fail every
+mutant; suites/test_validate.py asserts it.
+
+This module deliberately does not use ringcheck's ring: it stands for someone else's code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringcheck.ring.layouts import positions
+
+LAYOUT = "zigzag"
+BUCKET = 8  # the `drops_remainder` bug works in buckets of this many tokens
+
+
+# ---------------------------------------------------------------- communication
+
+def _exchange(group, tensors):
+    """Send `tensors` to the next rank and receive the same shapes from the previous one."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % world)
+    prv = dist.get_global_rank(group, (rank - 1) % world)
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(requests):
+    for r in requests:
+        r.wait()
+
+
+# ---------------------------------------------------------------- one block
+
+def _visible(rank, src, world, n, causal, bugs):
+    """(n, n) bool mask of which keys of rank `src` the queries of `rank` see (None: all)."""
+    if not causal:
+        return None
+    seq = n * world
+    if "contiguous_mask_on_zigzag" in bugs:  # treats zig-zag shards as if they were contiguous
+        if src < rank:
+            return None
+        m = torch.ones(n, n, dtype=torch.bool).tril()
+        return m if src == rank else torch.zeros_like(m)
+    qpos = positions(layout=LAYOUT, rank=rank, world_size=world, seq_len=seq)
+    kpos = positions(layout=LAYOUT, rank=src, world_size=world, seq_len=seq)
+    shift = 1 if ("diagonal_off_by_one" in bugs and src == rank) else 0
+    return kpos[None, :] <= qpos[:, None] + shift
+
+
+def _kv_heads(x, heads, bugs):
+    """Repeat K/V heads for the query heads: head h uses K/V head h // group."""
+    kvh = x.shape[2]
+    if "gqa_modulo" in bugs:  # h % kv_heads: the other common convention, wrong for this layout
+        return x.repeat(1, 1, heads // kvh, 1)
+    return x.repeat_interleave(heads // kvh, dim=2)
+
+
+def _scores(q, k, mask, scale, bugs):
+    s = torch.einsum("bqhd,bkhd->bhqk", q, _kv_heads(k, q.shape[2], bugs)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if "drops_remainder" in bugs:  # keys past the last whole bucket are never looked at
+        keep = (k.shape[1] // BUCKET) * BUCKET
+        s[..., keep:] = float("-inf")
+    return s
+
+
+def _merge(out, lse, block_out, block_lse, bugs):
+    if "merge_no_rescale" in bugs:  # adds the new block as if both maxima were equal
+        new_lse = torch.logaddexp(lse, block_lse)
+        return out + block_out * torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1), new_lse
+    if "merge_overflow" in bugs:  # out = (out + r out_b) / (1 + r) with r = exp(block_lse - lse) unguarded
+        first = torch.isneginf(lse)
+        r = torch.exp(block_lse - lse.masked_fill(first, 0.0))
+        new_out = (out + r.transpose(1, 2).unsqueeze(-1) * block_out) / (1 + r).transpose(1, 2).unsqueeze(-1)
+        new_out = torch.where(first.transpose(1, 2).unsqueeze(-1), block_out, new_out)
+        return new_out, torch.where(first, block_lse, lse + torch.log1p(r))
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
+    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
+    return out * w_old + block_out * w_new, new_lse
+
+
+# ---------------------------------------------------------------- the ring
+
+def _as_contiguous(t):
+    """`t`'s memory read as if it were contiguous (a kernel that ignores the strides it is given)."""
+    strides = [1] * t.dim()
+    for i in range(t.dim() - 2, -1, -1):
+        strides[i] = strides[i + 1] * t.shape[i + 1]
+    return torch.as_strided(t, t.shape, strides, t.storage_offset())
+
+
+_WORKSPACE: dict = {}  # the `workspace_state` bug keeps its backward's tensors here, not on ctx
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group, bugs):
+        if "q_as_contiguous" in bugs:  # reads q's memory as if q were its own contiguous tensor
+            q = _as_contiguous(q)
+        if "v_with_k_strides" in bugs:  # builds its V tile with K's strides
+            v = torch.as_strided(v, v.shape, k.stride(), v.storage_offset())
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if "rank_from_wrong_axis" in bugs:  # its place in the ring from the global rank (right for one mesh order)
+            rank = dist.get_rank() % world
+        dtype = q.dtype
+        q, k, v = q.float(), k.float(), v.float()
+        b, n, h, d = q.shape
+        out = torch.zeros(b, n, h, d)
+        lse = torch.full((b, h, n), float("-inf"))
+        kv = [k, v]
+        block_lses = []
+        for step in range(world):
+            src = (rank - step) % world
+            if step < world - 1:
+                requests, incoming = _exchange(group, kv)
+            s = _scores(q, kv[0], _visible(rank, src, world, n, causal, bugs), scale, bugs)
+            block_lse = torch.logsumexp(s, -1)
+            p = torch.exp(s - block_lse.masked_fill(torch.isneginf(block_lse), 0.0).unsqueeze(-1))
+            block_out = torch.einsum("bhqk,bkhd->bqhd", p, _kv_heads(kv[1], h, bugs))
+            out, lse = _merge(out, lse, block_out, block_lse, bugs)
+            if "low_precision_partial" in bugs:  # partial output kept in the input dtype
+                out = out.to(dtype).float()
+            block_lses.append(block_lse)
+            if step < world - 1:
+                if "stale_receive_buffer" in bugs and step == 0:
+                    kv = [t.clone() for t in kv]  # read before the receive completed: old contents
+                    _wait(requests)
+                else:
+                    _wait(requests)
+                    kv = incoming
+        if "workspace_state" in bugs:  # one module-level workspace (saves memory), not the autograd context
+            _WORKSPACE["saved"] = (q, k, v, out, lse, *block_lses)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse, *block_lses)
+        ctx.causal, ctx.scale, ctx.group, ctx.bugs, ctx.dtype, ctx.rank = causal, scale, group, bugs, dtype, rank
+        return out.to(dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        bugs = ctx.bugs
+        q, k, v, out, lse, *block_lses = _WORKSPACE["saved"] if "workspace_state" in bugs else ctx.saved_tensors
+        causal, scale, group = ctx.causal, ctx.scale, ctx.group
+        rank, world = ctx.rank, dist.get_world_size(group)
+        b, n, h, d = q.shape
+        if "dout_as_contiguous" in bugs:  # reads the gradient of out as if it were contiguous
+            dout = _as_contiguous(dout)
+        dout = dout.float()
+        delta = (dout * out).sum(-1).transpose(1, 2)  # (b, h, n)
+        if dlse is not None:
+            delta = delta - dlse
+        group_size = h // k.shape[2]
+        dq = torch.zeros_like(q)
+        kv = [k, v]
+        dkv = [torch.zeros_like(k), torch.zeros_like(v)]
+        bwd_scale = scale * scale if "scale_twice_backward" in bugs else scale
+        for step in range(world):
+            src = (rank - step) % world
+            if step < world - 1:
+                kv_requests, kv_incoming = _exchange(group, kv)
+            k_s, v_s = ([k, v] if "stale_kv_backward" in bugs else kv)
+            s = _scores(q, k_s, _visible(rank, src, world, n, causal, bugs), scale, bugs)
+            row_lse = block_lses[step] if "block_lse_backward" in bugs else lse
+            p = torch.exp(s - row_lse.masked_fill(torch.isneginf(row_lse), 0.0).unsqueeze(-1))
+            kk, vv = _kv_heads(k_s, h, bugs), _kv_heads(v_s, h, bugs)
+            dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+            dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
+            ds = p * (dp - delta.unsqueeze(-1))
+            dq += torch.einsum("bhqk,bkhd->bqhd", ds, kk) * bwd_scale
+            dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * bwd_scale
+            kvh = k.shape[2]
+            if "gqa_modulo" in bugs:
+                dk = dk.view(b, n, group_size, kvh, d).sum(2)
+                dv = dv.view(b, n, group_size, kvh, d).sum(2)
+            else:
+                dk = dk.view(b, n, kvh, group_size, d).sum(3)
+                dv = dv.view(b, n, kvh, group_size, d).sum(3)
+            dkv = [dkv[0] + dk, dkv[1] + dv]
+            last = step == world - 1
+            if last and "dkdv_not_home" in bugs:
+                break  # the accumulators of rank + 1 never make their last hop
+            grad_requests, grad_incoming = _exchange(group, dkv)
+            if not last:
+                _wait(kv_requests)
+                kv = kv_incoming
+            _wait(grad_requests)
+            dkv = grad_incoming
+        dt = ctx.dtype
+        return dq.to(dt), dkv[0].to(dt), dkv[1].to(dt), None, None, None, None
+
+
+def _ring(q, k, v, causal, softmax_scale, group, bugs=frozenset()):
+    group = group if group is not None and "default_group" not in bugs else dist.group.WORLD  # the bug: group lost
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _Ring.apply(q, k, v, causal, scale, group, frozenset(bugs))
+
+
+def textbook(q, k, v, *, causal, softmax_scale, group=None):
+    """A correct ring: the control that validate must pass."""
+    return _ring(q, k, v, causal, softmax_scale, group)
+
+
+def mutant_of(bug: str, doc: str):
+    """The textbook ring with `bug` switched on, named after it, under the `--impl` contract."""
+    def impl(q, k, v, *, causal, softmax_scale, group=None):
+        return _ring(q, k, v, causal, softmax_scale, group, {bug})
+    impl.__name__ = impl.__qualname__ = bug
+    impl.__doc__ = doc
+    return impl
+
+
+MUTANTS = {
+    "merge_no_rescale": "merge without max rescaling",
+    "merge_overflow": "merge that overflows when block_lse - lse is large",
+    "block_lse_backward": "per-block lse used in backward instead of the merged one",
+    "stale_kv_backward": "backward reusing the first step's K/V",
+    "dkdv_not_home": "dK/dV not returned home",
+    "diagonal_off_by_one": "zig-zag diagonal mask off by one",
+    "contiguous_mask_on_zigzag": "contiguous causal mask on a zig-zag shard",
+    "drops_remainder": "a dropped last token when the length does not divide the bucket",
+    "gqa_modulo": "GQA head mapping wrong (h % kv_heads instead of h // group)",
+    "low_precision_partial": "low-precision partial output at every hop",
+    "scale_twice_backward": "softmax scale applied twice in backward",
+    "stale_receive_buffer": "a stale receive buffer (no wait before use)",
+}
+
+for _name, _doc in MUTANTS.items():
+    globals()[_name] = mutant_of(_name, _doc)
+
+# every public catalogue of the `--impl` contract: module -> the dict naming its implementations
+# (`--impl <module>:<name>`); this module's bug classes, the variants', and the precision class's
+# (a tensor rounded through a narrower dtype: `narrow_<tensor>_<dtype>`)
+CATALOGUES = {
+    "ringcheck.catalogue.mutants": "MUTANTS",
+    "ringcheck.catalogue.variant_mutants": "VARIANT_MUTANTS",
+    "ringcheck.catalogue.precision_mutants": "PRECISION_MUTANTS",
+    "ringcheck.catalogue.embedded_mutants": "EMBEDDED_MUTANTS",
+}
