@@ -34,7 +34,7 @@ from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.precision import CLASS_K, judge_precision
 from ringcheck.launch import LocalRings
 from ringcheck.spec import DTYPES, AttentionSpec, RingSpec
-from ringcheck.testing.precision_mutants import NARROWER, ring_results_task, whole_results
+from ringcheck.catalogue.precision_mutants import NARROWER, ring_results_task, whole_results
 
 # (name, causal, layout)
 LAYOUTS = [("bidirectional", False, "contiguous"), ("causal", True, "contiguous"), ("zigzag", True, "zigzag"),

@@ -143,7 +143,7 @@ def test_tests_and_tools_import_no_private_names():
 
 @pytest.mark.parametrize("mutant", ["textbook", "diagonal_off_by_one"])
 def test_the_mutant_catalogue_is_importable_from_the_package(mutant):
-    from ringcheck.commands.adapters import load_impl
+    from ringcheck.adapters import load_impl
 
     impl = load_impl(f"ringcheck.testing.mutants:{mutant}", layout="zigzag")
     assert callable(impl.fn)

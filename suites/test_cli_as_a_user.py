@@ -19,7 +19,7 @@ from ringcheck.commands.validate import Target
 BIN = Path(sys.executable).parent
 SMALL = ["--seq-len", "32", "--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
          "--distributions", "normal", "--sample-rows", "4"]
-USER_RING = "from ringcheck.testing.mutants import textbook as fn\n"
+USER_RING = "from ringcheck.catalogue.mutants import textbook as fn\n"
 
 
 @pytest.fixture
@@ -35,8 +35,12 @@ def beside_a_clone(tmp_path):
     return tmp_path
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "RINGCHECK_TORCHRUN_RANK_PID")
+
+
 def _run(cmd, cwd, *, timeout=300, pythonpath="."):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env["PYTHONPATH"] = pythonpath
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -83,13 +87,38 @@ def test_the_echoed_command_reproduces_the_run(tmp_path, capsys):
                  "--distributions normal", "--sample-rows 4", "--world-size 2"):
         assert flag in command, command
     assert command in capsys.readouterr().out and command in (first / "validate.md").read_text()
-    argv = shlex.split(command)
+    where, _, run = command.partition(" && ")  # where it ran: cd DIR (and the PYTHONPATH it needed)
+    assert shlex.split(where) == ["cd", os.getcwd()]
+    argv = [word for word in shlex.split(run) if not word.startswith("PYTHONPATH=")]
     assert argv[:2] == ["ringcheck", "validate"]
     second = tmp_path / "second"
     again = main([*argv[1:], "--report", str(second)])
     redo = json.loads((second / "validate.json").read_text())
-    assert again == code and redo["target"] == doc["target"] and redo["command"] == command
+    def same(c):  # in one process the launcher pinned its package on PYTHONPATH after the first run
+        return " ".join(w for w in shlex.split(c) if not w.startswith("PYTHONPATH="))
+    assert again == code and redo["target"] == doc["target"] and same(redo["command"]) == same(command)
     assert [(c["check"], c["status"]) for c in redo["checks"]] == [(c["check"], c["status"]) for c in doc["checks"]]
+
+
+def test_the_stored_command_reproduces_the_run_from_the_directory_it_names(beside_a_clone, tmp_path):
+    """A user's ring imported through PYTHONPATH=. in the user's folder: the command stored in the
+    report carries the folder and that PYTHONPATH (made absolute), so pasting it anywhere, with
+    no PYTHONPATH of one's own, runs the same target to the same verdict."""
+    report = tmp_path / "first"
+    done = _run([str(BIN / "ringcheck"), "validate", "--impl", "myring:fn", "--quick", *SMALL, "--report",
+                 str(report)], beside_a_clone)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((report / "validate.json").read_text())
+    command = doc["command"]
+    assert command.startswith(f"cd {shlex.quote(str(beside_a_clone))} && PYTHONPATH=")
+    assert command in (report / "validate.md").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in TORCHRUN_VARS}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    again = subprocess.run(["bash", "-c", f"{command} --report {shlex.quote(str(tmp_path / 'again'))}"],
+                           cwd="/", env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    redo = json.loads((tmp_path / "again" / "validate.json").read_text())
+    assert redo["target"] == doc["target"] and redo["command"] == command
 
 
 def test_the_rerun_command_spells_out_every_setting():

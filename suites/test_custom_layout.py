@@ -16,7 +16,7 @@ from ringcheck.judge.check import Case, run_case
 from ringcheck.ring.layouts import positions, shard, unshard, work_counts
 from ringcheck.spec import AttentionSpec, RingSpec, check_layout
 
-EXAMPLES = "ringcheck.testing.custom_layouts"
+EXAMPLES = "ringcheck.catalogue.custom_layouts"
 SMALL = ["--seq-len", "32", "--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
          "--distributions", "normal", "--sample-rows", "4", "--quick", "-q"]
 

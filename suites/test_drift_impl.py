@@ -18,18 +18,18 @@ TINY = {"dtypes": ("bfloat16",), "ring_sizes": (1, 2, 4), "distributions": ("nor
             "seeds": 1, "tokens_per_rank": 4, "head_dim": 8, "heads": 2, "kv_heads": 1}
 TINY_ARGS = ["--dtypes", "bfloat16", "--ring-sizes", "1,2,4", "--distributions", "normal", "--modes", "zigzag",
              "--seeds", "1", "--tokens-per-rank", "4", "--head-dim", "8", "--heads", "2", "--kv-heads", "1"]
-MUTANTS = "ringcheck.testing.mutants"
+MUTANTS = "ringcheck.catalogue.mutants"
 
 
 def _key(impl: str, p: int) -> str:
     return f"{impl}/torch/zigzag/bfloat16/normal/acc={AS_IMPLEMENTED}/P={p}"
 
 
-def test_our_ring_on_process_groups_measures_what_the_simulated_ring_does(run_on_ring):
+def test_our_ring_on_process_groups_measures_what_the_simulated_ring_does(ring_processes):
     """`--impl ringcheck` is our ring on real process groups: it computes the simulated ring's
     bits, so every measurement of the report is the simulated ring's, at every ring size."""
     doc = run_drift(DriftSpec(**TINY, accumulations=(AS_IMPLEMENTED,)),
-                    implementation=ring_implementation("ringcheck", run_on_ring))
+                    implementation=ring_implementation("ringcheck", ring_processes, max_ring_size=ring_processes.size))
     simulated = run_drift(DriftSpec(**TINY, accumulations=("float32",)))
     for p in (1, 2, 4):
         got = doc["cases"][_key("ringcheck", p)]
@@ -43,13 +43,14 @@ def test_our_ring_on_process_groups_measures_what_the_simulated_ring_does(run_on
     assert {f["tensor"] for f in doc["fits"].values()} == {"out", "lse", "dq", "dk", "dv"}
 
 
-def test_a_planted_external_ring_is_flagged_and_a_correct_one_is_not(run_on_ring):
+def test_a_planted_external_ring_is_flagged_and_a_correct_one_is_not(ring_processes):
     """A mutant of the contract (`merge_no_rescale`: no max rescaling in the merge) is over
     budget from the first merge (P = 2; P = 1 runs none); the textbook ring it was cut from is
     not flagged. Forward only: the backward is reported as not run, never as a pass."""
     spec = DriftSpec(**dict(TINY, dtypes=("float32",)), accumulations=(AS_IMPLEMENTED,))
-    docs = {name: run_drift(spec, implementation=ring_implementation(f"{MUTANTS}:{name}", run_on_ring,
-                                                                       forward_only=True))
+    docs = {name: run_drift(spec, implementation=ring_implementation(f"{MUTANTS}:{name}", ring_processes,
+                                                                       forward_only=True,
+                                                                       max_ring_size=ring_processes.size))
             for name in ("merge_no_rescale", "textbook")}
     bad, good = docs["merge_no_rescale"], docs["textbook"]
     fit = bad["fits"][f"{MUTANTS}:merge_no_rescale/torch/zigzag/float32/normal/acc={AS_IMPLEMENTED}/out"]

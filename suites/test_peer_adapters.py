@@ -1,4 +1,4 @@
-"""The adapters of ring-flash-attn 0.1.8 and yunchang 0.6.4 (`ringcheck.commands.peer_adapters`).
+"""The adapters of ring-flash-attn 0.1.8 and yunchang 0.6.4 (`ringcheck.adapters.ring_flash_attn`, `.yunchang`).
 
 - On a ring of two local gloo processes, through the flash-attn stand-in, each adapter (and the
   varlen functions with documents and padding) meets the validate budget against float64 and
@@ -21,14 +21,14 @@ import sys
 import pytest
 
 from ringcheck import flash_stand_in
-from ringcheck.commands import peer_adapters
-from ringcheck.commands.adapters import load_impl
+from ringcheck.adapters import flash, load_impl
+from ringcheck.adapters import ring_flash_attn as rfa_adapter
 from ringcheck.commands.validate import Target, check_variant_keywords
 from ringcheck.judge.check import Case, judge_results, peer, truth
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.launch import LocalRings
 from ringcheck.spec import AttentionSpec, RingSpec, Variant
-from ringcheck.testing.impl_runner import impl_shards_task, whole_results
+from ringcheck.harness import ImplOptions, impl_task, whole_results
 
 HAS_RFA = importlib.util.find_spec("ring_flash_attn") is not None
 HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
@@ -50,7 +50,7 @@ def clean_modules():
 @pytest.fixture(scope="module")
 def rings():
     with LocalRings(timeout=60) as r:
-        r.run(2, peer_adapters.stand_in_task)  # the stand-in in both workers, for the whole module
+        r.run(2, flash.stand_in_task)  # the stand-in in both workers, for the whole module
         yield r
 
 
@@ -60,6 +60,11 @@ def case_of(layout: str, dtype: str = "bfloat16", cu=None, seq_len: int = 24, he
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_len=seq_len, head_dim=head_dim, dtype=dtype, causal=True,
                          variant=variant)
     return Case(spec, RingSpec(2, layout), seed=seed)
+
+
+def impl_shards_task(member, impl: str, case: Case, inputs, forward_only: bool = False) -> dict:
+    """One rank's shards of `inputs` through `impl` (the harness's call, contiguous shards)."""
+    return impl_task(member, ImplOptions(impl, forward_only=forward_only), case, [inputs], ("contiguous",))["contiguous"]
 
 
 def verdict_of(rings, impl: str, case: Case):
@@ -95,7 +100,7 @@ def patched_basic_ring_task(member, impl, case, inputs):
     """A rank of ring-flash-attn's basic ring with its one suspect line patched (a copy of
     ring_flash_attn_backward with ``dq.to(torch.bfloat16)`` -> ``dq.to(q.dtype)``, compiled in
     the module's namespace and swapped in for this call only)."""
-    peer_adapters.load_ring_flash_attn()
+    rfa_adapter.load_ring_flash_attn()
     module = sys.modules["ring_flash_attn.ring_flash_attn"]
     original = module.ring_flash_attn_backward
     source = inspect.getsource(original)
@@ -199,7 +204,7 @@ def test_installed_but_unimportable_names_the_missing_module_and_the_chain(clean
 
 
 def test_a_package_that_is_not_installed_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(peer_adapters.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(flash.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RuntimeError, match=r"pip install yunchang==0\.6\.4"):
         load_impl("yunchang:ulysses", layout="contiguous")
     with pytest.raises(ValueError, match="yunchang:ulysses, yunchang:usp"):
@@ -212,7 +217,7 @@ def test_without_transformers_the_ring_modules_load_without_the_hf_adapter(clean
     for name in [n for n in sys.modules if n.split(".")[0] == "ring_flash_attn"]:
         monkeypatch.delitem(sys.modules, name)
     flash_stand_in.install()
-    package = peer_adapters.load_ring_flash_attn()
+    package = rfa_adapter.load_ring_flash_attn()
     assert "transformers is not installed" in package.__ringcheck_partial__
     assert callable(package.llama3_flash_attn_prepare_cu_seqlens) and callable(package.zigzag_ring_flash_attn_func)
     assert "ring_flash_attn.adapters" not in sys.modules

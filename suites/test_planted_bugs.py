@@ -9,7 +9,7 @@ import pytest
 
 from ringcheck.judge.check import run_case, simulated_impl
 from ringcheck.testing.cases import PLANTED_CASES
-from ringcheck.testing.planted import PLANTED
+from ringcheck.catalogue.planted import PLANTED
 
 
 def test_the_unbroken_ring_passes_these_cases():

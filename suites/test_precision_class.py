@@ -20,16 +20,16 @@ import warnings
 import pytest
 import torch
 
-from ringcheck.commands.adapters import load_impl
-from ringcheck.commands.validate import Target, validate_task
+from ringcheck.adapters import load_impl
+from ringcheck.commands.validate import Target, validate
 from ringcheck.judge.check import Case, Results, run_whole, simulated_impl, truth
 from ringcheck.judge.distributions import DISTRIBUTIONS
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.precision import CLASS_K, class_reference, flash_class, judge_class, judge_precision
 from ringcheck.launch import RingError
 from ringcheck.spec import DTYPES, AttentionSpec, RingSpec
-from ringcheck.testing.mutants import CATALOGUES
-from ringcheck.testing.precision_mutants import (
+from ringcheck.catalogue.mutants import CATALOGUES
+from ringcheck.catalogue.precision_mutants import (
     NARROWER,
     PRECISION_MUTANTS,
     narrowing,
@@ -130,7 +130,7 @@ def test_the_catalogue_has_a_mutant_per_tensor_and_narrow_dtype():
         narrowing("dz", "bfloat16")
     with pytest.raises(ValueError, match="not one of"):
         narrowing("dq", "float8")
-    assert CATALOGUES["ringcheck.testing.precision_mutants"] == "PRECISION_MUTANTS"
+    assert CATALOGUES["ringcheck.catalogue.precision_mutants"] == "PRECISION_MUTANTS"
     for module, name in CATALOGUES.items():
         assert getattr(importlib.import_module(module), name)
     impl = load_impl("ringcheck.testing.precision_mutants:narrow_dk_float16", layout="zigzag")
@@ -206,13 +206,13 @@ def test_the_textbook_and_torch_cp_rings_raise_no_false_alarm(run_on_ring, world
     assert max(worst.values()) < 0.75, worst
 
 
-def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(run_on_ring):
+def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(ring_processes):
     """The issue's bug: dq rounded through bfloat16 for float16 inputs. validate's precision
     backward row fails it by >= 3x on dq alone; the forward row passes."""
     target = Target(seq_len=64, world_size=2, heads=4, kv_heads=2, head_dim=32, dtype="float16", causal=True,
                     layout="zigzag", impl="ringcheck.testing.precision_mutants:narrow_dq_bfloat16",
                     local_lengths=(16,), sample_rows=4, distributions=("normal", "outlier"))
-    rows = {r.check: r for r in run_on_ring(2, validate_task, target)[0]}
+    rows = {r.check: r for r in validate(target, ring_processes)}
     forward = rows["precision forward  vs flash-style kernel (local 16)"]
     backward = rows["precision backward vs flash-style kernel (local 16)"]
     assert forward.status == "pass" and list(forward.tensors) == ["out", "lse"]

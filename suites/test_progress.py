@@ -9,7 +9,7 @@ from io import StringIO
 from rich.console import Console
 
 from ringcheck import cli
-from ringcheck.commands.validate import Target, validate_steps, validate_task
+from ringcheck.commands.validate import Target, validate, validate_steps
 from ringcheck.launch import LocalRings, ProgressFile, relay
 from ringcheck.render.terminal import drift_progress, progress
 
@@ -56,12 +56,12 @@ def test_relay_delivers_every_line_and_survives_a_broken_file(tmp_path):
     ProgressFile(str(tmp_path / "missing" / "file.txt"))("no such folder: ignored")  # never raises
 
 
-def test_validate_notes_reach_the_parent_from_a_local_ring():
+def test_validate_notes_reach_the_command_that_drives_the_ring():
     target = Target(seq_len=32, world_size=2, heads=2, kv_heads=1, head_dim=8, distributions=("normal",),
                     sample_rows=4, local_lengths=(2, 6))
     got: list[str] = []
-    with LocalRings(timeout=60) as rings, relay(got.append, interval=0.01) as channel:
-        rows = rings.run(2, validate_task, target, channel)[0]
+    with LocalRings(timeout=60) as rings:
+        rows = validate(target, rings, progress=got.append)
     assert all(r.passed for r in rows)
     assert len(got) == validate_steps(target) == 5
     assert got[:2] == ["normal, 2 tokens per rank", "normal, 6 tokens per rank"]

@@ -68,7 +68,8 @@ def test_our_ring_passes_every_property_of_the_in_package_suite(user_dir, torchr
         pytest.skip("starts its own local rings: run with plain pytest")
     result = _pytest(user_dir, "--ring-impl", "ringcheck", "--ring-world-sizes", "1,2", "-v")
     assert result.returncode == 0, _said(result)
-    assert "ringcheck implementation under test: ringcheck on local gloo rings; ring sizes 1,2" in result.stdout
+    assert ("ringcheck implementation under test: ringcheck on local gloo rings, each ring beside a second one "
+            "(mesh cp=P,tp=2); ring sizes 1,2") in result.stdout
     passed = re.findall(r"::(test_\w+)\[forward\+backward\] PASSED", result.stdout)
     # the properties of any ring, the variants, and the one of our ring's internals
     for name in ("test_budget_against_float64", "test_ring_size_and_layout_invariance", "test_determinism",

@@ -42,7 +42,7 @@ from ringcheck.ring.backends.torch_backend import TorchBackend
 from ringcheck.ring.backends.triton_backend import TritonBackend
 from ringcheck.ring.loops import REAL_PARTS
 from ringcheck.testing.cases import TRITON_CASES, TRITON_GPU_CASES, TRITON_PLANTED_CASES
-from ringcheck.testing.planted import with_backend
+from ringcheck.catalogue.planted import with_backend
 
 BACKEND = TritonBackend()
 if BACKEND.interpreted:

@@ -10,9 +10,9 @@ import pytest
 from ringcheck import ring_attention
 from ringcheck.cli import main
 from ringcheck.cli.validate import rerun_command
-from ringcheck.commands.validate import Target, scaled_cases, validate_task
+from ringcheck.commands.validate import Target, scaled_cases, validate
 from ringcheck.launch import RingError
-from ringcheck.testing.variant_mutants import VARIANT_MUTANTS
+from ringcheck.catalogue.variant_mutants import VARIANT_MUTANTS
 
 VARIANT_TARGET = dict(seq_len=128, world_size=4, layout="zigzag_docs", documents="random:4", pad=16,
                       window=(24, 0), softcap=20.0, sinks=True, head_dim_v=16, head_dim=32,
@@ -35,13 +35,13 @@ def drops_the_sinks(q, k, v, *, causal, softmax_scale, group=None, layout="zigza
     return out + 0 * sinks.sum(), lse
 
 
-def _rows(run_on_ring, **target):
+def _rows(ring_processes, **target):
     t = Target(**{**VARIANT_TARGET, **target})
-    return run_on_ring(t.world_size, validate_task, t)[0]
+    return validate(t, ring_processes)
 
 
-def test_our_ring_passes_validate_at_a_training_configuration(run_on_ring):
-    rows = _rows(run_on_ring)
+def test_our_ring_passes_validate_at_a_training_configuration(ring_processes):
+    rows = _rows(ring_processes)
     failed = [r for r in rows if r.status == "fail"]
     assert not failed, [(r.check, r.detail) for r in failed]
     backward = [r for r in rows if r.check.startswith("backward")]
@@ -52,8 +52,8 @@ def test_our_ring_passes_validate_at_a_training_configuration(run_on_ring):
     ("suites.test_validate_variants:drops_the_window", "out"),
     ("suites.test_validate_variants:drops_the_sinks", "lse"),
 ])
-def test_a_ring_that_drops_a_variant_fails(run_on_ring, impl, tensor):
-    rows = _rows(run_on_ring, impl=impl)
+def test_a_ring_that_drops_a_variant_fails(ring_processes, impl, tensor):
+    rows = _rows(ring_processes, impl=impl)
     failed = [r for r in rows if r.status == "fail"]
     assert failed, "validate passed a ring that drops a variant"
     assert any(not r.tensors.get(tensor, {"passed": True})["passed"] for r in failed), [r.tensors for r in failed]
@@ -117,10 +117,10 @@ def _mutant_target(name: str) -> Target:
     return Target(**MUTANT_TARGET, **flags, impl=f"ringcheck.testing.variant_mutants:{name}")
 
 
-def test_the_textbook_varlen_ring_passes_validate_with_every_variant(run_on_ring):
+def test_the_textbook_varlen_ring_passes_validate_with_every_variant(ring_processes):
     t = Target(**MUTANT_TARGET, **{k: v for f in _FLAGS.values() for k, v in f.items()},
                impl="ringcheck.testing.variant_mutants:textbook_varlen")
-    rows = run_on_ring(t.world_size, validate_task, t)[0]
+    rows = validate(t, ring_processes)
     assert all(r.passed for r in rows), [(r.check, r.detail) for r in rows if not r.passed]
 
 
@@ -129,17 +129,17 @@ def test_the_textbook_varlen_ring_passes_validate_with_every_variant(run_on_ring
 CONTRACT_CAUGHT = {"sinks_no_grad": "no gradient flows to sinks"}
 
 
-def _mutant_outcome(run_on_ring, name):
+def _mutant_outcome(ring_processes, name):
     """The rows of validate on the mutant, or the error it was refused with."""
     try:
-        return run_on_ring(4, validate_task, _mutant_target(name))[0]
+        return validate(_mutant_target(name), ring_processes)
     except RingError as exc:
         return str(exc)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANT_MUTANTS))
-def test_every_variant_mutant_fails_validate(run_on_ring, name):
-    outcome = _mutant_outcome(run_on_ring, name)
+def test_every_variant_mutant_fails_validate(ring_processes, name):
+    outcome = _mutant_outcome(ring_processes, name)
     if name in CONTRACT_CAUGHT:
         assert isinstance(outcome, str) and CONTRACT_CAUGHT[name] in outcome, outcome
         return

@@ -26,7 +26,7 @@ dsinks where the configuration has sinks):
     sinks_dropped           sinks_p4, sinks_docs_p3                 out      all
     sink_per_step           sinks_p4, sinks_docs_p3                 out      all
     sinks_no_grad           sinks_p4, sinks_docs_p3                 dsinks   dsinks only
-    dsinks_not_reduced      sinks_p4, sinks_docs_p3                 dsinks   dsinks only (every rank's differs)
+    dsinks_all_reduced      sinks_p4, sinks_docs_p3                 dsinks   dsinks only (P times the share summed)
     softcap_before_scale    softcap_p2, softcap_wide_p4             out      all
     softcap_no_tanh_grad    softcap_p2, softcap_wide_p4             dq       dq, dk only
     sinks_gqa_order         sinks_p4, sinks_docs_p3                 out      all
@@ -38,11 +38,12 @@ import pytest
 import torch
 
 import ringcheck
+from ringcheck.catalogue.variant_mutants import VARIANT_MUTANTS, textbook_varlen
+from ringcheck.catalogue.variant_textbook import BUGS
 from ringcheck.judge.check import Case, Results, judge_results, peer, truth
 from ringcheck.judge.inputs import make_inputs
+from ringcheck.judge.sinks import combine
 from ringcheck.spec import AttentionSpec, RingSpec, Variant
-from ringcheck.testing.variant_mutants import VARIANT_MUTANTS, textbook_varlen
-from ringcheck.testing.variant_textbook import BUGS
 
 IMPLS = {"textbook_varlen": textbook_varlen, **{name: fn for name, (fn, _, _) in VARIANT_MUTANTS.items()}}
 
@@ -91,13 +92,13 @@ MUST_FAIL = {
     "sinks_dropped": (("sinks_p4", "sinks_docs_p3"), "out"),
     "sink_per_step": (("sinks_p4", "sinks_docs_p3"), "out"),
     "sinks_no_grad": (("sinks_p4", "sinks_docs_p3"), "dsinks"),
-    "dsinks_not_reduced": (("sinks_p4", "sinks_docs_p3"), "dsinks"),
+    "dsinks_all_reduced": (("sinks_p4", "sinks_docs_p3"), "dsinks"),
     "softcap_before_scale": (("softcap_p2", "softcap_wide_p4"), "out"),
     "softcap_no_tanh_grad": (("softcap_p2", "softcap_wide_p4"), "dq"),
     "sinks_gqa_order": (("sinks_p4", "sinks_docs_p3"), "out"),
 }
 # defects that live only in the backward: the forward (out, lse) must pass
-BACKWARD_ONLY = {"sinks_no_grad", "dsinks_not_reduced", "softcap_no_tanh_grad"}
+BACKWARD_ONLY = {"sinks_no_grad", "dsinks_all_reduced", "softcap_no_tanh_grad"}
 CONTROL = "plain_bidir_p3"  # no variant, no empty block: every mutant must pass it
 
 JOBS = ([("textbook_varlen", name) for name in CONFIGS]
@@ -136,8 +137,8 @@ def run_jobs_task(member, jobs):
 
 
 def _judge(case: Case, per_rank) -> list:
-    """Verdicts of the gathered results: all tensors with rank 0's dsinks, then (with sinks)
-    the dsinks of every other rank, each of which must be the whole sequence's."""
+    """Verdicts of the gathered results: every tensor, dsinks as the sum of every rank's own
+    share (the default "partial" convention: the framework reduces it)."""
     s, ring = case.spec, case.ring
     cu = s.variant_kwargs().get("cu_seqlens")
     inputs = make_inputs(s, seed=case.seed, distribution=case.distribution, ring=ring)
@@ -150,14 +151,11 @@ def _judge(case: Case, per_rank) -> list:
         return ringcheck.unshard(shards, layout=ring.layout, dim=dim, cu_seqlens=cu)
 
     tensors = [whole(0, true.out), whole(1, true.lse, 2), whole(2, inputs.q), whole(3, inputs.k), whole(4, inputs.v)]
-    dsinks = [None if inputs.sinks is None else (r[5] if r[5] is not None else torch.zeros_like(inputs.sinks))
-              for r in per_rank]
-    verdicts = [judge_results(case, Results(*tensors, dsinks[0]), true, peer_results, inputs=inputs)]
-    for rank in range(1, ring.world_size) if inputs.sinks is not None else ():
-        verdict = judge_results(case, Results(*tensors, dsinks[rank]), true, peer_results, inputs=inputs, tensors=())
-        verdict.case += f" (dsinks of rank {rank})"
-        verdicts.append(verdict)
-    return verdicts
+    if inputs.sinks is None:
+        return [judge_results(case, Results(*tensors), true, peer_results, inputs=inputs)]
+    parts = tuple(r[5] if r[5] is not None else torch.zeros_like(inputs.sinks) for r in per_rank)
+    got = Results(*tensors, combine(parts, "partial"), parts, "partial")
+    return [judge_results(case, got, true, peer_results, inputs=inputs)]
 
 
 @pytest.fixture(scope="module")

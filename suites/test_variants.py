@@ -22,7 +22,7 @@ from ringcheck import shard, simulate_ring, unshard
 from ringcheck.judge.check import run_case, simulated_impl
 from ringcheck.ring.layouts import block_plan, positions, work_counts
 from ringcheck.ring.merge import finish, start_state
-from ringcheck.testing.planted import PLANTED
+from ringcheck.catalogue.planted import PLANTED
 from ringcheck.testing.variant_cases import VARIANT_CASES, VARIANT_PLANTED_CASES
 
 

@@ -3,7 +3,7 @@ shipped and with a patched copy of yunchang.ring.ring_flash_attn.ring_flash_attn
 line returns dq.to(q.dtype) instead of dq.to(torch.bfloat16)."""
 import inspect
 
-from ringcheck.commands.validate import Target, validate_task
+from ringcheck.commands.validate import Target, validate
 from ringcheck.launch import LocalRings
 
 
@@ -23,10 +23,8 @@ if __name__ == "__main__":
     for impl, p in (("yunchang:ring:basic", 2), ("yunchang:usp", 4)):
         target = Target(impl=impl, layout="contiguous", world_size=p, seq_len=256, dtype="float16",
                         local_lengths=(2, 6), flash_attn_stand_in=True)
-        with LocalRings(timeout=120) as rings:
-            for label in ("as shipped", "patched"):
-                if label == "patched":
-                    rings.run(p, patch_task)
-                rows = rings.run(p, validate_task, target, None)[0]
-                bad = [r.check for r in rows if not r.passed]
-                print(impl, f"P={p}", label, "PASSED" if not bad else f"FAILED: {bad}", flush=True)
+        for label, setup in (("as shipped", None), ("patched", patch_task)):
+            with LocalRings(timeout=120, setup=setup) as rings:  # every pool runs the patch first
+                rows = validate(target, rings)
+            bad = [r.check for r in rows if not r.passed]
+            print(impl, f"P={p}", label, "PASSED" if not bad else f"FAILED: {bad}", flush=True)

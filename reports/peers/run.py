@@ -1,6 +1,6 @@
 """Every built-in adapter through validate's `--quick` checks, in float32, bfloat16 and float16 at
 P=2 and P=4 (causal, --seq-len 256, 4 heads / 2 K/V heads, head dim 64): the same targets and
-`validate_task` as `ringcheck validate`, run in one pair of local gloo rings kept alive between
+`validate` as `ringcheck validate`, run on local gloo rings kept alive between
 targets (a CLI run starts its own ring each time: the same checks, minutes slower). One JSON
 report per target (`<adapter>_<dtype>_P<n>.json`, its "command" re-runs it with the CLI) and
 `summary.json` (adapter, dtype, P, verdict, failing rows, or why it did not run).
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from ringcheck.cli.validate import QUICK_LENGTHS, rerun_command, short_failures
-from ringcheck.commands.adapters import load_impl
-from ringcheck.commands.validate import Target, check_variant_keywords, report_dict, validate_task
+from ringcheck.adapters import load_impl
+from ringcheck.commands.validate import Target, check_variant_keywords, placement, report_dict, validate
 from ringcheck.documents import meta, save
 from ringcheck.flash_stand_in import install
 from ringcheck.launch import LocalRings, RingError
@@ -51,10 +51,11 @@ def one(rings, impl: str, dtype: str, p: int) -> dict:
     except (ValueError, TypeError, RuntimeError) as exc:
         return {**row, "verdict": "not run", "why": str(exc)}
     try:
-        checks = rings.run(p, validate_task, target, None)[0]
+        checks = validate(target, rings)
     except RingError as exc:
         return {**row, "verdict": "error", "why": short_failures(exc)}
-    report = report_dict(target, checks, meta=meta(command, elapsed_s=time.perf_counter() - start))
+    report = report_dict(target, checks, meta=meta(command, elapsed_s=time.perf_counter() - start),
+                         where=placement(target, None, loaded.world_only))
     report["command"] = command
     save(report, HERE / f"{impl.replace(':', '_')}_{dtype}_P{p}.json")
     failing = [f"{c.check}: {c.detail}" for c in checks if not c.passed]

@@ -45,7 +45,7 @@ def exchange(group, tensors):
         return [], [t.clone() for t in tensors]
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
     return dist.batch_isend_irecv(ops), received

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..adapters.flash import stand_in_task
 from ..commands.bench import (
     BENCH_MODES,
     DEFAULT_IMPLS,
@@ -19,7 +20,6 @@ from ..commands.bench import (
     machine,
     run_bench,
 )
-from ..commands.peer_adapters import stand_in_task
 from ..documents import save
 from ..flash_stand_in import install as install_flash_stand_in
 from ..launch import LocalRings
@@ -40,7 +40,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     values.update(QUICK if args.quick else FULL if args.full else {})
     impls = tuple(x for group in (args.impl or [DEFAULT_IMPLS]) for x in group)
     values["impls"] = impls
-    for name in ("dtypes", "ring_sizes", "tokens", "heads", "head_dim", "modes", "repeats", "warmup", "sections"):
+    for name in ("dtypes", "ring_sizes", "tokens", "heads", "head_dim", "modes", "repeats", "warmup", "sections",
+                 "mesh"):
         value = getattr(args, name)
         if value is not None:
             values[name] = value
@@ -86,6 +87,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--impl", type=list_of(str), action="append",
                    help=f"systems, repeatable or comma list (default {','.join(DEFAULT_IMPLS)}); any --impl "
                         "of validate (package.module:function) runs with our ring's layouts")
+    p.add_argument("--mesh", metavar="DIM=N,...",
+                   help="the distributed systems' rings inside this mesh (outermost dim first, one dim named cp, set "
+                        "to each ring size; e.g. cp=4,tp=2): every CP group times at once, a repeat lasts as long as "
+                        "the slowest rank of any group (default: each ring alone)")
     p.add_argument("--dtypes", type=list_of(str), help="default float32,bfloat16")
     p.add_argument("--ring-sizes", dest="ring_sizes", type=list_of(int), help="default 2,4")
     p.add_argument("--tokens", type=list_of(int), help="total tokens (default 1024,4096)")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import replace
 
 import torch
 
-from ..commands.adapters import load_impl, require_variant_keywords
+from ..adapters import load_impl, require_variant_keywords
 from ..commands.drift import (
     AS_IMPLEMENTED,
     DEFAULT_ACCUMULATIONS,
@@ -30,6 +31,8 @@ from ..commands.drift import (
 from ..commands.drift_model import MIN_FIT_SAMPLES
 from ..documents import DRIFT_SCHEMA, diff_documents, exact_differences, load, require_same_spec
 from ..flash_stand_in import install as install_flash_stand_in
+from ..harness import Mesh
+from ..harness.embedding import EmbeddingFailure
 from ..judge.distributions import DISTRIBUTIONS
 from ..launch import RingError, from_torchrun_env, open_ring
 from ..render.files import write_drift_reports
@@ -102,19 +105,45 @@ def _cmd_drift(args: argparse.Namespace) -> int:
         require_variant_keywords(impl.fn, impl.name, att)  # never judge a variant the implementation was not given
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
+    mesh = _mesh(args, spec)
     ring = open_ring(timeout=args.timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)
     try:
-        implementation = ring_implementation(args.impl, ring.run, forward_only=args.forward_only,
-                                             stand_in=args.flash_attn_stand_in, max_ring_size=ring.size)
+        if mesh is not None and ring.is_torchrun and mesh.size != ring.size:
+            raise UsageError(f"--mesh {mesh.text} has {mesh.size} ranks but the torchrun world has {ring.size}: "
+                             f"launch with --nproc-per-node={mesh.size}")
+        implementation = ring_implementation(args.impl, ring, forward_only=args.forward_only,
+                                             stand_in=args.flash_attn_stand_in, max_ring_size=ring.size, mesh=mesh,
+                                             sinks_grad=args.sinks_grad)
         left_out = [p for p in spec.ring_sizes if ring.size is not None and p > ring.size]
         if left_out:
             notes.append(f"ring sizes {left_out} left out: the torchrun world has {ring.size} ranks")
+        notes.append(f"every ring inside mesh {mesh.text} (its cp dim set to the ring size)" if mesh is not None else
+                     "every ring beside a second one (mesh cp=P,tp=2) where the processes hold it; the sweep "
+                     "measures the first, the second must pass the budget rule")
         try:
             return _sweep(args, spec, implementation, make_console(), notes=notes, main=ring.is_main)
         except RingError as exc:
             raise incomplete_run(exc, args.log_dir) from exc
+        except EmbeddingFailure as exc:
+            if ring.is_main:
+                print(f"FAILED: {exc}", file=sys.stderr)
+            return EXIT_FAILED
     finally:
         ring.close()
+
+
+def _mesh(args: argparse.Namespace, spec: DriftSpec) -> Mesh | None:
+    """--mesh, checked against the sweep before any rank starts: its cp dim holds the largest ring."""
+    if args.mesh is None:
+        return None
+    try:
+        mesh = Mesh.parse(args.mesh)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if max(spec.ring_sizes) > mesh.cp:
+        raise UsageError(f"--mesh {mesh.text}: its cp dim is the largest ring of the sweep, but --ring-sizes asks for "
+                         f"{max(spec.ring_sizes)}; pass cp={max(spec.ring_sizes)} or smaller ring sizes")
+    return mesh
 
 
 def _sweep(args: argparse.Namespace, spec: DriftSpec, implementation: Implementation, console, *,
@@ -206,6 +235,13 @@ def _add_drift(sub) -> None:
     p.add_argument("--seeds", type=int, default=2,
                    help="seeds 0..N-1 per case (default 2; raised, with a note, to give every slope fit "
                         f"{MIN_FIT_SAMPLES} points)")
+    p.add_argument("--mesh", default=None, metavar="DIM=N,...",
+                   help="with --impl: the mesh every ring runs inside (outermost dim first, one dim named cp; its cp "
+                        "dim set to each ring size), each CP group on its own data, the others judged by the budget "
+                        "rule (default: cp=P,tp=2 where the processes hold it); under torchrun the world must be it")
+    p.add_argument("--sinks-grad", dest="sinks_grad", default="partial", choices=["partial", "reduced"],
+                   help="with --impl and --sinks: what each rank's sinks.grad holds (default partial: its own rows' "
+                        "share, summed over the group here; reduced: the whole sequence's)")
     p.add_argument("--impl", default="simulated",
                    help="the ring under test: simulated (default: our ring, simulated in one process, with the "
                         "per-step drift and the --accumulate control), or any implementation under the --impl "

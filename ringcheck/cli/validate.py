@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import time
 import tomllib
-from contextlib import nullcontext
 from pathlib import Path
 
-from ..commands.adapters import load_impl
-from ..commands.peer_adapters import stand_in_row
-from ..commands.validate import Target, check_variant_keywords, report_dict, validate_steps, validate_task
-from ..launch import RingError, open_ring, relay
+from ..adapters import load_impl
+from ..commands.validate import Target, check_variant_keywords, placement, report_dict, validate, validate_steps
+from ..commands.validate_rows import stand_in_row
+from ..commands.validate_target import check_keys, check_types
+from ..harness import Mesh
+from ..launch import RingError, open_ring
 from ..render.files import write_validate_reports
 from ..render.terminal import (
     make_console,
@@ -41,13 +43,15 @@ from .common import (
 _VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v")  # `VariantOptions`
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
-                 "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only")
+                 "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
 
 
 def _read_config(path_text: str) -> dict:
+    """The config's keys: top-level keys and a [validate] table, merged (a key in both with two
+    values is refused); every key known (a "did you mean" otherwise) and of its type, named."""
     path = Path(path_text)
     if not path.is_file():
         raise UsageError(f"--config {path_text}: no such file")
@@ -55,8 +59,27 @@ def _read_config(path_text: str) -> dict:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {path_text} is not valid TOML: {exc}") from exc
-    values = values.get("validate", values)  # a [validate] table, or top-level keys
-    return {key.replace("-", "_"): value for key, value in values.items()}
+    table = values.pop("validate", {})
+    if not isinstance(table, dict):
+        raise UsageError(f"--config {path_text}: validate must be a [validate] table, got {table!r}")
+    top = {key.replace("-", "_"): value for key, value in values.items()}
+    table = {key.replace("-", "_"): value for key, value in table.items()}
+    clash = sorted(k for k in set(top) & set(table) if top[k] != table[k])
+    if clash:
+        said = ", ".join(f"{k} = {top[k]!r} at the top level and {table[k]!r} in [validate]" for k in clash)
+        raise UsageError(f"--config {path_text}: {said}; keep one of them")
+    merged = {**top, **table}
+    try:
+        check_keys(merged, [*(f.name for f in dataclasses.fields(Target)), *_RUN_KEYS], f"--config {path_text}")
+        check_types(merged, source=f"--config {path_text}")
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    if not isinstance(merged.get("quick", False), bool):
+        raise UsageError(f"--config {path_text}: quick must be true or false, got {merged['quick']!r}")
+    timeout = merged.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+        raise UsageError(f"--config {path_text}: timeout must be a number of seconds, got {timeout!r}")
+    return merged
 
 
 def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
@@ -64,14 +87,17 @@ def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
     values = _read_config(args.config) if args.config else {}
     quick = values.pop("quick", False)
     timeout = values.pop("timeout", None)
-    if not isinstance(quick, bool):
-        raise UsageError(f"--config {args.config}: quick must be true or false, got {quick!r}")
     for name in _TARGET_FLAGS:
         value = getattr(args, name)
         if value is not None:
             values[name] = value
     if args.quick or quick:
         values.setdefault("local_lengths", QUICK_LENGTHS)
+    if values.get("mesh") is not None and "world_size" not in values:  # the mesh's cp dim is the ring
+        try:
+            values["world_size"] = Mesh.parse(values["mesh"]).cp
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     timeout = args.timeout if args.timeout is not None else timeout if timeout is not None else DEFAULT_TIMEOUT_S
     try:
         return Target.from_mapping(values, source=args.config or "flags"), check_timeout(timeout)
@@ -79,10 +105,21 @@ def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
         raise UsageError(str(exc)) from exc
 
 
-def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> str:
+def where_to_rerun(environ) -> str:
+    """The part of a re-run command before `ringcheck` that makes it reproduce this run from
+    anywhere: the working directory, and the PYTHONPATH that let the ranks import the user's
+    modules (made absolute), read once here at the edge."""
+    cwd = os.getcwd()
+    paths = [str(Path(cwd, p).resolve()) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return f"cd {shlex.quote(cwd)} && " + (f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} " if paths else "")
+
+
+def rerun_command(target: Target, timeout: float, *, torchrun: bool = False, world: int | None = None,
+                  prefix: str = "") -> str:
     """The command that repeats this validate run exactly: every setting of the target as a
     flag (config values expanded, defaults spelled out, so a change of defaults cannot change
-    what it runs) and the timeout; under torchrun, the torchrun launch of it."""
+    what it runs) and the timeout; under torchrun, the torchrun launch of it on `world` ranks;
+    after `prefix` (`where_to_rerun`: the directory and PYTHONPATH of the run)."""
     flags: list[str] = []
     for name in _TARGET_FLAGS:
         value = getattr(target, name)
@@ -97,13 +134,15 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False) -> 
             flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
         elif name == "distributions":
             flags += [flag, ",".join(value)]
+        elif name == "sinks_grad" and not target.sinks:
+            continue
         else:
             flags += [flag, str(value)]
     flags += target.variants.flags()
     flags += ["--timeout", f"{timeout:g}"]
-    head = (f"torchrun --nproc-per-node={target.world_size} -m ringcheck validate" if torchrun
+    head = (f"torchrun --nproc-per-node={world or target.world_size} -m ringcheck validate" if torchrun
             else "ringcheck validate")
-    return head + " " + shlex.join(flags)
+    return prefix + head + " " + shlex.join(flags)
 
 
 def short_failures(exc) -> str:
@@ -129,51 +168,49 @@ def incomplete_run(exc, log_dir: str | None) -> UsageError:
                       + (f"\n{note}" if note else ""))
 
 
-def _progress_channel(ring, advance, enabled: bool):
-    """How rank 0's progress notes reach `advance` here: directly under torchrun (rank 0 is this
-    process), from a local ring's worker through a file this process polls (`launch.relay`)."""
-    if not enabled:
-        return nullcontext(None)
-    return nullcontext(advance) if ring.is_torchrun else relay(advance)
-
-
 def _cmd_validate(args: argparse.Namespace) -> int:
+    prefix = where_to_rerun(os.environ)  # before the launcher pins its package on the PYTHONPATH
     target, timeout = _validate_settings(args)
     stand_in = stand_in_row(target.flash_attn_stand_in)  # here too: loading the impl below imports it
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
-        impl = load_impl(target.impl, layout=target.layout, backend=target.backend)
+        impl = load_impl(target.impl, layout=target.layout, backend=target.backend, sinks_grad=target.sinks_grad)
         impl.check_layout(target.layout, target.causal)
         check_variant_keywords(impl, target)
+        placement(target, None, impl.world_only)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     console = make_console()
     start = time.perf_counter()
     ring = open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)
     try:
-        if ring.is_torchrun and ring.size != target.world_size:
-            if args.world_size is not None or args.config:
-                raise UsageError(f"the torchrun world has {ring.size} ranks but the target says world_size="
-                                 f"{target.world_size}; launch with torchrun --nproc-per-node={target.world_size}")
+        if ring.is_torchrun and target.mesh is None and args.world_size is None and not args.config:
             target = type(target).from_mapping({**target.to_dict(), "world_size": ring.size})
+        try:
+            where = placement(target, ring.size, impl.world_only)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
         main = ring.is_main
-        command = rerun_command(target, timeout, torchrun=ring.is_torchrun)
+        command = rerun_command(target, timeout, torchrun=ring.is_torchrun, world=ring.size, prefix=prefix)
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
             console.print(f"variants: {target.variants.describe()}", markup=False, highlight=False)
+            console.print(f"scaled-down cases: {where.scaled.describe()}; full length: {where.full.describe()}"
+                          + (f" ({where.alone})" if where.alone else ""), markup=False, highlight=False)
             if stand_in is not None:
                 console.print(f"flash-attn stand-in: {stand_in.detail}", markup=False, highlight=False)
         shows = main and shows_progress(args, console)
-        with (progress(validate_steps(target), console, enabled=shows, label="validating") as advance,
-              _progress_channel(ring, advance, shows) as channel):
-            try:
-                rows = ring.run(target.world_size, validate_task, target, channel)[0]
+        with progress(validate_steps(target), console, enabled=shows, label="validating") as advance:
+            try:  # the run is driven from here: progress notes need no channel
+                rows = validate(target, ring, progress=advance if shows else None)
             except RingError as exc:
                 raise incomplete_run(exc, args.log_dir) from exc
+            except (ValueError, TypeError) as exc:  # the implementation's contract, judged on the ranks' results
+                raise UsageError(str(exc)) from exc
     finally:
         ring.close()
     if not main:
         return EXIT_OK if all(r.passed for r in rows) else EXIT_FAILED
-    report = report_dict(target, rows, meta=command_meta(args, start))
+    report = report_dict(target, rows, meta=command_meta(args, start), where=where)
     report["command"] = command  # the run exactly, config values expanded
     print_check_rows(rows, report["passed"], console, compact=not args.full_table)
     if args.report:
@@ -206,7 +243,16 @@ def _add_validate(sub) -> None:
                         "cu_seqlens=None) -> LongTensor of the global positions that rank holds")
     p.add_argument("--softmax-scale", dest="softmax_scale", type=float, help="default 1/sqrt(head_dim)")
     p.add_argument("--world-size", dest="world_size", type=int,
-                   help="ranks of the local gloo ring (default 4; under torchrun: the world)")
+                   help="ranks of the ring, the mesh's cp dim (default 4; under torchrun without --mesh: the world)")
+    p.add_argument("--mesh", metavar="DIM=N,...",
+                   help="the device mesh the ring is embedded in, outermost dim first, exactly one dim named cp (the "
+                        "ring), e.g. dp=2,cp=4 (CP groups 0-3, 4-7) or cp=4,tp=2 (strided 0,2,4,6 and 1,3,5,7): every "
+                        "CP group runs at once on its own data and is judged (default: local rings run the scaled-down "
+                        "cases on cp=P,tp=2 and the full length alone; under torchrun the world must be the mesh)")
+    p.add_argument("--sinks-grad", dest="sinks_grad", choices=["partial", "reduced"],
+                   help="with --sinks, what each rank's sinks.grad holds: partial (default: its own rows' share; the "
+                        "framework sums it over the group, as Megatron-LM and torchtitan do) or reduced (the whole "
+                        "sequence's on every rank: the ring all-reduces it)")
     p.add_argument("--backend", help="block backend of our ring: torch (default), triton, flash_attn")
     p.add_argument("--seed", type=int, help="seed of every input (default 0)")
     p.add_argument("--sample-rows", dest="sample_rows", type=int, help="query rows checked at full length (default 16)")

@@ -42,6 +42,7 @@ from reference import dense_grads
 from reference.mp import mp_attention
 
 from ..documents import BENCH_SCHEMA, header
+from ..harness import Mesh
 from ..ring import (
     NoCommDriver,
     RankShard,
@@ -96,6 +97,9 @@ class BenchSpec:
     memory_ring_size: int = 2
     memory_tokens: tuple[int, ...] = (2048, 4096, 8192, 16384)
     seed: int = 0
+    # the distributed systems' rings inside a mesh (`ringcheck.harness.Mesh`, its cp dim set to
+    # each ring size): every CP group times at once, a repeat lasts as long as the slowest rank
+    mesh: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed, got in (("--modes", BENCH_MODES, self.modes), ("--sections", SECTIONS, self.sections),
@@ -108,6 +112,9 @@ class BenchSpec:
                              ("memory tokens", self.memory_tokens), ("balance ring sizes", self.balance_ring_sizes)):
             if not values or any(not isinstance(x, int) or x < 1 for x in values):
                 raise ValueError(f"{name} must be positive integers, got {values!r}")
+        if self.mesh is not None:
+            Mesh.parse(self.mesh)
+
         for n in self.tokens:
             for p in self.ring_sizes:
                 if n % (2 * p):
@@ -116,6 +123,14 @@ class BenchSpec:
             raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {self.repeats}, {self.warmup}")
         if self.heads < 1 or self.head_dim < 1:
             raise ValueError(f"--heads and --head-dim must be positive, got {self.heads}, {self.head_dim}")
+
+    def on_rings(self, rings, ring_size: int, task, *args) -> list:
+        """`task` on a ring of `ring_size`, or on every CP group of the mesh with that ring at
+        once: every rank's result (all groups', in group order)."""
+        if self.mesh is None:
+            return rings.run(ring_size, task, *args)
+        return [r for group in rings.run_groups(Mesh.parse(self.mesh).with_cp(ring_size).plan(), task, *args)
+                for r in group]
 
 
 QUICK = dict(dtypes=("float32",), ring_sizes=(2,), tokens=(512,), repeats=2, warmup=1,
@@ -167,7 +182,8 @@ def run_speed(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s
                                 rows.append(_row(case, system, median_s=None, na=why, threads=1))
                             else:
                                 runnable.append(system)
-                        per_rank = rings.run(p, speed_task, case, tuple(runnable), spec.warmup, spec.repeats) \
+                        per_rank = spec.on_rings(rings, p, speed_task, case, tuple(runnable), spec.warmup,
+                                                 spec.repeats) \
                             if runnable else []
                         for system in runnable:
                             got = [r[system] for r in per_rank]
@@ -202,7 +218,7 @@ def run_overlap(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda
                     for passes in spec.passes:
                         case = BenchCase(dtype, p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
                         progress("overlap " + case.key())
-                        got = rings.run(p, overlap_task, case, spec.warmup, spec.repeats)
+                        got = spec.on_rings(rings, p, overlap_task, case, spec.warmup, spec.repeats)
                         dist_t = statistics.median(max(ts) for ts in zip(*(g["distributed"] for g in got)))
                         local_t = statistics.median(max(ts) for ts in zip(*(g["no_comm"] for g in got)))
                         rows.append({"key": case.key(), "dtype": dtype, "ring_size": p, "tokens": n, "mode": mode,
@@ -270,7 +286,7 @@ def run_memory(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda 
                 case = BenchCase("float32", p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
                 progress("memory " + case.key())
                 runnable = [s for s in systems if system_layout(s, mode)[0] is not None]
-                got = rings.run(p, memory_task, case, tuple(runnable))
+                got = spec.on_rings(rings, p, memory_task, case, tuple(runnable))
                 for system in runnable:
                     per = [g[system] for g in got]
                     failed = [x["error"] for x in per if "error" in x]

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..adapters import load_impl
 from ..judge.check import Results, row_results
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
 from ..ring import DistributedDriver, NoCommDriver, make_config, run_ring, simulate_ring
 from ..ring.comm import RingComm, timed_waits
 from ..ring.layouts import positions, shard
 from ..spec import AttentionSpec
-from .adapters import load_impl
 
 OURS = "ringcheck"
 SIMULATED = "ringcheck:simulated"

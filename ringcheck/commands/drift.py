@@ -47,7 +47,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 from ..documents import DRIFT_SCHEMA, header
-from ..flash_stand_in import install as install_flash_stand_in
+from ..harness import ImplOptions, Mesh, Runner
+from ..harness.embedding import check_witnesses, default_mesh, group_inputs
 from ..judge.check import (
     MODES,
     TENSORS,
@@ -65,7 +66,6 @@ from ..ring.backends import BACKENDS
 from ..ring.layouts import positions
 from ..ring.loops import ACCUMULATIONS, StepObserver
 from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
-from ..testing.impl_runner import RingRun, impl_shards_task, whole_results
 from .drift_model import (
     FIT_MIN_P,
     PER_HEAD_RULE,
@@ -209,24 +209,27 @@ SIMULATED = Implementation("simulated", run_simulated)
 IMPLEMENTATIONS: dict[str, Implementation] = {"simulated": SIMULATED}
 
 
-def drift_impl_task(member, spec: str, case: Case, inputs: Inputs, forward_only: bool, stand_in: bool) -> dict:
-    """One rank of an --impl ring (`ringcheck.testing.impl_runner.impl_shards_task`), with the
-    flash-attn stand-in installed first in this process when asked (before the import)."""
-    if stand_in:
-        install_flash_stand_in()
-    return impl_shards_task(member, spec, case, inputs, forward_only)
+def ring_implementation(spec: str, processes, *, forward_only: bool = False, stand_in: bool = False,
+                        max_ring_size: int | None = None, mesh: Mesh | None = None,
+                        sinks_grad: str = "partial") -> Implementation:
+    """An implementation under the `--impl` contract (`ringcheck.adapters.load_impl`, `spec` as
+    --impl spells it) run on real process groups (`ringcheck.harness.Runner` on `processes`:
+    local gloo rings, or the torchrun world, whose size `max_ring_size` bounds the ring sizes),
+    each ring inside a mesh (`mesh` with its cp dim set to the ring size, else cp=P,tp=2 where
+    it fits): the sweep measures group 0, on the case's own inputs; the other groups, each on
+    its own data, must pass the budget rule where the ring passes alone
+    (`ringcheck.harness.embedding.EmbeddingFailure` otherwise). No accumulation
+    switch (`AS_IMPLEMENTED`), no per-step observer."""
+    options = ImplOptions(spec, forward_only=forward_only, stand_in=stand_in, sinks_grad=sinks_grad)
+    runner = Runner(processes, options)
+    world_only = options.load().world_only is not None
 
-
-def ring_implementation(spec: str, run: RingRun, *, forward_only: bool = False, stand_in: bool = False,
-                        max_ring_size: int | None = None) -> Implementation:
-    """An implementation under the `--impl` contract (`ringcheck.commands.adapters.load_impl`,
-    `spec` as --impl spells it) run on real process groups: `run(ring_size, task, *args)` is
-    `LocalRings.run` (local gloo rings) or `TorchrunWorld.run` (sub-groups of the torchrun
-    world, whose size `max_ring_size` bounds the ring sizes). No accumulation switch
-    (`AS_IMPLEMENTED`), no per-step observer."""
     def run_case(case: Case, inputs: Inputs, accumulation: str, observer: StepObserver | None) -> Results:
-        parts = run(case.ring.world_size, drift_impl_task, spec, case, inputs, forward_only, stand_in)
-        return whole_results(parts, case)
+        where = default_mesh(case.ring.world_size, room=max_ring_size, world_only=world_only, template=mesh)
+        everyone = group_inputs(case, inputs, where.rings)
+        runs = runner.run(case, everyone, where)
+        check_witnesses(runner, case, runs, everyone)
+        return runs[0].calls["contiguous"]
 
     def sizes(requested: Sequence[int]) -> tuple[int, ...]:
         return tuple(p for p in requested if max_ring_size is None or p <= max_ring_size)

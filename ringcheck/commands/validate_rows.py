@@ -1,6 +1,6 @@
 """The rows of validate's verdict table: `CheckRow`, and how judged cases become rows (the
-worst error / budget per tensor, the failing ranks), plus the rows that judge no tensor
-(finiteness, shape, work balance)."""
+worst error / budget per tensor, the failing ranks and CP groups), plus the rows that judge no
+tensor (finiteness, shape, work balance, the flash-attn stand-in)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from ..judge.check import Results, seq_dim, spec_floors, token_owners
 from ..judge.inputs import Inputs
+from ..judge.sinks import judge_sinks
 from ..judge.verdict import Verdict, judge
 from ..ring.layouts import work_counts
 from ..spec import AttentionSpec, Budget, RingSpec
@@ -24,8 +25,9 @@ class CheckRow:
 
     Rows that judge tensors also carry `tensors`: per tensor in order, {"passed", "ratio" (the
     worst error / budget over the row's cases), "ranks" (the ranks holding elements over
-    budget)}, and `failing_ranks`, the union of those ranks; `detail` locates the worst
-    element."""
+    budget)}, `failing_ranks`, the union of those ranks, and `failing_groups`, the CP groups
+    of a mesh (in words, with their global ranks) whose results failed; `detail` locates the
+    worst element."""
 
     check: str
     status: str
@@ -34,6 +36,7 @@ class CheckRow:
     detail: str = ""
     tensors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     failing_ranks: list[int] = dataclasses.field(default_factory=list)
+    failing_groups: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -49,9 +52,10 @@ def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results,
         tensors = (*tensors, "dsinks")
     for name in tensors:
         dtype = torch.float32 if name == "lse" else spec.torch_dtype
-        if name == "dsinks":  # one value per head: no rank or row to name
-            verdict.tensors.append(judge(name, got.dsinks, true.dsinks, peer_r.dsinks, k=budget.k_for(name),
-                                         dtype=dtype, floor=floors.get(name, 0.0)))
+        if name == "dsinks":  # one value per head: no rank or row to name; each rank's, under its convention
+            verdict.tensors.append(judge_sinks(lambda value: judge(
+                name, value, true.dsinks, peer_r.dsinks, k=budget.k_for(name), dtype=dtype,
+                floor=floors.get(name, 0.0)), got))
             continue
         keys = name in ("dk", "dv")
         ranks = owner if keys else owner[rows]  # out, lse, dq: of the sampled rows only
@@ -84,11 +88,14 @@ def summarise(label: str, verdicts: list[Verdict], tensors) -> CheckRow:
         s["ranks"] = sorted(set(s["ranks"]) | set(t.failing_ranks))
     v, t = max(judged, key=lambda vt: _ratio(vt[1]))
     failing = [t for _, t in judged if not t.passed]
-    detail = t.describe() + f" [{v.case}]"
+    groups = list(dict.fromkeys(v.group for v, t in judged if not t.passed and v.group))
+    detail = t.describe() + f" [{v.case}{', ' + v.group if v.group else ''}]"
     if failing:
         detail = f"{len(failing)} of {len(judged)} tensor checks over budget; worst: " + detail
+        if groups:
+            detail += "; failing in " + "; ".join(groups)
     return CheckRow(label, "fail" if failing else "pass", t.error, t.budget, detail, per,
-                    sorted({r for s in per.values() for r in s["ranks"]}))
+                    sorted({r for s in per.values() for r in s["ranks"]}), groups)
 
 
 def finite_row(verdicts: list[Verdict]) -> CheckRow:
@@ -133,3 +140,22 @@ def class_rows(verdicts: list[Verdict], lengths: str, forward_only: bool = False
     one-device kernel (one rounding to the input dtype) plus a float32 floor."""
     return [summarise(f"precision forward  vs flash-style kernel (local {lengths})", verdicts, ("out", "lse")),
             backward_row(f"precision backward vs flash-style kernel (local {lengths})", verdicts, forward_only)]
+
+
+def stand_in_row(requested: bool) -> CheckRow | None:
+    """With `requested` (``--flash-attn-stand-in``): install the flash-attn stand-in in this process
+    (never over a real flash-attn) and return the information row that says what happened, so
+    no report is silent about it; None without it."""
+    if not requested:
+        return None
+    # start-up time: the stand-in is imported only when asked for
+    from ..flash_stand_in import install
+
+    return CheckRow("flash-attn stand-in", "info", detail=install().describe())
+
+
+def same_results(a: Results, b: Results) -> bool:
+    """Whether two results are the same bits (tensors that neither returned count as equal)."""
+    def same(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+    return all(same(a.get(t), b.get(t)) for t in ("out", "lse", "dq", "dk", "dv", "dsinks"))

@@ -2,7 +2,8 @@
 in-package suite (`pytest --ring-impl`) prints.
 
     python -m ringcheck.testing.impl_check --impl MOD:FN [--forward-only] [--timeout S] \\
-        [--flash-attn-stand-in] 'check_budget(Case(spec=AttentionSpec(...), ring=RingSpec(...), ...))'
+        [--flash-attn-stand-in] [--mesh DIM=N,...] [--sinks-grad partial|reduced] \\
+        'check_budget(Case(spec=AttentionSpec(...), ring=RingSpec(...), ...))'
     torchrun --standalone --nproc-per-node=P -m ringcheck.testing.impl_check --impl MOD:FN '...'
 
 The call names a property of `ringcheck.testing.properties` or `variant_properties` (the
@@ -19,11 +20,12 @@ import functools
 import inspect
 import sys
 
+from ..harness import Mesh
 from ..judge.check import Case
 from ..launch import open_ring
 from ..spec import AttentionSpec, RingSpec, Variant
-from . import properties, variant_properties
-from .impl_runner import Refused, RingImpl, loaded
+from . import embedded_properties, properties, variant_properties
+from .impl_runner import Refused, RingImpl, ring_impl
 
 # properties whose bit-exact comparisons assume our ring's block plan: for another ring they compare within budgets
 _PLAN_AWARE = ("check_full_window_is_no_window", "check_padding_is_inert")
@@ -32,7 +34,7 @@ _PLAN_AWARE = ("check_full_window_is_no_window", "check_padding_is_inert")
 def checks(impl: RingImpl) -> dict:
     """Every property body by name, with `impl` supplied."""
     found = {}
-    for module in (properties, variant_properties):
+    for module in (properties, variant_properties, embedded_properties):
         for name in dir(module):
             fn = getattr(module, name)
             if name.startswith("check_") and callable(fn) and "impl" in inspect.signature(fn).parameters:
@@ -72,12 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flash-attn-stand-in", action="store_true",
                         help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in "
                              "(here and on every rank), as the suite's --ring-flash-attn-stand-in did")
+    parser.add_argument("--mesh", default=None, metavar="DIM=N,...",
+                        help="the mesh whose other dims replicate the case's ring, as the suite's --ring-mesh "
+                             "(default: cp=P,tp=2 where it fits)")
+    parser.add_argument("--sinks-grad", dest="sinks_grad", default="partial", choices=["partial", "reduced"],
+                        help="what each rank's sinks.grad holds (default partial)")
     parser.add_argument("call", help="the property call a failure printed, e.g. 'check_budget(Case(...))'")
     args = parser.parse_args(argv)
     setup = None
     if args.flash_attn_stand_in:  # in this process (a torchrun rank), and in every local ring's workers
         # start-up time: the stand-in is imported only when asked for
-        from ..commands.peer_adapters import stand_in_task
+        from ..adapters.flash import stand_in_task
         from ..flash_stand_in import install
 
         print(f"flash-attn stand-in: {install().describe()}", file=sys.stderr)
@@ -89,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         try:
-            adapter = loaded(args.impl, "zigzag")  # a wrong spelling is a usage error, before any ring runs
-            impl = RingImpl(args.impl, ring.run, args.forward_only, check_target=adapter.check_target)
+            impl = ring_impl(args.impl, ring, forward_only=args.forward_only, stand_in=args.flash_attn_stand_in,
+                             sinks_grad=args.sinks_grad, mesh=None if args.mesh is None else Mesh.parse(args.mesh))
             name, call_args, call_kwargs = parse_call(args.call, checks(impl))
         except (ValueError, TypeError, RuntimeError) as exc:
             print(f"impl_check: error: {exc}", file=sys.stderr)

@@ -11,7 +11,11 @@ Options (the plugin's `ringcheck implementation under test` group):
 - ``--ring-world-sizes P[,P...]``: the ring sizes drawn (default 1,2,3,4 on local gloo rings;
   1..WORLD_SIZE under torchrun, each at most the world);
 - ``--ring-dtypes D[,D...]``: input dtypes drawn (default float32, bfloat16, float16);
-- ``--ring-forward-only``: no backward is run; backward properties say "not run".
+- ``--ring-forward-only``: no backward is run; backward properties say "not run";
+- ``--ring-mesh DIM=N,...``: the mesh each ring runs inside, its other dims replicating every
+  ring size drawn (default: cp=P,tp=2, two interleaved rings, where the processes hold it);
+  under torchrun its size must be the world's, and the ring sizes drawn are at most its cp;
+- ``--sinks-grad partial|reduced``: what each rank's sinks.grad holds (the contract's conventions).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from ..commands.adapters import BUILTIN, Impl, accepted_keywords, load_impl
+from ..adapters import BUILTIN, Impl, accepted_keywords, load_impl
+from ..harness import Mesh
 from ..judge.check import Case
+from ..ring.loops import check_sinks_grad
 from ..spec import ALL_LAYOUTS, DTYPES, LAYOUTS, RingSpec, check_layout, is_custom_layout
 
 LOCAL_WORLD_SIZES = (1, 2, 3, 4)  # local gloo rings: one pool of 4 processes serves them all
@@ -35,8 +41,13 @@ def _items(option: str, text: str | None) -> tuple[str, ...] | None:
     return items
 
 
-def _world_sizes(text: str | None, torchrun_size: int | None) -> tuple[int, ...]:
+def _world_sizes(text: str | None, torchrun_size: int | None, mesh: Mesh | None = None) -> tuple[int, ...]:
+    if mesh is not None and torchrun_size is not None and mesh.size != torchrun_size:
+        raise ValueError(f"--ring-mesh {mesh.text} has {mesh.size} ranks but the torchrun world has {torchrun_size}; "
+                         f"launch with --nproc-per-node={mesh.size} or pass a mesh of {torchrun_size} ranks")
     if text is None:
+        if mesh is not None:
+            return tuple(range(1, mesh.cp + 1))
         return tuple(range(1, torchrun_size + 1)) if torchrun_size else LOCAL_WORLD_SIZES
     try:
         sizes = tuple(int(x) for x in _items("--ring-world-sizes", text))
@@ -45,6 +56,9 @@ def _world_sizes(text: str | None, torchrun_size: int | None) -> tuple[int, ...]
     bad = [p for p in sizes if p < 1]
     if bad:
         raise ValueError(f"--ring-world-sizes {text}: ring sizes must be >= 1, got {bad}")
+    if mesh is not None and torchrun_size is not None and max(sizes) > mesh.cp:
+        raise ValueError(f"--ring-world-sizes {text} asks for a ring of {max(sizes)} ranks but --ring-mesh {mesh.text} "
+                         f"holds rings of at most cp={mesh.cp} in the torchrun world of {torchrun_size}")
     if torchrun_size is not None and max(sizes) > torchrun_size:
         raise ValueError(f"--ring-world-sizes {text} asks for a ring of {max(sizes)} ranks but the torchrun world has "
                          f"{torchrun_size}; launch with --nproc-per-node={max(sizes)} or drop the larger sizes")
@@ -65,6 +79,8 @@ class ImplConfig:
     torchrun_size: int | None = None   # the torchrun world's size, None under plain pytest
     layout_note: str = ""               # how the layouts were chosen, for the header
     stand_in: bool = False              # --ring-flash-attn-stand-in: replays need it too
+    mesh: Mesh | None = None            # --ring-mesh: its other dims replicate every ring size
+    sinks_grad: str = "partial"         # --sinks-grad
 
     @property
     def plain_layouts(self) -> tuple[str, ...]:
@@ -93,6 +109,15 @@ class ImplConfig:
 
     def describe(self) -> str:
         where = f"the torchrun world of {self.torchrun_size}" if self.torchrun_size else "local gloo rings"
+        if self.impl.world_only:
+            where += f"; each ring alone ({self.impl.world_only})"
+        elif self.mesh is not None:
+            where += f", inside mesh {self.mesh.text} (its cp dim set to each ring size)"
+        else:
+            room = "" if self.torchrun_size is None else (f"; rings of more than {self.torchrun_size // 2} ranks "
+                                                          f"run alone: one ring only (launch 2P ranks or pass "
+                                                          f"--ring-mesh to check group handling)")
+            where += f", each ring beside a second one (mesh cp=P,tp=2){room}"
         return (f"ringcheck implementation under test: {self.spec} on {where}; ring sizes "
                 f"{','.join(map(str, self.world_sizes))}; layouts {','.join(self.layouts)}{self.layout_note}; dtypes "
                 f"{','.join(self.dtypes)}" + ("; forward only (backward properties: not run)" if self.forward_only else ""))
@@ -106,12 +131,14 @@ class ImplConfig:
         flags = f" --impl {shlex.quote(self.spec)} --timeout {self.timeout:g}"
         quoted = f'"{call}"' if not any(c in call for c in '"$`\\!') else shlex.quote(call)  # reprs quote with '
         return (head + flags + (" --forward-only" if self.forward_only else "")
-                + (" --flash-attn-stand-in" if self.stand_in else "") + " " + quoted)
+                + (" --flash-attn-stand-in" if self.stand_in else "")
+                + (f" --mesh {self.mesh.text}" if self.mesh is not None else "")
+                + (f" --sinks-grad {self.sinks_grad}" if self.sinks_grad != "partial" else "") + " " + quoted)
 
 
 def impl_config(spec: str, *, layouts: str | None = None, world_sizes: str | None = None, dtypes: str | None = None,
                 forward_only: bool = False, timeout: float = 60.0, torchrun_size: int | None = None,
-                stand_in: bool = False) -> ImplConfig:
+                stand_in: bool = False, mesh: str | None = None, sinks_grad: str = "partial") -> ImplConfig:
     """The `ImplConfig` of the plugin's options (text as given on the command line); raises
     ValueError, TypeError or RuntimeError with what to fix (the plugin makes it a usage error)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -144,5 +171,7 @@ def impl_config(spec: str, *, layouts: str | None = None, world_sizes: str | Non
     if impl.dtypes is not None and set(picked) - set(impl.dtypes):
         raise ValueError(f"--ring-dtypes {dtypes}: --ring-impl {spec} runs {list(impl.dtypes)} only; drop "
                          f"{sorted(set(picked) - set(impl.dtypes))}")
-    return ImplConfig(spec.strip(), impl, tuple(chosen), _world_sizes(world_sizes, torchrun_size), picked,
-                      bool(forward_only), float(timeout), torchrun_size, note, bool(stand_in))
+    template = None if mesh is None else Mesh.parse(mesh)
+    return ImplConfig(spec.strip(), impl, tuple(chosen), _world_sizes(world_sizes, torchrun_size, template), picked,
+                      bool(forward_only), float(timeout), torchrun_size, note, bool(stand_in), template,
+                      check_sinks_grad(sinks_grad))

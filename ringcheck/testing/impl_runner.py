@@ -3,74 +3,36 @@ the property bodies (`ringcheck.testing.properties`, `variant_properties`).
 
 The property bodies take a factory ``Case -> WholeImpl``. A ring of processes cannot be
 differentiated from the process that judges it, so `RingImpl(case)` returns a `CaseRun`
-whose ``results(inputs)`` runs forward and backward on every rank of a ring of the case's
-size (one ring task: shard, call the implementation, backward with the case's dout) and
-unshards the ranks' results into whole tensors; the bodies' `_run` uses ``results`` where an
-implementation offers it. With ``forward_only`` the backward is not run: dq, dk and dv are
+whose ``results(inputs)`` runs forward and backward on every rank (`ringcheck.harness.Runner`)
+and unshards the ranks' results into whole tensors; the bodies' `_run` uses ``results`` where
+an implementation offers it. With ``forward_only`` the backward is not run: dq, dk and dv are
 None, and the bodies compare only the tensors that are present (so is lse, when the
 implementation returns out alone: the contract allows it).
 
-`run` is ``run(ring_size, task, *args) -> [result of every ring rank]``: local gloo rings
-(`ringcheck.launch.LocalRings.run`) under plain pytest, the torchrun world
-(`TorchrunWorld.run`, every rank calls it in the same order and gets every rank's results)
-under torchrun. Nothing here reads the environment.
+Each case runs as training embeds it: on a mesh of CP groups at once (the default embedding
+cp=P,tp=2 where the processes hold it, or the `--ring-mesh` given), the body's inputs on group
+0 and the other groups on their own data, judged by the budget rule; a group that fails while
+the same case passes alone makes the property fail with what that means (a ring wrong alone
+too is left to the property's own verdict). Nothing here reads the environment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from ..commands.adapters import Impl, accepted_keywords, load_impl
-from ..commands.impl_shards import run_shards
+from ..adapters import accepted_keywords
+from ..harness import TWO_CALLS, ImplOptions, Mesh, Runner
+from ..harness.embedding import check_witnesses, default_mesh, group_inputs
 from ..judge.check import Case, Results
 from ..judge.inputs import Inputs
-from ..ring.layouts import unshard
 
 # the contract's variant keywords, and what in a case asks for each
 VARIANT_KEYWORDS = ("cu_seqlens", "window", "softcap", "sinks")
-
-_LOADED: dict[tuple[str, str, str], Impl] = {}  # per process (a rank loads an implementation once)
-
-
-def loaded(spec: str, layout: str, backend: str = "torch") -> Impl:
-    """`load_impl(spec, layout=...)`, once per process."""
-    key = (spec, layout, backend)
-    if key not in _LOADED:
-        _LOADED[key] = load_impl(spec, layout=layout, backend=backend)
-    return _LOADED[key]
 
 
 def case_keywords(case: Case) -> tuple[str, ...]:
     """The variant keywords a case passes (documents, a window, a softcap, sinks)."""
     return (*case.spec.variant_kwargs(), *(("sinks",) if case.spec.sinks else ()))
-
-
-def impl_shards_task(member, spec: str, case: Case, inputs: Inputs, forward_only: bool) -> dict:
-    """One rank: its shards of the case's inputs through the implementation (and the backward
-    with its shard of dout unless `forward_only`); returns its shards of out, lse, dq, dk, dv
-    and the dsinks it holds, on the CPU (`ringcheck.commands.impl_shards.run_shards`, the way
-    validate calls it too)."""
-    impl = loaded(spec, case.ring.layout, case.backend)
-    return run_shards(impl, case, inputs, member.rank, member.group, member.device, forward_only=forward_only)
-
-
-def whole_results(parts: list[dict], case: Case) -> Results:
-    """Every rank's shards (ring-rank order) unsharded; a tensor no rank returned is None;
-    dsinks is ring rank 0's (every rank holds the whole sequence's: the contract)."""
-    layout, cu = case.ring.layout, case.spec.variant.cu_seqlens
-
-    def whole(name: str) -> torch.Tensor | None:
-        if parts[0][name] is None:
-            return None
-        return unshard([p[name] for p in parts], layout=layout, dim=2 if name == "lse" else 1, cu_seqlens=cu)
-
-    return Results(whole("out"), whole("lse"), whole("dq"), whole("dk"), whole("dv"), parts[0]["dsinks"])
-
-
-RingRun = Callable[..., list]  # run(ring_size, task, *args) -> every ring rank's result
 
 
 class Refused(ValueError):
@@ -97,13 +59,15 @@ class CaseTarget:
 @dataclass(frozen=True)
 class RingImpl:
     """The `impl` of a property body for an implementation under the `--impl` contract: a
-    factory ``Case -> CaseRun``, running on `run`'s process groups."""
+    factory ``Case -> CaseRun``, running through `runner` on meshes (`mesh_for`)."""
 
     spec: str
-    run: RingRun = field(compare=False)
+    runner: Runner = field(compare=False)
     forward_only: bool = False
-    fn: Callable | None = field(default=None, compare=False)  # the loaded function, for its signature
-    check_target: Callable | None = field(default=None, compare=False)  # a built-in adapter's rules
+    fn: object = field(default=None, compare=False)  # the loaded function, for its signature
+    check_target: object = field(default=None, compare=False)  # a built-in adapter's rules
+    mesh: Mesh | None = None       # --ring-mesh: its other dims replicate every ring size
+    world_only: str | None = None  # the adapter rings over the whole world only: always alone
 
     def __call__(self, case: Case) -> CaseRun:
         return CaseRun(self, case)
@@ -117,24 +81,54 @@ class RingImpl:
         """Of the keywords `names`, those the implementation takes (`accepted_keywords`)."""
         return tuple(names) if self.fn is None else accepted_keywords(self.fn, names)
 
+    def mesh_for(self, world_size: int) -> Mesh:
+        """Where a ring of `world_size` runs (`ringcheck.harness.embedding.default_mesh`)."""
+        return default_mesh(world_size, room=self.runner.processes.size, world_only=self.world_only is not None,
+                            template=self.mesh)
+
 
 @dataclass(frozen=True)
 class CaseRun:
-    """One case of a `RingImpl`: ``results(inputs)`` runs it on a ring of the case's size."""
+    """One case of a `RingImpl`: ``results(inputs)`` runs it on the case's mesh."""
 
     impl: RingImpl
     case: Case
 
-    def results(self, inputs: Inputs) -> Results:
+    def _refuse(self) -> None:
         if self.impl.check_target is not None:
             try:
                 self.impl.check_target(CaseTarget(self.case))
             except ValueError as exc:
                 raise Refused(f"--impl {self.impl.spec} refuses {self.case.describe()}: {exc}") from None
-        parts = self.impl.run(self.case.ring.world_size, impl_shards_task, self.impl.spec, self.case, inputs,
-                              self.impl.forward_only)
-        return whole_results(parts, self.case)
+
+    def _run(self, first: Inputs, call: str, second: Inputs | None = None):
+        self._refuse()
+        mesh = self.impl.mesh_for(self.case.ring.world_size)
+        inputs = group_inputs(self.case, first, mesh.rings)
+        runs = self.impl.runner.run(self.case, inputs, mesh, (call,), second=second)
+        if call != TWO_CALLS:  # a ring that does not keep to its group fails here, naming the group
+            check_witnesses(self.impl.runner, self.case, runs, inputs, call)
+        return runs[0].calls[call]
+
+    def results(self, inputs: Inputs, call: str = "contiguous") -> Results:
+        """The case's whole results for `inputs` (group 0 of its mesh), with the inputs as
+        `call` hands them over (`ringcheck.harness.call.INPUT_LAYOUTS`)."""
+        return self._run(inputs, call)
+
+    def two_calls(self, first: Inputs, second: Inputs) -> tuple[Results, Results]:
+        """Forward of `first`, forward of `second`, one backward of both: each call's results."""
+        return self._run(first, TWO_CALLS, second)
 
     def __call__(self, *tensors):
         raise TypeError(f"--impl {self.impl.spec} runs on a ring of processes: call results(inputs), not a "
                         f"whole-tensor function")
+
+
+def ring_impl(spec: str, processes, *, forward_only: bool = False, stand_in: bool = False,
+              sinks_grad: str = "partial", mesh: Mesh | None = None) -> RingImpl:
+    """The `RingImpl` of `spec` on `processes` (local gloo rings or the torchrun world), with
+    the adapter's own rules; a wrong spelling raises here, before any ring runs."""
+    options = ImplOptions(spec, forward_only=forward_only, stand_in=stand_in, sinks_grad=sinks_grad)
+    adapter = options.load()
+    return RingImpl(spec, Runner(processes, options), forward_only, adapter.fn, adapter.check_target, mesh,
+                    adapter.world_only)

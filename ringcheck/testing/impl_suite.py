@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from ..spec import DOC_LAYOUTS
+from . import embedded_properties as eprops
 from . import properties as props
 from . import variant_properties as vprops
 from .impl_runner import Refused
@@ -332,4 +333,28 @@ def test_sinks_of_minus_infinity_are_no_sinks(cfg, ring_impl, vbounds, part):
     def body(data):
         case = data.draw(strategy, label="case")
         _holds(cfg, lambda c: vprops.check_sink_minus_inf(c, impl=ring_impl), "check_sink_minus_inf", case)
+    _search(body)
+
+
+# ---- the ring as training embeds it ------------------------------------------------------------
+# (every property above already runs each ring beside a second one, on its own data: the mesh)
+
+def test_inputs_as_views_of_fused_projections(cfg, ring_impl, search_profile, part):
+    """q, k, v as views of one fused projection (or k from a fused K/V buffer and v transposed,
+    of other strides), dout a view: within budget, as with contiguous inputs."""
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        layout = data.draw(st.sampled_from(("fused_qkv", "kv_strides")), label="input layout")
+        _holds(cfg, lambda c, **p: eprops.check_input_layout(c, **p, impl=ring_impl), "check_input_layout", case,
+               layout=layout)
+    _search(body)
+
+
+def test_two_calls_before_one_backward(cfg, ring_impl, search_profile, part):
+    """Two attention layers' worth: the forward of one input, then of another, then one backward
+    of both; each call within budget."""
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: eprops.check_two_calls_before_backward(c, impl=ring_impl),
+               "check_two_calls_before_backward", case)
     _search(body)

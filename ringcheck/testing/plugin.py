@@ -178,7 +178,7 @@ def _local_rings(config, timeout: float) -> LocalRings:
     first where asked, and writes each rank's log where asked."""
     setup = None
     if config.stash.get(_STAND_IN, None) is not None:
-        from ..commands.peer_adapters import stand_in_task  # only with --ring-flash-attn-stand-in
+        from ..adapters.flash import stand_in_task  # only with --ring-flash-attn-stand-in
 
         setup = stand_in_task
     return LocalRings(timeout=timeout, log_dir=config.getoption("--ring-log-dir"), setup=setup)
@@ -319,6 +319,15 @@ def _add_impl_options(parser) -> None:
                     help="input dtypes drawn (default float32,bfloat16,float16)")
     group.addoption("--ring-forward-only", action="store_true", default=False,
                     help="run no backward: each property checks out and lse, its backward half is skipped as not run")
+    group.addoption("--ring-mesh", default=None, metavar="DIM=N,...",
+                    help="the device mesh each ring runs inside, outermost dim first, one dim named cp (e.g. dp=2,cp=4 "
+                         "or cp=4,tp=2): its other dims replicate every ring size drawn, each CP group on its own data "
+                         "(default: cp=P,tp=2, a second interleaved ring, where the processes hold it); under torchrun "
+                         "the world must be the mesh")
+    group.addoption("--sinks-grad", "--ring-sinks-grad", dest="sinks_grad", default="partial",
+                    choices=["partial", "reduced"],
+                    help="what each rank's sinks.grad holds: partial (default: its own rows' share, the framework sums "
+                         "it) or reduced (the whole sequence's on every rank)")
     group.addoption("--ring-flash-attn-stand-in", action="store_true", default=False,
                     help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in, in "
                          "this process and every rank (rings built on flash-attn, on a CPU runner); said in the header")
@@ -328,7 +337,7 @@ def _configure_impl(config) -> None:
     """Read the --ring-* options once; a bad one is a usage error before anything runs."""
     config.stash[_IMPL] = None
     get = config.getoption
-    given = {name: get(name) for name in ("--ring-layout", "--ring-world-sizes", "--ring-dtypes")}
+    given = {name: get(name) for name in ("--ring-layout", "--ring-world-sizes", "--ring-dtypes", "--ring-mesh")}
     if get("--ring-impl") is None:
         used = [name for name, value in given.items() if value is not None] + (
             ["--ring-forward-only"] if get("--ring-forward-only") else [])
@@ -344,7 +353,8 @@ def _configure_impl(config) -> None:
                                           world_sizes=given["--ring-world-sizes"], dtypes=given["--ring-dtypes"],
                                           forward_only=get("--ring-forward-only"), timeout=get("--ring-timeout"),
                                           torchrun_size=None if world is None else world.size,
-                                          stand_in=config.stash.get(_STAND_IN, None) is not None)
+                                          stand_in=config.stash.get(_STAND_IN, None) is not None,
+                                          mesh=given["--ring-mesh"], sinks_grad=get("sinks_grad"))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise pytest.UsageError(f"ringcheck --ring-impl: {exc}") from None
     suite = str(IMPL_SUITE)
@@ -384,29 +394,33 @@ def ring_impl_config(request):
 
 
 @pytest.fixture(scope="session")
-def ring_impl(request, ring_impl_config):
+def ring_processes(request):
+    """The processes of this session's distributed tests: the torchrun world under torchrun,
+    else the local gloo rings of the default --ring-timeout (`ringcheck.launch.LocalRings`:
+    `run`, `run_groups`), kept for the session."""
+    config = request.config
+    world = config.stash[_WORLD]
+    if world is not None:
+        return world
+    rings = config.stash[_RINGS]
+    timeout = config.getoption("--ring-timeout")
+    if timeout not in rings:
+        rings[timeout] = _local_rings(config, timeout)
+    return rings[timeout]
+
+
+@pytest.fixture(scope="session")
+def ring_impl(request, ring_impl_config, ring_processes):
     """The implementation under test (--ring-impl) as the `impl` of the property bodies
     (`ringcheck.testing.impl_runner.RingImpl`), on the torchrun world or local gloo rings."""
     if ring_impl_config is None:
         pytest.skip("pass --ring-impl MOD:FN (the implementation under test)")
     # start-up time: the runner imports the adapters and the ring
-    from .impl_runner import RingImpl
+    from .impl_runner import ring_impl as make
 
-    config = request.config
-    world = config.stash[_WORLD]
-    if world is not None:
-        run = world.run
-    else:
-        rings = config.stash[_RINGS]
-        timeout = config.getoption("--ring-timeout")
-
-        def run(world_size, task, *args):
-            __tracebackhide__ = True
-            if timeout not in rings:
-                rings[timeout] = _local_rings(config, timeout)
-            return rings[timeout].run(world_size, task, *args)
     cfg = ring_impl_config
-    return RingImpl(cfg.spec, run, cfg.forward_only, cfg.impl.fn, cfg.impl.check_target)
+    return make(cfg.spec, ring_processes, forward_only=cfg.forward_only, stand_in=cfg.stand_in,
+                sinks_grad=cfg.sinks_grad, mesh=cfg.mesh)
 
 
 # ---- the hooks ---------------------------------------------------------------

@@ -1,0 +1,312 @@
+"""The steps of a validate run: the scaled-down cases on a mesh (every group, every call), the
+full length on sampled rows, determinism, and what the mesh found.
+
+Each scaled-down case runs once per dispatch with every call of `ringcheck.harness.CALLS`
+(the contiguous shards, the input layouts, two calls before one backward) on every CP group
+of the mesh at once. The contiguous results are judged by the budget rule and the precision
+class; a call whose results are the same bits as the contiguous run's shares its verdict (that
+it is bit-identical is reported as information), one that differs is judged by the budget rule
+on its own. When a dispatch fails, its calls are run one by one to name the one that raised,
+and a ring that raises inside the mesh but not alone is run alone from then on (the mesh row
+fails and says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from reference import mp_attention
+
+from ..harness import TWO_CALLS, Mesh, Runner
+from ..harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
+from ..harness.runner import SECOND
+from ..judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
+from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
+from ..judge.precision import judge_precision
+from ..judge.verdict import TENSORS, Verdict
+from ..launch import RingError
+from ..spec import AttentionSpec, Budget
+from .validate_rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
+from .validate_target import Target, scaled_cases
+
+CONTIGUOUS = "contiguous"
+LAYOUT_CALLS = ("fused_qkv", "kv_strides")
+LAYOUTS_ROW = "input layouts: fused qkv views, k/v strides, non-contiguous dout"
+TWO_CALLS_ROW = "two calls before backward"
+ALL_TENSORS = (*TENSORS, "dsinks")
+FULL_SEED = 100003  # the full-length inputs' seed offset
+
+
+def judged_tensors(returns_lse: bool, forward_only: bool = False) -> tuple[str, ...]:
+    return tuple(t for t in TENSORS if (returns_lse or t != "lse") and not (forward_only and t in BACKWARD))
+
+
+def short(exc: BaseException) -> str:
+    """The first line of each failing rank's words (a `RingError`'s), for a row's detail."""
+    failures = getattr(exc, "failures", None) or {}
+    said = {str(t).strip().splitlines()[0] for t in failures.values() if str(t).strip()}
+    return "; ".join(sorted(said)[:2]) or str(exc).splitlines()[0]
+
+
+@dataclass
+class Run:
+    """One validate run's state as its steps go: where the scaled cases run, which calls are
+    still made, what each step found."""
+
+    target: Target
+    runner: Runner
+    mesh: Mesh
+    budget: Budget
+    progress: Callable[[str], None] | None
+    calls: tuple[str, ...] = (CONTIGUOUS, *LAYOUT_CALLS, TWO_CALLS)
+    verdicts: list[Verdict] = field(default_factory=list)       # every group's contiguous budget verdicts
+    failed_cases: list[tuple[Case, list[Inputs], int]] = field(default_factory=list)  # (case, inputs, group)
+    raised: dict[str, str] = field(default_factory=dict)        # call -> what it raised
+    mesh_raised: str = ""                                        # what raised inside the mesh (then: alone)
+    returns_lse: bool = True
+    first: tuple | None = None                                   # (case, inputs, second, runs): determinism
+    alone_passed: bool | None = None
+
+    def note(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    @property
+    def alone_words(self) -> str:
+        p = self.target.world_size
+        return (f"a world of {p} ranks that is just the ring" if self.runner.processes.size is None
+                else f"a ring of {p} ranks of the torchrun world")
+
+    def group_inputs(self, case: Case, seed: int, mesh: Mesh) -> list[Inputs]:
+        return [make_inputs(case.spec, seed=seed + GROUP_SEED * g, distribution=case.distribution, ring=case.ring)
+                for g in range(mesh.rings)]
+
+    def dispatch(self, case: Case, inputs: list[Inputs], second: Inputs | None):
+        """Every call of the case on the mesh (on one ring, also the second call's inputs alone:
+        what two calls are compared with); on a failure, each call alone to name the one that
+        raised (dropped from then on), and the ring alone when it raises only inside the mesh."""
+        if second is not None and TWO_CALLS in self.calls and SECOND not in self.calls:
+            self.calls = (*self.calls, SECOND)
+        try:
+            return self.runner.run(case, inputs, self.mesh, self.calls, second=second)
+        except RingError:
+            pass
+        try:
+            runs = self.runner.run(case, inputs, self.mesh, (CONTIGUOUS,), second=second)
+        except RingError as exc:
+            if self.mesh.rings == 1 or not self._alone_runs(case, inputs[0]):
+                raise
+            self.mesh_raised, self.mesh = short(exc), Mesh.ring(self.target.world_size)
+            return None  # the case again, alone
+        for call in self.calls[1:]:
+            try:
+                extra = self.runner.run(case, inputs, self.mesh, (call,), second=second)
+            except RingError as exc:
+                self.raised[call] = short(exc)
+                continue
+            for run, more in zip(runs, extra):
+                run.calls.update(more.calls)
+                run.parts.update(more.parts)
+        self.calls = tuple(c for c in self.calls if c not in self.raised)
+        return runs
+
+    def _alone_runs(self, case: Case, inputs: Inputs) -> bool:
+        try:
+            self.runner.run(case, [inputs], Mesh.ring(self.target.world_size))
+        except RingError:
+            return False
+        return True
+
+    def determinism_row(self) -> CheckRow:
+        """The first case again: the same bits on every rank of every group."""
+        self.note("determinism")
+        case, inputs, second, runs = self.first
+        again = self.runner.run(case, inputs, self.mesh, (CONTIGUOUS,), second=second)
+        same = all(same_results(Results(*(p.get(t) for t in TENSORS), p.get("dsinks")),
+                                Results(*(q.get(t) for t in TENSORS), q.get("dsinks")))
+                   for a, b in zip(runs, again) for p, q in zip(a.parts[CONTIGUOUS], b.parts[CONTIGUOUS]))
+        return CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
+                        detail=f"[{case.describe()}]" + (f" on every group of mesh {self.mesh.text}"
+                                                           if self.mesh.rings > 1 else ""))
+
+
+def _label(run, mesh: Mesh) -> str:
+    return run.name if mesh.rings > 1 else ""
+
+
+class _Judge:
+    """One case's judging: the references of each input once, every call judged against them."""
+
+    def __init__(self, run: Run, case: Case, tensors):
+        self.run, self.case, self.tensors, self.refs = run, case, tensors, {}
+
+    def refs_of(self, x: Inputs):
+        if id(x) not in self.refs:
+            self.refs[id(x)] = (x, truth(self.case.spec, x), peer(self.case.spec, x))
+        return self.refs[id(x)][1:]
+
+    def budget(self, got: Results, x: Inputs, label: str, what: str = "") -> Verdict:
+        true, peer_r = self.refs_of(x)
+        present = tuple(t for t in self.tensors if got.get(t) is not None)
+        v = judge_results(self.case, got, true, peer_r, budget=self.run.budget, tensors=present, inputs=x)
+        v.case, v.group = f"{v.case}{f' ({what})' if what else ''}", label
+        return v
+
+
+@dataclass
+class _Tally:
+    """The verdicts of the calls beside the contiguous one, and how many were its bits."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    identical: int = 0
+    total: int = 0
+
+    def add(self, judge: _Judge, got: Results, same_as: tuple[Results, Verdict] | None, x: Inputs, label: str,
+            what: str) -> None:
+        """One call's results: the same bits as the contiguous run (`same_as`: its results and
+        verdict) add nothing of their own to judge (the contiguous rows hold their verdict), others
+        are judged on their own by the budget rule."""
+        self.total += 1
+        if same_as is not None and same_results(got, same_as[0]):
+            self.identical += 1
+        else:
+            self.verdicts.append(judge.budget(got, x, label, what))
+
+    def row(self, name: str, raised: dict[str, str], calls) -> CheckRow:
+        said = [f"{c} raised: {raised[c]}" for c in calls if c in raised]
+        if said:
+            return CheckRow(name, "fail", detail="; ".join(said))
+        if not self.total:
+            return CheckRow(name, "info", detail="not run")
+        info = (f"bit-identical to the contiguous run in {self.identical} of {self.total} calls (information: their "
+                f"verdict is the contiguous rows'; some correct kernels round differently on views)")
+        if not self.verdicts:
+            return CheckRow(name, "pass", detail=info)
+        row = summarise(name, self.verdicts, ALL_TENSORS)
+        row.detail = f"{row.detail}; {info}"
+        return row
+
+
+def scaled_rows(run: Run) -> list[CheckRow]:
+    """Every scaled-down case on the mesh: the rows per distribution (forward, backward), the
+    precision class, the input layouts and two calls before backward."""
+    target, by_dist, classes, layouts, twice = run.target, {}, [], _Tally(), _Tally()
+    for case in scaled_cases(target):
+        run.note(f"{case.distribution}, {case.spec.seq_len // target.world_size} tokens per rank")
+        runs = None
+        while runs is None:  # a ring that raises only inside the mesh goes on alone
+            inputs = run.group_inputs(case, case.seed, run.mesh)
+            second = None if run.mesh.rings > 1 else make_inputs(case.spec, seed=case.seed + GROUP_SEED,
+                                                                distribution=case.distribution, ring=case.ring)
+            runs = run.dispatch(case, inputs, second)
+        run.first = run.first or (case, inputs, second, runs)
+        run.returns_lse = runs[0].calls[CONTIGUOUS].lse is not None
+        judge = _Judge(run, case, judged_tensors(run.returns_lse, target.forward_only))
+        contiguous = [judge.budget(grun.calls[CONTIGUOUS], inputs[g], _label(grun, run.mesh))
+                      for g, grun in enumerate(runs)]
+        for g, grun in enumerate(runs):
+            x, label, got, verdict = inputs[g], _label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
+            if g == 0:  # the precision class judges the kernel's roundings: one group's data tells them
+                precision = judge_precision(case, got, judge.refs_of(x)[0], x, tensors=judge.tensors)
+                precision.group = label
+                classes.append(precision)
+            by_dist.setdefault(case.distribution, []).append(verdict)
+            run.verdicts.append(verdict)
+            if not verdict.passed:
+                run.failed_cases.append((case, inputs, g))
+            for call in LAYOUT_CALLS:
+                if call in grun.calls:
+                    layouts.add(judge, grun.calls[call], (got, verdict), x, label, call.replace("_", " "))
+            if TWO_CALLS in grun.calls:
+                other = (g + 1) % len(runs)
+                first_call, second_call = grun.calls[TWO_CALLS]
+                twice.add(judge, first_call, (got, verdict), x, label, "first of two calls")
+                alone = ((runs[other].calls[CONTIGUOUS], contiguous[other]) if second is None else
+                         (grun.calls[SECOND], None) if SECOND in grun.calls else None)
+                twice.add(judge, second_call, alone, inputs[other] if second is None else second, label,
+                          "second of two calls")
+    lengths = ",".join(str(n) for n in target.local_lengths)
+    rows = []
+    for name, verdicts in by_dist.items():
+        rows.append(summarise(f"forward  {name} (local {lengths})", verdicts, ("out", "lse")))
+        rows.append(backward_row(f"backward {name} (local {lengths})", verdicts, target.forward_only))
+    rows += class_rows(classes, lengths, target.forward_only)
+    rows.append(layouts.row(LAYOUTS_ROW, run.raised, LAYOUT_CALLS))
+    rows.append(CheckRow(TWO_CALLS_ROW, NOT_RUN, detail="--forward-only: no backward, so two calls before one "
+                                                        "are not run") if target.forward_only
+                else twice.row(TWO_CALLS_ROW, run.raised, (TWO_CALLS,)))
+    return rows
+
+
+def _certify_row_reference(spec: AttentionSpec, sparse: Inputs, rows: torch.Tensor) -> CheckRow:
+    """The float64 row reference itself, against mpmath at 30 certified digits, on a few rows."""
+    few = rows[torch.linspace(0, len(rows) - 1, min(4, len(rows))).round().long().unique()]
+    true = row_results(spec, sparse, few, low=False)
+    mp = mp_attention(sparse.q, sparse.k, sparse.v, sparse.dout, rows=few, cache=False,
+                      **reference_kwargs(spec, sparse))
+    worst = 0.0
+    for a, b in ((true.out, mp.out), (true.lse, mp.lse), (true.dq, mp.dq)):
+        ok = torch.isfinite(b)
+        worst = max(worst, float((a[ok] - b[ok]).norm() / b[ok].norm().clamp_min(1e-300)))
+    return CheckRow(f"reference: float64 rows vs mpmath ({mp.certified_digits:.0f} digits, {len(few)} rows)",
+                    "pass" if worst <= 1e-12 else "fail", worst, 1e-12,
+                    f"normwise relative difference of out, lse, dq at rows {few.tolist()}")
+
+
+def full_length_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
+    """The full target length on sampled rows (dq of the rows, dk and dv of every key) on every
+    group of `full` (alone where the scaled cases had to go alone), and the certification of
+    the row reference."""
+    target = run.target
+    full = Mesh.ring(target.world_size) if run.mesh_raised else full
+    spec = target.full_spec()
+    run.note(f"full length {spec.seq_len}")
+    rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
+    sparse = [with_sampled_rows(make_inputs(spec, seed=target.seed + FULL_SEED + GROUP_SEED * g, distribution="normal",
+                                            ring=target.ring), rows) for g in range(full.rings)]
+    runs = run.runner.run(Case(spec, target.ring), sparse, full)
+    tensors = judged_tensors(run.returns_lse, target.forward_only)
+    verdicts = []
+    for grun, x in zip(runs, sparse):
+        whole = grun.calls[CONTIGUOUS]
+        lse = whole.lse if whole.lse is not None else torch.zeros(whole.out.shape[0], whole.out.shape[2],
+                                                                   whole.out.shape[1])
+        got = Results(whole.out[:, rows], lse[:, :, rows], None if whole.dq is None else whole.dq[:, rows],
+                      whole.dk, whole.dv, whole.dsinks, whole.dsinks_parts, whole.sinks_grad)
+        verdict = judge_rows(spec, target.ring, got, row_results(spec, x, rows, low=False),
+                             row_results(spec, x, rows, low=True), rows, tensors, run.budget, x)
+        verdict.group = _label(grun, full)
+        verdicts.append(verdict)
+    run.note("the row reference against mpmath")
+    where = f" on {full.rings} CP groups of mesh {full.text}" if full.rings > 1 else ""
+    return [_certify_row_reference(spec, sparse[0], rows),
+            summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows{where}", verdicts, ("out", "lse")),
+            backward_row(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys{where}", verdicts,
+                         target.forward_only)], verdicts
+
+
+def mesh_row(run: Run, where) -> CheckRow:
+    """What the mesh found: group handling checked (pass), a ring that passes alone and fails
+    inside the mesh (fail, with the likely causes), or why it ran on one ring only (info)."""
+    if where.alone:
+        return CheckRow(f"mesh: {where.alone}", "info", detail=where.scaled.describe())
+    mesh = where.scaled
+    label = f"mesh: {mesh.text}, {mesh.rings} CP groups at once"
+    if run.mesh_raised:
+        return CheckRow(label, "fail", detail=(
+            f"raises inside mesh {mesh.text} ({run.mesh_raised}) and runs alone ({run.alone_words}), where the rest "
+            f"of this run was made: the ring does not keep to the group it is given. Likely causes: {LIKELY_CAUSES}"))
+    full = where.full.describe() if where.full != mesh else "the full length on the mesh too"
+    if not run.failed_cases:
+        return CheckRow(label, "pass", detail=f"{mesh.describe()}; every group judged; full length: {full}")
+    case, inputs, g = run.failed_cases[0]
+    run.note("the failing case alone")
+    alone = run.runner.run(case, [inputs[g]], Mesh.ring(case.ring.world_size))[0].calls[CONTIGUOUS]
+    judge = _Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only))
+    passed = judge.budget(alone, inputs[g], "").passed
+    failing = sorted({v.group for v in run.verdicts if not v.passed and v.group})
+    text = embedding_message(mesh, failing or ["the only group"], passed, run.alone_words)
+    return CheckRow(label, "fail" if passed else "info", detail=f"[{case.describe()}] {text}")
