@@ -33,6 +33,7 @@ RuntimeError naming that peer's rank (ring rank and global rank).
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 import time
 from collections import deque
@@ -83,6 +84,35 @@ class _Stopped(Exception):
     """`stop` gave a reason while a wait was blocked."""
 
 
+class _Waiter:
+    """One helper thread that blocks on the works handed to it, one after the other, so that a
+    ring wait needs no thread of its own (starting one per wait cost as much CPU as a small
+    ring's compute). A waiter left blocked on a wait that was given up on is replaced."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.abandoned = False
+        threading.Thread(target=self._loop, name="ringcheck-ring-wait", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            work, seconds, done, failed = self.jobs.get()
+            try:
+                work.wait(datetime.timedelta(seconds=seconds))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
+                failed.append(exc)
+            done.set()
+
+
+_WAITERS: list[_Waiter] = []
+
+
+def _waiter() -> _Waiter:
+    if not _WAITERS or _WAITERS[-1].abandoned:
+        _WAITERS[:] = [_Waiter()]
+    return _WAITERS[-1]
+
+
 def _wait_watched(work, seconds: float, stop: Callable[[], str | None] | None) -> None:
     """`work.wait`, bounded by `seconds`; with `stop`, the wait runs in a helper thread (a
     blocked gloo wait can neither be polled nor cut into slices) while this thread asks `stop`
@@ -90,25 +120,16 @@ def _wait_watched(work, seconds: float, stop: Callable[[], str | None] | None) -
     if stop is None:
         work.wait(datetime.timedelta(seconds=seconds))
         return
-    failed: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            work.wait(datetime.timedelta(seconds=seconds))
-        except Exception as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
-            failed.append(exc)
-
-    waiter = threading.Thread(target=wait, name="ringcheck-ring-wait", daemon=True)
-    waiter.start()
-    while True:
-        waiter.join(STOP_POLL_S)
-        if not waiter.is_alive():
-            break
+    waiter, done, failed = _waiter(), threading.Event(), []
+    waiter.jobs.put((work, seconds, done, failed))
+    while not done.wait(STOP_POLL_S):
         why = stop()
         if why:
+            waiter.abandoned = True  # it stays blocked on this work; the next wait gets a new one
             raise _Stopped(why)
     if failed:
         raise failed[0]
+
 
 @dataclass
 class _Exchange:
@@ -116,10 +137,30 @@ class _Exchange:
 
     works: list            # (work, "recv" | "send" | "both"), receives first
     sends: list            # kept referenced until the sends complete
-    recvs: list            # uint8 buffers
-    meta: list             # (dtype, shape) per tensor, to view the bytes back
+    recvs: list            # one uint8 buffer: the payload packed (`_pack`)
+    meta: list             # (dtype, shape, offset, bytes) per tensor, to view the bytes back
     step: int = 0          # the how-many-th exchange on its channel (for the trace)
     posted: float = 0.0    # time.monotonic() at the post
+
+
+ALIGN = 16  # bytes: each tensor of a packed payload starts at a multiple of this (any dtype views back)
+
+
+def _pack(payload: tuple) -> tuple[torch.Tensor, list]:
+    """A payload's tensors as one byte buffer (one send and one receive per exchange, not one
+    per tensor: each P2P op costs more than a small copy), and where each tensor lies in it."""
+    pieces, meta, at = [], [], 0
+    for t in payload:
+        raw = _as_bytes(t)
+        pad = -raw.numel() % ALIGN
+        pieces += [raw, raw.new_zeros(pad)] if pad else [raw]
+        meta.append((t.dtype, t.shape, at, raw.numel()))
+        at += raw.numel() + pad
+    return (torch.cat(pieces) if len(pieces) > 1 else pieces[0]), meta
+
+
+def _unpack(buf: torch.Tensor, meta: list) -> tuple:
+    return tuple(buf[at:at + n].view(dtype).view(shape) for dtype, shape, at, n in meta)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -174,8 +215,9 @@ class RingComm:
             raise ValueError(f"channel={channel!r} is unknown; choose one of {list(_CHANNEL_TAGS)}")
         tag = _CHANNEL_TAGS[channel]
         nxt, prv = self.global_ranks[self.next_rank], self.global_ranks[self.prev_rank]
-        sends = [_as_bytes(t) for t in payload]
-        recvs = [torch.empty_like(s) for s in sends]
+        packed, meta = _pack(payload)
+        sends = [packed]
+        recvs = [torch.empty_like(packed)]
         ops = [dist.P2POp(dist.isend, s, nxt, self.group, tag) for s in sends]
         ops += [dist.P2POp(dist.irecv, r, prv, self.group, tag) for r in recvs]
         try:
@@ -189,8 +231,7 @@ class RingComm:
         else:  # a coalesced batch (NCCL) answers with one request for all of it
             roles = [(w, "both") for w in works]
         step = self._steps[channel] = self._steps.get(channel, -1) + 1
-        self._in_flight[channel] = _Exchange(roles, sends, recvs, [(t.dtype, t.shape) for t in payload],
-                                             step, time.monotonic())
+        self._in_flight[channel] = _Exchange(roles, sends, recvs, meta, step, time.monotonic())
 
     def wait(self, channel: str) -> tuple:
         """The payload the previous rank posted on `channel`, once the exchange is complete."""
@@ -232,7 +273,7 @@ class RingComm:
                    "source_global_rank": self.global_ranks[self.prev_rank],
                    "dest_rank": self.next_rank, "bytes_sent": size, "bytes_received": size,
                    "step_s": round(done - exchange.posted, 6), "waited_s": round(done - start, 6)})
-        return tuple(buf.view(dtype).view(shape) for buf, (dtype, shape) in zip(exchange.recvs, exchange.meta))
+        return _unpack(exchange.recvs[0], exchange.meta)
 
     def abandon(self) -> None:
         """Forget exchanges still in flight (after a failure; their peers will time out). Their
