@@ -129,7 +129,8 @@ class BenchSpec:
         once: every rank's result (all groups', in group order)."""
         if self.mesh is None:
             return rings.run(ring_size, task, *args)
-        return [r for group in rings.run_groups(Mesh.parse(self.mesh).with_cp(ring_size).plan(), task, *args)
+        return [r for group in rings.run_groups(Mesh.parse(self.mesh).with_cp(ring_size).plan(families=False), task,
+                                                *args)
                 for r in group]
 
 

@@ -9,9 +9,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
 - the scaled-down cases (same heads, kv_heads, head_dim, dtype, layout, causal; batch 2 at
   least) for every named logit distribution and several ring-local lengths, on a mesh of CP
   groups at once (by default two interleaved rings, cp=P,tp=2, each on its own data), each
-  case also with its inputs as views of fused projections and as two calls before one
-  backward: forward and backward of every group against float64 and the same-dtype peer, and
-  the precision class (`validate_steps`);
+  case also as two calls before one backward on views of fused projections: forward and
+  backward of every group against float64 and the same-dtype peer, and the precision class
+  (`validate_steps`);
 - at the full target length (on the target world: a ring that is the whole world, or the
   mesh), sampled query rows against the row-sampled reference (never an N x N matrix);
 - NaN/Inf anywhere; determinism (two runs, same bits); output shape and dtype; what the mesh
@@ -21,11 +21,14 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
+import torch
+
 from ..documents import VALIDATE_SCHEMA, header
-from ..harness import TWO_CALLS, ImplOptions, Mesh, Runner
+from ..harness import ImplOptions, Mesh, Runner
 from ..harness.mesh import REPLICA
 from ..spec import Budget
 from .validate_rows import CheckRow, balance_row, finite_row, shape_row, stand_in_row
@@ -75,6 +78,17 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
     return Placement(mesh, mesh)
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op threads set to `count` for a block, then as they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def validate_steps(target: Target) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism."""
     return len(scaled_cases(target)) + 3
@@ -91,10 +105,13 @@ def validate(target: Target, processes, *, budget: Budget = Budget(),
     impl.check_layout(target.layout, target.causal)
     check_variant_keywords(impl, target)
     where = placement(target, processes.size, impl.world_only)
+    with torch_threads(1):  # small tensors: a second thread only spins against the ranks' processes
+        return _rows(target, processes, options, where, budget, progress, stand_in)
+
+
+def _rows(target, processes, options, where, budget, progress, stand_in) -> list[CheckRow]:
     run = Run(target, Runner(processes, options), where.scaled, budget,
               progress if getattr(processes, "is_main", True) else None)
-    if target.forward_only:  # two calls before one backward need a backward
-        run.calls = tuple(c for c in run.calls if c != TWO_CALLS)
     rows = scaled_rows(run)
     full, full_verdicts = full_length_rows(run, where.full)
     return [*([stand_in] if stand_in else []), *rows, *full, finite_row([*run.verdicts, *full_verdicts]),

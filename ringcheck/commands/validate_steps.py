@@ -1,14 +1,16 @@
 """The steps of a validate run: the scaled-down cases on a mesh (every group, every call), the
 full length on sampled rows, determinism, and what the mesh found.
 
-Each scaled-down case runs once per dispatch with every call of `ringcheck.harness.CALLS`
-(the contiguous shards, the input layouts, two calls before one backward) on every CP group
-of the mesh at once. The contiguous results are judged by the budget rule and the precision
-class; a call whose results are the same bits as the contiguous run's shares its verdict (that
-it is bit-identical is reported as information), one that differs is judged by the budget rule
-on its own. When a dispatch fails, its calls are run one by one to name the one that raised,
-and a ring that raises inside the mesh but not alone is run alone from then on (the mesh row
-fails and says why).
+Each scaled-down case runs in one dispatch on every CP group of the mesh at once: the contiguous
+shards, and two calls before one backward on views (the first of a fused QKV projection, the
+second with k and v of other strides and the other group's data). The contiguous results are
+judged by the budget rule and the precision class. Where the two calls on views give the same
+bits as the contiguous runs of the same data, the views and the second call add nothing to
+judge (that they are bit-identical is reported as information); where they differ, each
+embedding runs on its own (`DETAIL_CALLS`: each input layout, two contiguous calls) and is
+judged by the budget rule, so a failure names the one that caused it. When a dispatch fails,
+its calls are run one by one to name the one that raised, and a ring that raises inside the
+mesh but not alone is run alone from then on (the mesh row fails and says why).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from reference import mp_attention
 
 from ..harness import TWO_CALLS, Mesh, Runner
 from ..harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
-from ..harness.runner import SECOND
+from ..harness.runner import SECOND, TWO_CALLS_ON_VIEWS
 from ..judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
 from ..judge.precision import judge_precision
@@ -34,6 +36,7 @@ from .validate_target import Target, scaled_cases
 
 CONTIGUOUS = "contiguous"
 LAYOUT_CALLS = ("fused_qkv", "kv_strides")
+DETAIL_CALLS = (*LAYOUT_CALLS, TWO_CALLS)  # each embedding of the inputs on its own
 LAYOUTS_ROW = "input layouts: fused qkv views, k/v strides, non-contiguous dout"
 TWO_CALLS_ROW = "two calls before backward"
 ALL_TENSORS = (*TENSORS, "dsinks")
@@ -61,7 +64,7 @@ class Run:
     mesh: Mesh
     budget: Budget
     progress: Callable[[str], None] | None
-    calls: tuple[str, ...] = (CONTIGUOUS, *LAYOUT_CALLS, TWO_CALLS)
+    calls: tuple[str, ...] = (CONTIGUOUS, TWO_CALLS_ON_VIEWS)
     verdicts: list[Verdict] = field(default_factory=list)       # every group's contiguous budget verdicts
     failed_cases: list[tuple[Case, list[Inputs], int]] = field(default_factory=list)  # (case, inputs, group)
     raised: dict[str, str] = field(default_factory=dict)        # call -> what it raised
@@ -84,14 +87,31 @@ class Run:
         return [make_inputs(case.spec, seed=seed + GROUP_SEED * g, distribution=case.distribution, ring=case.ring)
                 for g in range(mesh.rings)]
 
-    def dispatch(self, case: Case, inputs: list[Inputs], second: Inputs | None):
-        """Every call of the case on the mesh (on one ring, also the second call's inputs alone:
-        what two calls are compared with); on a failure, each call alone to name the one that
-        raised (dropped from then on), and the ring alone when it raises only inside the mesh."""
-        if second is not None and TWO_CALLS in self.calls and SECOND not in self.calls:
+    def inputs_of(self, case: Case) -> tuple[list[Inputs], Inputs | None]:
+        """The case's inputs on every group of the mesh, and (on one ring) the second call's."""
+        inputs = self.group_inputs(case, case.seed, self.mesh)
+        second = None if self.mesh.rings > 1 else make_inputs(case.spec, seed=case.seed + GROUP_SEED,
+                                                             distribution=case.distribution, ring=case.ring)
+        if second is not None and SECOND not in self.calls:
             self.calls = (*self.calls, SECOND)
+        return inputs, second
+
+    def submit(self, case: Case):
+        """The case sent to the ranks (collected by `dispatch`), with the mesh and calls it ran on."""
+        inputs, second = self.inputs_of(case)
+        return case, inputs, second, self.mesh, self.calls, self.runner.submit(case, inputs, self.mesh, self.calls,
+                                                                             second=second)
+
+    def dispatch(self, sent):
+        """A submitted case's runs (submitted again where the mesh or the calls changed since);
+        on a failure, each call alone to name the one that raised (dropped from then on, and the
+        views run call by call), and the ring alone when it raises only inside the mesh (then
+        the case again, alone). (case, inputs, second, runs)."""
+        case, inputs, second, mesh, calls, result = sent
+        if (mesh, calls) != (self.mesh, self.calls):
+            return self.dispatch(self.submit(case))
         try:
-            return self.runner.run(case, inputs, self.mesh, self.calls, second=second)
+            return case, inputs, second, result()
         except RingError:
             pass
         try:
@@ -100,8 +120,20 @@ class Run:
             if self.mesh.rings == 1 or not self._alone_runs(case, inputs[0]):
                 raise
             self.mesh_raised, self.mesh = short(exc), Mesh.ring(self.target.world_size)
-            return None  # the case again, alone
-        for call in self.calls[1:]:
+            return self.dispatch(self.submit(case))
+        others = [c for c in self.calls if c not in (CONTIGUOUS, TWO_CALLS_ON_VIEWS)]
+        self.calls = (CONTIGUOUS, *dict.fromkeys([*others, *(c for c in DETAIL_CALLS if c in self.allowed)]))
+        self.detail(case, inputs, second, runs, self.calls[1:])
+        self.calls = tuple(c for c in self.calls if c not in self.raised)
+        return case, inputs, second, runs
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        return tuple(c for c in DETAIL_CALLS if not (self.target.forward_only and c == TWO_CALLS))
+
+    def detail(self, case: Case, inputs: list[Inputs], second: Inputs | None, runs, calls) -> None:
+        """`calls` one by one, merged into `runs`; the ones that raise recorded in `raised`."""
+        for call in calls:
             try:
                 extra = self.runner.run(case, inputs, self.mesh, (call,), second=second)
             except RingError as exc:
@@ -110,8 +142,6 @@ class Run:
             for run, more in zip(runs, extra):
                 run.calls.update(more.calls)
                 run.parts.update(more.parts)
-        self.calls = tuple(c for c in self.calls if c not in self.raised)
-        return runs
 
     def _alone_runs(self, case: Case, inputs: Inputs) -> bool:
         try:
@@ -175,6 +205,11 @@ class _Tally:
         else:
             self.verdicts.append(judge.budget(got, x, label, what))
 
+    def same(self, count: int) -> None:
+        """`count` calls known to be the contiguous run's bits."""
+        self.total += count
+        self.identical += count
+
     def row(self, name: str, raised: dict[str, str], calls) -> CheckRow:
         said = [f"{c} raised: {raised[c]}" for c in calls if c in raised]
         if said:
@@ -190,18 +225,26 @@ class _Tally:
         return row
 
 
+def _views_add_nothing(grun, runs, second: Inputs | None) -> bool:
+    """Whether a group's two calls on views gave the bits of the contiguous runs of the same data
+    (the first: its own; the second: the next group's, or the second inputs' alone)."""
+    first_call, second_call = grun.calls[TWO_CALLS_ON_VIEWS]
+    other = runs[(grun.index + 1) % len(runs)].calls[CONTIGUOUS] if second is None else grun.calls.get(SECOND)
+    return (same_results(first_call, grun.calls[CONTIGUOUS]) and other is not None
+            and same_results(second_call, other))
+
+
 def scaled_rows(run: Run) -> list[CheckRow]:
     """Every scaled-down case on the mesh: the rows per distribution (forward, backward), the
     precision class, the input layouts and two calls before backward."""
     target, by_dist, classes, layouts, twice = run.target, {}, [], _Tally(), _Tally()
-    for case in scaled_cases(target):
+    cases = scaled_cases(target)
+    sent = run.submit(cases[0])
+    for i, case in enumerate(cases):
         run.note(f"{case.distribution}, {case.spec.seq_len // target.world_size} tokens per rank")
-        runs = None
-        while runs is None:  # a ring that raises only inside the mesh goes on alone
-            inputs = run.group_inputs(case, case.seed, run.mesh)
-            second = None if run.mesh.rings > 1 else make_inputs(case.spec, seed=case.seed + GROUP_SEED,
-                                                                distribution=case.distribution, ring=case.ring)
-            runs = run.dispatch(case, inputs, second)
+        case, inputs, second, runs = run.dispatch(sent)
+        if i + 1 < len(cases):  # the ranks compute the next case while this one is judged
+            sent = run.submit(cases[i + 1])
         run.first = run.first or (case, inputs, second, runs)
         run.returns_lse = runs[0].calls[CONTIGUOUS].lse is not None
         judge = _Judge(run, case, judged_tensors(run.returns_lse, target.forward_only))
@@ -217,6 +260,14 @@ def scaled_rows(run: Run) -> list[CheckRow]:
             run.verdicts.append(verdict)
             if not verdict.passed:
                 run.failed_cases.append((case, inputs, g))
+        if TWO_CALLS_ON_VIEWS in run.calls:  # the common path: one dispatch held every embedding
+            if all(_views_add_nothing(grun, runs, second) for grun in runs):
+                layouts.same(2 * len(runs))
+                twice.same(2 * len(runs))
+                continue
+            run.detail(case, inputs, second, runs, run.allowed)
+        for g, grun in enumerate(runs):
+            x, label, got, verdict = inputs[g], _label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
             for call in LAYOUT_CALLS:
                 if call in grun.calls:
                     layouts.add(judge, grun.calls[call], (got, verdict), x, label, call.replace("_", " "))

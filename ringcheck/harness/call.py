@@ -137,13 +137,15 @@ def run_shards(impl: Impl, case: Case, inputs: Inputs, rank: int, group, device:
 
 
 def run_two_calls(impl: Impl, case: Case, first: Inputs, second: Inputs, rank: int, group,
-                  device: torch.device | str = "cpu", *, forward_only: bool = False) -> tuple[dict, dict]:
+                  device: torch.device | str = "cpu", *, forward_only: bool = False,
+                  layouts: tuple[str, str] = ("contiguous", "contiguous")) -> tuple[dict, dict]:
     """Two calls before any backward: forward of `first`, forward of `second` (same shapes, other
     data), then one backward of both (autograd runs the later call's first); each call's shards
-    of out, lse, dq, dk, dv, dsinks, as `run_shards` returns them."""
+    of out, lse, dq, dk, dv, dsinks, as `run_shards` returns them. `layouts`: each call's input
+    layout (`INPUT_LAYOUTS`)."""
     grad = not forward_only
-    preps = [_Prepared(impl, case, x, rank, torch.device(device), grad=grad, layout="contiguous")
-             for x in (first, second)]
+    preps = [_Prepared(impl, case, x, rank, torch.device(device), grad=grad, layout=layout)
+             for x, layout in zip((first, second), layouts)]
     with torch.set_grad_enabled(grad):
         calls = [p.call(group) for p in preps]
     if forward_only:

@@ -125,15 +125,19 @@ class Mesh:
         ranks = torch.arange(self.size).reshape(self.shape).movedim(self.names.index(CP), 0)
         return tuple(tuple(row) for row in ranks.reshape(self.cp, -1).tolist())
 
-    def plan(self, first: int = 0) -> GroupPlan:
-        """The launcher's plan: the CP groups as rings, and the families of every other dim's
-        groups, of the replicas (`REPLICAS`) and of the whole mesh (`MESH_FAMILY`), all shifted
-        by `first` (a mesh placed on the last ranks of a larger world)."""
+    def plan(self, first: int = 0, *, families: bool = True) -> GroupPlan:
+        """The launcher's plan: the CP groups as rings, shifted by `first` (a mesh placed on the
+        last ranks of a larger world), and with `families` also the groups of every other dim, of
+        the replicas (`REPLICAS`) and of the whole mesh (`MESH_FAMILY`), for tasks that reduce
+        gradients as a framework does (each group costs every rank a rendezvous: a task that
+        calls an implementation alone passes families=False)."""
         def shift(groups):
             return tuple(tuple(r + first for r in g) for g in groups)
 
-        also = [(MESH_FAMILY, shift((tuple(range(self.size)),))), (REPLICAS, shift(self.replicas()))]
-        also += [(n, shift(self.groups(n))) for n in self.names if n != CP]
+        also = []
+        if families:
+            also = [(MESH_FAMILY, shift((tuple(range(self.size)),))), (REPLICAS, shift(self.replicas()))]
+            also += [(n, shift(self.groups(n))) for n in self.names if n != CP]
         return GroupPlan(shift(self.groups()), tuple(also), label=f"mesh {self.text}")
 
     def describe(self) -> str:

@@ -17,7 +17,7 @@ through the CP group the implementation was given.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from ..adapters import Impl, load_impl
 from ..judge.check import Case, Results
@@ -29,8 +29,12 @@ from .call import INPUT_LAYOUTS, run_shards, run_two_calls
 from .mesh import Mesh
 
 TWO_CALLS = "two_calls"
+# two calls before one backward, the first on views of a fused projection, the second with k
+# and v of other strides: every embedding of the inputs in one dispatch (validate's common path)
+TWO_CALLS_ON_VIEWS = "two_calls_on_views"
 SECOND = "second"  # the second call's inputs alone, contiguous: the single-call run beside TWO_CALLS
-CALLS = (*INPUT_LAYOUTS, TWO_CALLS)
+CALLS = (*INPUT_LAYOUTS, TWO_CALLS, TWO_CALLS_ON_VIEWS, SECOND)
+PAIRS = {TWO_CALLS: ("contiguous", "contiguous"), TWO_CALLS_ON_VIEWS: ("fused_qkv", "kv_strides")}
 TENSOR_NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
@@ -73,7 +77,8 @@ def loaded(options: ImplOptions) -> Impl:
 def impl_task(member, options: ImplOptions, case: Case, inputs: list[Inputs], calls: tuple[str, ...],
               second: Inputs | None = None) -> dict[str, Any]:
     """One rank: its CP group's inputs (`inputs[member.group_index]`) through the implementation
-    in each of `calls`; per call its shards of out, lse, dq, dk, dv and dsinks (two calls: a pair).
+    in each of `calls` (`CALLS`); per call its shards of out, lse, dq, dk, dv and dsinks (two
+    calls: a pair).
     The second call of `TWO_CALLS` (and `SECOND`, that input alone) takes `second`, else the
     next group's inputs (other data, same shapes)."""
     impl = loaded(options)
@@ -81,9 +86,9 @@ def impl_task(member, options: ImplOptions, case: Case, inputs: list[Inputs], ca
     done: dict[str, Any] = {}
     other = second if second is not None else inputs[(member.group_index + 1) % len(inputs)]
     for call in calls:
-        if call == TWO_CALLS:
+        if call in PAIRS:
             done[call] = run_two_calls(impl, case, mine, other, member.rank, member.group, member.device,
-                                       forward_only=options.forward_only)
+                                       forward_only=options.forward_only, layouts=PAIRS[call])
         elif call == SECOND:
             done[call] = run_shards(impl, case, other, member.rank, member.group, member.device,
                                     forward_only=options.forward_only)
@@ -145,21 +150,30 @@ class Runner:
             second: Inputs | None = None) -> list[GroupRun]:
         """`case` on every CP group of `mesh` (group g on `inputs[g]`), each of `calls`; every
         group's results, whole. Raises `ringcheck.launch.RingError` when a rank fails."""
+        return self.submit(case, inputs, mesh, calls, second=second)()
+
+    def submit(self, case: Case, inputs: list[Inputs], mesh: Mesh, calls: tuple[str, ...] = ("contiguous",), *,
+               second: Inputs | None = None) -> Callable[[], list[GroupRun]]:
+        """`run` without waiting where the processes allow it (local rings: this process judges
+        while the ranks compute the next case): call what it returns for the results."""
         if len(inputs) != mesh.rings:
             raise ValueError(f"mesh {mesh.text} runs {mesh.rings} CP groups, given inputs for {len(inputs)}")
         if case.ring.world_size != mesh.cp:
             raise ValueError(f"the case has a ring of {case.ring.world_size} but mesh {mesh.text} has cp={mesh.cp}")
         first = 0 if self.processes.size is None else self.processes.size - mesh.size
-        plan = mesh.plan(first)
+        plan = mesh.plan(first, families=False)  # the CP groups are all a call needs
         options = replace(self.options, layout=case.ring.layout, backend=case.backend)  # the adapter of this case
-        per_group = self.processes.run_groups(plan, impl_task, options, case, inputs, tuple(calls), second)
+        sent = self.processes.submit_groups(plan, impl_task, options, case, inputs, tuple(calls), second)
+        return lambda: self._whole(case, mesh, plan, calls, sent.result())
+
+    def _whole(self, case: Case, mesh: Mesh, plan, calls, per_group) -> list[GroupRun]:
         runs = []
         for index, (ranks, parts) in enumerate(zip(plan.groups, per_group)):
             run = GroupRun(index, ranks, mesh)
             for call in calls:
                 got = [p[call] for p in parts]
                 run.parts[call] = got
-                if call == TWO_CALLS:
+                if call in PAIRS:
                     run.calls[call] = tuple(whole_results([g[i] for g in got], case, self.options.sinks_grad)
                                             for i in (0, 1))
                 else:

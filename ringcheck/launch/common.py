@@ -143,6 +143,31 @@ def plan_groups(plan: GroupPlan, rank: int, timeout: float, device: str = "cpu")
                       plan.describe(index), families)
 
 
+class Submitted:
+    """A task sent to the ranks: `result()` gives its results per ring (or raises its
+    `RingError`), collected once by `finish`; `settle()` collects it now and keeps the outcome
+    for `result()` (a launcher settles the task in flight before it sends another)."""
+
+    def __init__(self, finish: Callable[[], Any]):
+        self._finish = finish
+        self._outcome: tuple[bool, Any] | None = None
+
+    def settle(self) -> None:
+        if self._outcome is None:
+            try:
+                self._outcome = (True, self._finish())
+            except BaseException as exc:  # noqa: BLE001 - kept for result(), which raises it
+                self._outcome = (False, exc)
+
+    def result(self) -> Any:
+        __tracebackhide__ = True
+        self.settle()
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+
 class RingError(RuntimeError):
     """A task failed on some rank; `failures` maps ring rank -> what happened there for a task
     on one ring, global rank -> what happened there for a task on several rings at once (a

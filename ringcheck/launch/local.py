@@ -25,6 +25,7 @@ from .common import (
     GRACE,
     START_TIMEOUT,
     GroupPlan,
+    Submitted,
     Task,
     as_timedelta,
     control_timeout,
@@ -171,6 +172,7 @@ class LocalRingPool:
         self._stderr_dir = tempfile.mkdtemp(prefix="ringcheck-ring-")
         self._stderr_read = [0] * world_size
         self._log_dir = log_dir
+        self._in_flight: Submitted | None = None
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe()
@@ -299,11 +301,20 @@ class LocalRingPool:
         """`task(member, *args)` on every rank of every ring of `plan` (global ranks of this
         pool), all rings at once; the results per ring, in ring-rank order."""
         __tracebackhide__ = True
+        return self.submit_groups(plan, task, *args, deadline=deadline).result()
+
+    def submit_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> "Submitted":
+        """`run_groups` without waiting: the task is sent to every worker, and `result()` of what
+        this returns collects it (this process meanwhile is free: a command judges the last
+        task's results while the workers compute the next). One task at a time per pool: a
+        second submit first collects the one in flight."""
         if self._closed:
             raise RuntimeError(f"this local ring of {self.size} was closed after a failure; start a new one")
         if plan.size > self.size:
             raise ValueError(f"the groups {[list(g) for g in plan.groups]} need {plan.size} processes; this local "
                              f"ring has {self.size}")
+        if self._in_flight is not None:
+            self._in_flight.settle()
         limit = 10 * self.timeout if deadline is None else check_timeout(deadline)
         message = pickle.dumps(("task", plan, task, args))
         for r, conn in enumerate(self._conns):
@@ -311,7 +322,13 @@ class LocalRingPool:
                 conn.send_bytes(message)
             except (OSError, ValueError):
                 pass  # a dead worker shows up in _collect
-        replies = self._collect(range(self.size), time.monotonic() + limit, what="task")
+        deadline = time.monotonic() + limit
+        self._in_flight = Submitted(lambda: self._finish(plan, task, deadline, limit))
+        return self._in_flight
+
+    def _finish(self, plan: GroupPlan, task: Task, deadline: float, limit: float) -> list[list[Any]]:
+        self._in_flight = None
+        replies = self._collect(range(self.size), deadline, what="task")
         self._relay_stderr()
         errors = {r: text for r, (kind, text) in replies.items() if kind == "error"}
         silent = [r for r, (kind, _) in replies.items() if kind == "silent"]
@@ -389,6 +406,9 @@ class LocalRings:
     def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None,
             exact: bool = False) -> list[Any]:
         __tracebackhide__ = True
+        for other in self._pools:  # one task at a time
+            if other._in_flight is not None:
+                other._in_flight.settle()
         return self.pool(ring_size, exact=exact).run(ring_size, task, *args, deadline=deadline)
 
     def run_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> list[list[Any]]:
@@ -396,7 +416,15 @@ class LocalRings:
         plan is the whole world: an implementation that talks over the default group reaches
         the other rings' ranks, never idle ones); results per ring."""
         __tracebackhide__ = True
-        return self.pool(plan.size, exact=True).run_groups(plan, task, *args, deadline=deadline)
+        return self.submit_groups(plan, task, *args, deadline=deadline).result()
+
+    def submit_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> Submitted:
+        """`run_groups` without waiting (`LocalRingPool.submit_groups`): `result()` collects it.
+        Every task in flight in another pool is collected first (one task at a time)."""
+        for other in self._pools:
+            if other._in_flight is not None:
+                other._in_flight.settle()
+        return self.pool(plan.size, exact=True).submit_groups(plan, task, *args, deadline=deadline)
 
     def close(self) -> None:
         for pool in self._pools:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..spec import DEFAULT_TIMEOUT, check_timeout
 from .common import (
     GroupPlan,
+    Submitted,
     Task,
     as_timedelta,
     control_timeout,
@@ -145,6 +146,12 @@ class TorchrunWorld:
             raise ValueError(f"a ring of {ring_size} ranks does not fit in the torchrun world of {self.size}; "
                              f"launch with `torchrun --nproc-per-node={ring_size} ...` or more")
         return self.run_groups(GroupPlan.ring(self.size, ring_size), task, *args)[0]
+
+    def submit_groups(self, plan: GroupPlan, task: Task, *args: Any) -> Submitted:
+        """`run_groups`, run now (every rank computes in-process: there is nothing to overlap)."""
+        done = Submitted(lambda: self.run_groups(plan, task, *args))
+        done.settle()
+        return done
 
     def run_groups(self, plan: GroupPlan, task: Task, *args: Any) -> list[list[Any]]:
         """`task(member, *args)` on every ring of `plan` (global ranks of this world) at once;
