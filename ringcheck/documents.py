@@ -1,9 +1,9 @@
 """Every document a command writes, on disk: one strict JSON writer and loader, one `meta`,
 and what changed between two drift documents.
 
-Three kinds, each with a schema name and version (`KINDS`); a change to any key or meaning
+Four kinds, each with a schema name and version (`KINDS`); a change to any key or meaning
 of a kind bumps its `schema_version`. Every document starts with `schema` and
-`schema_version` and ends with `meta` (built by `meta`, the same keys in all three). The
+`schema_version` and ends with `meta` (built by `meta`, the same keys in all). The
 writer (`dumps`, `save`) writes strict JSON: non-finite numbers (an infinite error of a ring
 that produced NaN) become the strings "inf", "-inf" and "nan", never the literals `Infinity`
 or `NaN`; the loader (`loads`, `load`) turns them back into floats and checks the schema
@@ -75,6 +75,12 @@ FILE`). Top-level keys in this order, the sections only when they ran:
 - `meta`, with bench's own keys after the common ones: machine, cpu, cores, load_1_5_15
   (before the run), parent_threads, worker_threads, ring_backend, load_after.
 
+`ringcheck.train`, version 1 (`ringcheck.commands.train.report_dict`, `ringcheck train --report
+DIR`): verdict ("pass", "fail", "no verdict"), passed, why, command, model, mesh, config, rule
+{k_grad, k_loss, reference, noise_runs, gradients, loss}, summary, timing, `gradients` (one row
+per parameter: step-0 error, spread, floor, budget, ratio) and `steps` (one row per step: the
+losses, spread, envelope, band, gap, gradient norms), meta (`ringcheck.train.verdict`).
+
 `meta` (every kind, `meta`): command (the command line run), created (UTC, ISO 8601), host,
 platform, python, torch, ringcheck (versions), threads (torch CPU threads of the command's
 process), elapsed_s; then the keys a command adds.
@@ -99,6 +105,7 @@ from . import __version__
 DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION = "ringcheck.drift", 1
 VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 1
 BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 1
+TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION = "ringcheck.train", 1
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,9 @@ KINDS = {kind.schema: kind for kind in (
     Kind(BENCH_SCHEMA, BENCH_SCHEMA_VERSION, "bench",
          {"spec": dict},
          ("spec", "speed", "overlap", "balance", "memory", "harness", "meta")),
+    Kind(TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION, "train",
+         {"verdict": str, "config": dict, "summary": dict, "gradients": list, "steps": list},
+         ("config", "rule", "summary", "gradients", "steps", "meta")),
 )}
 
 META_KEYS = ("command", "created", "host", "platform", "python", "torch", "ringcheck", "threads", "elapsed_s")

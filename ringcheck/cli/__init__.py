@@ -15,6 +15,7 @@ from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError
 from .drift import _add_drift, _add_report
 from .test import _add_test
+from .train import _add_train
 from .validate import _add_validate, rerun_command
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "build_parser", "main", "our_ring_failures",
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_bench(sub)
     _add_test(sub)
+    _add_train(sub)
     return parser
 
 
