@@ -49,7 +49,7 @@ DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the confi
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
 
 
-def _read_config(path_text: str) -> dict:
+def read_config(path_text: str) -> dict:
     """The config's keys: top-level keys and a [validate] table, merged (a key in both with two
     values is refused); every key known (a "did you mean" otherwise) and of its type, named."""
     path = Path(path_text)
@@ -84,7 +84,7 @@ def _read_config(path_text: str) -> dict:
 
 def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
     """The target and the timeout: the config file's keys, then the flags over them."""
-    values = _read_config(args.config) if args.config else {}
+    values = read_config(args.config) if args.config else {}
     quick = values.pop("quick", False)
     timeout = values.pop("timeout", None)
     for name in _TARGET_FLAGS:
@@ -227,7 +227,7 @@ def _add_validate(sub) -> None:
     p.add_argument("--impl", help="implementation: ringcheck (default), ring_attention_pytorch, torch_cp, "
                                   "ring_flash_attn:zigzag|basic|stripe|llama3, yunchang:ulysses|usp[:ulysses=N]|"
                                   "ring:basic|zigzag|stripe, or package.module:function")
-    p.add_argument("--config", help="TOML file with the target: the flags' names as keys (e.g. seq_len = 4096, "
+    p.add_argument("--config", help="TOML file with the target: the flags' names as keys, at the top level or in a [validate] table (e.g. seq_len = 4096, "
                                     "causal = false, quick = true, timeout = 30), flags override it")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="full target sequence length (default 2048)")
     p.add_argument("--batch", type=int, help="batch (default 1)")
