@@ -154,4 +154,8 @@ def test_the_plugin_is_registered_under_pytest11():
 
     names = {ep.value for ep in entry_points(group="pytest11")}
     assert "ringcheck.testing.plugin" in names
-    assert (ROOT / "conftest.py").read_text().strip().count("\n") == 0  # one line: pytest_plugins
+    # the suites load it (and their defaults) through pyproject's addopts: no conftest.py above the
+    # package, which pytest would collect (and refuse) when an editable install's in-package suite
+    # runs from another project
+    assert not (ROOT / "conftest.py").exists()
+    assert "-p ringcheck.testing.plugin -p ringcheck.testing.suite_defaults" in (ROOT / "pyproject.toml").read_text()

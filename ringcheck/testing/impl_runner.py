@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from ..adapters import accepted_keywords
 from ..harness import TWO_CALLS, ImplOptions, Mesh, Runner
-from ..harness.embedding import check_witnesses, default_mesh, group_inputs
+from ..harness.embedding import check_witnesses, default_mesh, embedding_message, group_inputs
 from ..judge.check import Case, Results
 from ..judge.inputs import Inputs
+from ..launch import RingError
 
 # the contract's variant keywords, and what in a case asks for each
 VARIANT_KEYWORDS = ("cu_seqlens", "window", "softcap", "sinks")
@@ -105,7 +106,14 @@ class CaseRun:
         self._refuse()
         mesh = self.impl.mesh_for(self.case.ring.world_size)
         inputs = group_inputs(self.case, first, mesh.rings)
-        runs = self.impl.runner.run(self.case, inputs, mesh, (call,), second=second)
+        try:
+            runs = self.impl.runner.run(self.case, inputs, mesh, (call,), second=second)
+        except RingError as exc:
+            if mesh.rings == 1:
+                raise
+            self.impl.runner.run(self.case, inputs[:1], Mesh.ring(mesh.cp), (call,), second=second)  # alone?
+            raise AssertionError(embedding_message(mesh, [f"raises: {str(exc).splitlines()[0]}"], True,
+                                                   f"a ring of {mesh.cp} ranks alone")) from None
         if call != TWO_CALLS:  # a ring that does not keep to its group fails here, naming the group
             check_witnesses(self.impl.runner, self.case, runs, inputs, call)
         return runs[0].calls[call]

@@ -1,9 +1,10 @@
-"""Defaults of this repository's own suites, loaded by the root conftest (not by the
-installed plugin, so other projects' tests keep their threads and seeds).
+"""Defaults of this repository's own suites, loaded by its pyproject's pytest addopts
+(``-p ringcheck.testing.suite_defaults``; not by the installed plugin, so other projects' tests
+keep their threads and seeds).
 
 - Triton runs its interpreter on CPU-only machines: Triton chooses interpreter or compiler
   when a kernel is decorated (the first import of `ringcheck.ring.backends.triton_fwd`), so
-  this is set when the conftest loads, before any test imports the kernels.
+  this is set when this module loads, before any test imports the kernels.
 - One torch thread per test module, and one seed per test (from its id, the same on every rank).
 """
 

@@ -1,1 +1,0 @@
-pytest_plugins = ["ringcheck.testing.plugin", "ringcheck.testing.suite_defaults"]
