@@ -227,8 +227,9 @@ def _add_validate(sub) -> None:
     p.add_argument("--impl", help="implementation: ringcheck (default), ring_attention_pytorch, torch_cp, "
                                   "ring_flash_attn:zigzag|basic|stripe|llama3, yunchang:ulysses|usp[:ulysses=N]|"
                                   "ring:basic|zigzag|stripe, or package.module:function")
-    p.add_argument("--config", help="TOML file with the target: the flags' names as keys, at the top level or in a [validate] table (e.g. seq_len = 4096, "
-                                    "causal = false, quick = true, timeout = 30), flags override it")
+    p.add_argument("--config", help="TOML file with the target: the flags' names as keys, at the top level or in a "
+                                    "[validate] table (e.g. seq_len = 4096, causal = false, quick = true, timeout = "
+                                    "30), each key's type checked; flags override it")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="full target sequence length (default 2048)")
     p.add_argument("--batch", type=int, help="batch (default 1)")
     p.add_argument("--heads", type=int, help="query heads (default 4)")
