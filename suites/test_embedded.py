@@ -235,3 +235,35 @@ def test_the_sinks_convention_is_on_the_command_line(tmp_path):
     with pytest.raises(ValueError, match="sinks_grad must be one of"):
         Target(**{**SMALL, "sinks_grad": "both"})
     assert RingSpec(4, "zigzag").world_size == 4
+
+
+# ---- drift and bench inside a mesh ------------------------------------------------------------
+
+def test_drift_impl_runs_every_ring_inside_the_mesh_and_fails_a_ring_that_mixes_groups(tmp_path, capsys):
+    args = ["drift", "--dtypes", "float32", "--ring-sizes", "1,2", "--distributions", "normal", "--modes", "zigzag",
+            "--seeds", "1", "--tokens-per-rank", "4", "--head-dim", "8", "--heads", "2", "--kv-heads", "1",
+            "--mesh", "cp=2,tp=2", "--forward-only", "--timeout", "30", "-q"]
+    main([*args, "--impl", "ringcheck", "--out", str(tmp_path / "ours")])
+    out = capsys.readouterr()
+    assert "every ring inside mesh cp=2,tp=2" in out.out + out.err and "FAILED" not in out.err
+    assert main([*args, "--impl", f"{EMBEDDED}:default_group", "--out", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: passes alone" in err and "fails inside mesh cp=" in err and "Likely causes" in err
+
+
+def test_drift_refuses_a_mesh_whose_ring_is_smaller_than_the_sweep(capsys):
+    assert main(["drift", "--impl", "ringcheck", "--ring-sizes", "2,4", "--mesh", "cp=2,tp=2"]) == EXIT_USAGE
+    assert "its cp dim is the largest ring of the sweep" in capsys.readouterr().err
+
+
+def test_bench_times_the_rings_of_a_mesh_at_once(tmp_path):
+    from ringcheck.commands.bench import BenchSpec, run_speed
+    from ringcheck.launch import LocalRings
+
+    spec = BenchSpec(impls=("ringcheck",), dtypes=("float32",), ring_sizes=(2,), tokens=(32,), heads=1, head_dim=8,
+                     modes=("bidirectional",), passes=("fwd",), repeats=1, warmup=0, mesh="cp=2,tp=2")
+    with LocalRings(timeout=30) as rings:
+        rows = run_speed(spec, rings)
+    assert rows and all(r.get("median_s") is not None for r in rows), rows
+    with pytest.raises(ValueError, match="exactly one dim is the ring"):
+        BenchSpec(mesh="dp=2")

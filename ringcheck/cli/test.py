@@ -76,7 +76,8 @@ def _add_test(sub) -> None:
                    help="layouts of its shards (pytest --ring-layout; default: what it runs, zigzag for a function "
                         "without a layout= keyword)")
     p.add_argument("--world-sizes", dest="world_sizes", default=None, metavar="P[,P...]",
-                   help="ring sizes drawn (pytest --ring-world-sizes; default 1,2,3,4, under torchrun 1..WORLD_SIZE)")
+                   help="ring sizes drawn (pytest --ring-world-sizes; default 1,2,3,4, under torchrun the divisors "
+                        "of WORLD_SIZE)")
     p.add_argument("--dtypes", default=None, metavar="DTYPE[,DTYPE...]",
                    help="input dtypes drawn (pytest --ring-dtypes; default float32,bfloat16,float16)")
     p.add_argument("--forward-only", dest="forward_only", action="store_true",

@@ -18,7 +18,7 @@ from ..judge.check import Case, Results, judge_results, peer, truth
 from ..judge.inputs import Inputs, make_inputs
 from ..judge.verdict import TENSORS, Verdict
 from ..spec import Budget
-from .mesh import Mesh
+from .mesh import REPLICA, Mesh
 from .runner import GroupRun
 
 GROUP_SEED = 1_000_003  # group g of a mesh draws its inputs from seed + g x this
@@ -27,6 +27,10 @@ LIKELY_CAUSES = ("collectives on another group than the one given (the default w
                  "another mesh axis), a ring position taken from the wrong axis (dist.get_rank() % world_size "
                  "instead of dist.get_rank(group)), peers computed as group ranks where a P2P op wants global "
                  "ranks (or the reverse)")
+
+
+def alone_words(world_size: int) -> str:
+    return f"a ring of {world_size} rank{'s' if world_size != 1 else ''} alone"
 
 
 def group_inputs(case: Case, first: Inputs, rings: int) -> list[Inputs]:
@@ -39,15 +43,20 @@ def group_inputs(case: Case, first: Inputs, rings: int) -> list[Inputs]:
 def default_mesh(world_size: int, *, room: int | None, world_only: bool = False,
                  template: Mesh | None = None) -> Mesh:
     """Where a ring of `world_size` runs: `template` with that ring (a `--mesh`), else the
-    default embedding cp=P,tp=2 where the processes hold it (`room`: the torchrun world's size;
-    None: local rings, any size), else one ring; an implementation that rings over the whole
-    world only (`world_only`) always alone."""
+    default embedding: on local rings (`room` None) two interleaved rings, cp=P,tp=2; in a
+    torchrun world of `room` ranks that P divides, as many interleaved rings as fill it
+    (cp=P,tp=room/P: no rank idle, so a ring that talks over the default group meets the other
+    rings, never a rank that waits elsewhere); else one ring. An implementation that rings over
+    the whole world only (`world_only`) always alone."""
     if world_only:
         return Mesh.ring(world_size)
     if template is not None:
         return template.with_cp(world_size)
-    embedded = Mesh.embedded(world_size)
-    return embedded if room is None or embedded.size <= room else Mesh.ring(world_size)
+    if room is None:
+        return Mesh.embedded(world_size)
+    if room % world_size == 0 and room // world_size >= 2:
+        return Mesh.parse(f"cp={world_size},{REPLICA}={room // world_size}")
+    return Mesh.ring(world_size)
 
 
 def present(got: Results, tensors=TENSORS) -> tuple[str, ...]:
@@ -110,4 +119,4 @@ def check_witnesses(runner, case: Case, runs: list[GroupRun], inputs: list[Input
     mesh, witness = runs[0].mesh, inputs[failed[0][0]]
     alone = runner.run(case, [witness], Mesh.ring(mesh.cp), (call,))[0].calls[call]
     if judge_group(case, alone, witness, budget=budget).passed:
-        raise EmbeddingFailure(mesh, [v for _, v in failed], f"a ring of {mesh.cp} ranks alone")
+        raise EmbeddingFailure(mesh, [v for _, v in failed], alone_words(mesh.cp))

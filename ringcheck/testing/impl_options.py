@@ -9,7 +9,8 @@ Options (the plugin's `ringcheck implementation under test` group):
   of contiguous, zigzag and striped for a built-in adapter without a list or a function that
   takes a ``layout`` keyword; zigzag, validate's default, for one that does not);
 - ``--ring-world-sizes P[,P...]``: the ring sizes drawn (default 1,2,3,4 on local gloo rings;
-  1..WORLD_SIZE under torchrun, each at most the world);
+  under torchrun the divisors of WORLD_SIZE, so rings fill the world and no rank waits idle
+  beside them; each at most the world);
 - ``--ring-dtypes D[,D...]``: input dtypes drawn (default float32, bfloat16, float16);
 - ``--ring-forward-only``: no backward is run; backward properties say "not run";
 - ``--ring-mesh DIM=N,...``: the mesh each ring runs inside, its other dims replicating every
@@ -48,7 +49,9 @@ def _world_sizes(text: str | None, torchrun_size: int | None, mesh: Mesh | None 
     if text is None:
         if mesh is not None:
             return tuple(range(1, mesh.cp + 1))
-        return tuple(range(1, torchrun_size + 1)) if torchrun_size else LOCAL_WORLD_SIZES
+        if torchrun_size:  # the ring sizes that fill the world with rings: no rank waits idle beside them
+            return tuple(p for p in range(1, torchrun_size + 1) if torchrun_size % p == 0)
+        return LOCAL_WORLD_SIZES
     try:
         sizes = tuple(int(x) for x in _items("--ring-world-sizes", text))
     except ValueError:
@@ -114,10 +117,12 @@ class ImplConfig:
         elif self.mesh is not None:
             where += f", inside mesh {self.mesh.text} (its cp dim set to each ring size)"
         else:
-            room = "" if self.torchrun_size is None else (f"; rings of more than {self.torchrun_size // 2} ranks "
-                                                          f"run alone: one ring only (launch 2P ranks or pass "
-                                                          f"--ring-mesh to check group handling)")
-            where += f", each ring beside a second one (mesh cp=P,tp=2){room}"
+            if self.torchrun_size is None:
+                where += ", each ring beside a second one (mesh cp=P,tp=2)"
+            else:
+                where += (f", each ring beside the others that fill it (mesh cp=P,tp={self.torchrun_size}/P); a ring "
+                          f"of {self.torchrun_size}: one ring only (launch 2P ranks or pass --ring-mesh to check "
+                          f"group handling)")
         return (f"ringcheck implementation under test: {self.spec} on {where}; ring sizes "
                 f"{','.join(map(str, self.world_sizes))}; layouts {','.join(self.layouts)}{self.layout_note}; dtypes "
                 f"{','.join(self.dtypes)}" + ("; forward only (backward properties: not run)" if self.forward_only else ""))

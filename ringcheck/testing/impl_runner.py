@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..adapters import accepted_keywords
 from ..harness import TWO_CALLS, ImplOptions, Mesh, Runner
-from ..harness.embedding import check_witnesses, default_mesh, embedding_message, group_inputs
+from ..harness.embedding import alone_words, check_witnesses, default_mesh, embedding_message, group_inputs
 from ..judge.check import Case, Results
 from ..judge.inputs import Inputs
 from ..launch import RingError
@@ -113,7 +113,7 @@ class CaseRun:
                 raise
             self.impl.runner.run(self.case, inputs[:1], Mesh.ring(mesh.cp), (call,), second=second)  # alone?
             raise AssertionError(embedding_message(mesh, [f"raises: {str(exc).splitlines()[0]}"], True,
-                                                   f"a ring of {mesh.cp} ranks alone")) from None
+                                                   alone_words(mesh.cp))) from None
         if call != TWO_CALLS:  # a ring that does not keep to its group fails here, naming the group
             check_witnesses(self.impl.runner, self.case, runs, inputs, call)
         return runs[0].calls[call]

@@ -314,7 +314,7 @@ def _add_impl_options(parser) -> None:
                     help="layouts of its shards: contiguous, zigzag, striped, zigzag_docs (default: the adapter's; "
                          "all plain layouts if it takes layout=, else zigzag)")
     group.addoption("--ring-world-sizes", default=None, metavar="P[,P...]",
-                    help="ring sizes drawn (default 1,2,3,4; under torchrun 1..WORLD_SIZE)")
+                    help="ring sizes drawn (default 1,2,3,4; under torchrun the divisors of WORLD_SIZE)")
     group.addoption("--ring-dtypes", default=None, metavar="DTYPE[,DTYPE...]",
                     help="input dtypes drawn (default float32,bfloat16,float16)")
     group.addoption("--ring-forward-only", action="store_true", default=False,
