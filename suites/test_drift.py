@@ -4,6 +4,7 @@ flags, the JSON schema, `report diff`, and the command line. Tiny sweeps only.""
 import copy
 import json
 import math
+import os
 import random
 
 import pytest
@@ -398,7 +399,8 @@ def test_drift_command_writes_json_markdown_and_html_and_diff_reads_them(tmp_pat
     # two ring sizes P >= 2 (2, 4) fit no slope: no verdict, exit 2 (see the test below)
     assert main(["drift", *TINY_ARGS, "--out", str(tmp_path / "a")]) == 2
     doc = load(tmp_path / "a" / "drift.json", schema=DRIFT_SCHEMA)
-    assert doc["meta"]["command"].startswith("ringcheck drift --dtypes bfloat16")
+    assert doc["meta"]["command"].startswith(f"cd {os.getcwd()} && ")  # it reproduces the run from anywhere
+    assert " ringcheck drift --dtypes bfloat16" in doc["meta"]["command"]
     assert list(doc["meta"]) == list(META_KEYS) and doc["meta"]["threads"] == 1
     md = (tmp_path / "a" / "drift.md").read_text()
     assert "ringcheck drift --dtypes bfloat16" in md and "## Verdict" in md

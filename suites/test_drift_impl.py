@@ -79,7 +79,7 @@ def test_drift_impl_command_writes_the_report_of_that_implementation(tmp_path, c
     doc = load(tmp_path / "drift.json", schema=DRIFT_SCHEMA)
     assert doc["implementation"] == f"{MUTANTS}:textbook" and doc["spec"]["accumulations"] == [AS_IMPLEMENTED]
     assert sorted({c["P"] for c in doc["cases"].values()}) == [2, 4]
-    assert doc["meta"]["command"].startswith(f"ringcheck drift --impl {MUTANTS}:textbook")
+    assert f" ringcheck drift --impl {MUTANTS}:textbook" in doc["meta"]["command"]
     assert doc["summary"]["verdict"] == "no verdict" and doc["summary"]["to_judge"]["ring_sizes"] == [2, 4, 8]
     page = (tmp_path / "drift.html").read_text()
     assert page.count("data:image/png;base64,") == 2  # error against P, fitted slopes (no per-step drift)

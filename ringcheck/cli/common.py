@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -20,8 +22,22 @@ class UsageError(Exception):
 
 def command_meta(args: argparse.Namespace, start: float, **extra) -> dict:
     """The `meta` of this command's document (`ringcheck.documents.meta`), `start` its
-    `time.perf_counter()` when the work began."""
-    return meta("ringcheck " + shlex.join(args.argv), elapsed_s=time.perf_counter() - start, **extra)
+    `time.perf_counter()` when the work began; its command reproduces the run from anywhere
+    (`where_to_rerun`, read by `cli.main` into ``args.where``)."""
+    return meta(getattr(args, "where", "") + "ringcheck " + shlex.join(args.argv),
+                elapsed_s=time.perf_counter() - start, **extra)
+
+
+def where_to_rerun(environ, sys_path: list[str] | None = None) -> str:
+    """The part of a re-run command before `ringcheck` that makes it reproduce this run from
+    anywhere: the working directory, and the PYTHONPATH that let the ranks import the user's
+    modules (made absolute; with the working directory in it where this process imports from
+    there, as `python -m ringcheck` does), read once here at the edge."""
+    cwd = os.getcwd()
+    paths = [str(Path(cwd, p).resolve()) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if (sys.path if sys_path is None else sys_path)[:1] in ([""], [cwd]) and cwd not in paths:
+        paths.insert(0, cwd)
+    return f"cd {shlex.quote(cwd)} && " + (f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} " if paths else "")
 
 
 def add_quiet(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,7 @@ from .common import (
     list_of,
     log_files_note,
     shows_progress,
+    where_to_rerun,  # noqa: F401 - train and other commands take it from here too
 )
 
 # ---------------------------------------------------------------------------- validate
@@ -105,15 +106,6 @@ def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
         raise UsageError(str(exc)) from exc
 
 
-def where_to_rerun(environ) -> str:
-    """The part of a re-run command before `ringcheck` that makes it reproduce this run from
-    anywhere: the working directory, and the PYTHONPATH that let the ranks import the user's
-    modules (made absolute), read once here at the edge."""
-    cwd = os.getcwd()
-    paths = [str(Path(cwd, p).resolve()) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return f"cd {shlex.quote(cwd)} && " + (f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} " if paths else "")
-
-
 def rerun_command(target: Target, timeout: float, *, torchrun: bool = False, world: int | None = None,
                   prefix: str = "") -> str:
     """The command that repeats this validate run exactly: every setting of the target as a
@@ -169,7 +161,7 @@ def incomplete_run(exc, log_dir: str | None) -> UsageError:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    prefix = where_to_rerun(os.environ)  # before the launcher pins its package on the PYTHONPATH
+    prefix = getattr(args, "where", "")  # the directory and PYTHONPATH of this run, read at the edge (cli.main)
     target, timeout = _validate_settings(args)
     stand_in = stand_in_row(target.flash_attn_stand_in)  # here too: loading the impl below imports it
     try:  # fail fast, before any process starts, on an unknown or malformed --impl

@@ -245,8 +245,8 @@ def blocks(doc: dict) -> list[tuple]:
     sizes = ring_sizes(doc)
     b: list[tuple] = [("h1", "ringcheck drift report")]
     if meta.get("command"):
-        b.append(("p", ("Produced by this command, run from the repository root (installed with `pip install -e .`; "
-                       "or run `PYTHONPATH=. python -m ringcheck ...`). The same command on the same machine "
+        b.append(("p", ("Produced by this command: pasted anywhere it runs again from the directory it names, with "
+                       "the PYTHONPATH the run needed to import its modules. The same command on the same machine "
                        "writes the same JSON bit for bit, everything but `meta`; check with `ringcheck report "
                        "diff --exact OLD.json NEW.json`.")))
         b.append(("code", meta["command"]))
