@@ -117,7 +117,8 @@ class Run:
         try:
             runs = self.runner.run(case, inputs, self.mesh, (CONTIGUOUS,), second=second)
         except RingError as exc:
-            if self.mesh.rings == 1 or not self._alone_runs(case, inputs[0]):
+            if self.mesh.rings == 1 or not self.runner.alone(self.target.world_size) or \
+                    not self._alone_runs(case, inputs[0]):
                 raise
             self.mesh_raised, self.mesh = short(exc), Mesh.ring(self.target.world_size)
             return self.dispatch(self.submit(case))
@@ -353,11 +354,15 @@ def mesh_row(run: Run, where) -> CheckRow:
     full = where.full.describe() if where.full != mesh else "the full length on the mesh too"
     if not run.failed_cases:
         return CheckRow(label, "pass", detail=f"{mesh.describe()}; every group judged; full length: {full}")
+    failing = sorted({v.group for v in run.verdicts if not v.passed and v.group})
     case, inputs, g = run.failed_cases[0]
+    if not run.runner.alone(case.ring.world_size):  # a torchrun world larger than the ring has no clean room
+        return CheckRow(label, "info", detail=f"[{case.describe()}] " + embedding_message(
+            mesh, failing or ["the only group"], None, "") + f"; not run alone: this world has "
+            f"{run.runner.processes.size} ranks, a ring alone needs a world of {case.ring.world_size}")
     run.note("the failing case alone")
     alone = run.runner.run(case, [inputs[g]], Mesh.ring(case.ring.world_size))[0].calls[CONTIGUOUS]
     judge = _Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only))
     passed = judge.budget(alone, inputs[g], "").passed
-    failing = sorted({v.group for v in run.verdicts if not v.passed and v.group})
     text = embedding_message(mesh, failing or ["the only group"], passed, run.alone_words)
     return CheckRow(label, "fail" if passed else "info", detail=f"[{case.describe()}] {text}")

@@ -117,6 +117,8 @@ def check_witnesses(runner, case: Case, runs: list[GroupRun], inputs: list[Input
     if not failed:
         return
     mesh, witness = runs[0].mesh, inputs[failed[0][0]]
+    if not runner.alone(mesh.cp):  # no clean room here: the first group's own verdict decides
+        return
     alone = runner.run(case, [witness], Mesh.ring(mesh.cp), (call,))[0].calls[call]
     if judge_group(case, alone, witness, budget=budget).passed:
         raise EmbeddingFailure(mesh, [v for _, v in failed], alone_words(mesh.cp))

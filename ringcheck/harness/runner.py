@@ -142,6 +142,13 @@ class Runner:
     def __init__(self, processes, options: ImplOptions):
         self.processes, self.options = processes, options
 
+    def alone(self, world_size: int) -> bool:
+        """Whether a ring of `world_size` can run alone, as the whole world (local rings start a
+        pool of that size; a torchrun world only if it is that size): the clean room that tells
+        a ring that does not keep to its group from one that is wrong anyway. A ring beside
+        idle ranks is no clean room: one that talks over the default group would wait on them."""
+        return self.processes.size is None or self.processes.size == world_size
+
     def fits(self, mesh: Mesh) -> bool:
         """Whether the processes can hold `mesh` (a torchrun world holds meshes up to its size)."""
         return self.processes.size is None or mesh.size <= self.processes.size
