@@ -71,7 +71,6 @@ class Run:
     mesh_raised: str = ""                                        # what raised inside the mesh (then: alone)
     returns_lse: bool = True
     first: tuple | None = None                                   # (case, inputs, second, runs): determinism
-    alone_passed: bool | None = None
 
     def note(self, text: str) -> None:
         if self.progress is not None:
@@ -120,7 +119,7 @@ class Run:
             if self.mesh.rings == 1 or not self.runner.alone(self.target.world_size) or \
                     not self._alone_runs(case, inputs[0]):
                 raise
-            self.mesh_raised, self.mesh = short(exc), Mesh.ring(self.target.world_size)
+            self.mesh_raised, self.mesh, self.first = short(exc), Mesh.ring(self.target.world_size), None
             return self.dispatch(self.submit(case))
         others = [c for c in self.calls if c not in (CONTIGUOUS, TWO_CALLS_ON_VIEWS)]
         self.calls = (CONTIGUOUS, *dict.fromkeys([*others, *(c for c in DETAIL_CALLS if c in self.allowed)]))
