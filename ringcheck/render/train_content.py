@@ -25,22 +25,24 @@ def headline(doc: dict) -> str:
     return f"ringcheck train: {VERDICT_WORDS[doc['verdict']]}"
 
 
-def gradient_table(doc: dict, *, only_worst: int | None = None) -> tuple[list[str], list[list[str]]]:
-    """Per parameter: its gradient's norm, the ring's and the noise runs' normwise errors,
-    the budget (relative) and error / budget; worst first when cut to `only_worst` (every
-    failing parameter is kept)."""
+def gradient_table(doc: dict, *, only_worst: int | None = None,
+                   per_run: bool = True) -> tuple[list[str], list[list[str]]]:
+    """Per parameter: its gradient's norm, the ring's and the noise runs' normwise errors
+    (each run's, or with `per_run` False their largest, the spread), the budget (relative) and
+    error / budget; worst first when cut to `only_worst` (every failing parameter is kept)."""
     rows = doc["gradients"]
     if only_worst is not None:
         worst = sorted(rows, key=lambda g: g["ratio"], reverse=True)
         rows = [g for g in worst if not g["passed"]] or worst[:only_worst]
     noise = list(doc["rule"]["noise_runs"])
-    headers = ["parameter", "norm", "ring error", *[f"{n} error" for n in noise], "budget", "error/budget", "verdict"]
+    columns = [f"{n} error" for n in noise] if per_run else ["noise spread"]
+    headers = ["parameter", "norm", "ring error", *columns, "budget", "error/budget", "verdict"]
     table = []
     for g in rows:
         budget = g["budget"] / g["norm"] if g["norm"] else g["budget"]
-        table.append([g["name"], f"{g['norm']:.3e}", f"{g['relative']:.2e}",
-                      *[f"{g['noise'][n]:.2e}" for n in noise], f"{budget:.2e}", ratio_words(g["ratio"]),
-                      "ok" if g["passed"] else "OUT"])
+        spread = [g["noise"][n] for n in noise] if per_run else [max(g["noise"].values(), default=0.0)]
+        table.append([g["name"], f"{g['norm']:.3e}", f"{g['relative']:.2e}", *[f"{x:.2e}" for x in spread],
+                      f"{budget:.2e}", ratio_words(g["ratio"]), "ok" if g["passed"] else "OUT"])
     return headers, table
 
 

@@ -15,8 +15,9 @@ WORST = 6  # parameters shown when every one passes (every failing one is shown)
 
 def print_train_summary(doc: dict, console: Console | None = None) -> None:
     console = console or Console()
-    headers, rows = gradient_table(doc, only_worst=WORST)
-    table = Table(title="step-0 gradients (normwise error; worst first)", box=box.SIMPLE_HEAD, title_justify="left")
+    headers, rows = gradient_table(doc, only_worst=WORST, per_run=False)
+    table = Table(title="step-0 gradients (normwise relative errors; worst first)", box=box.SIMPLE_HEAD,
+                  title_justify="left")
     for name in headers:
         table.add_column(name, justify="left" if name == "parameter" else "right", no_wrap=True)
     for row in rows:
