@@ -34,6 +34,7 @@ TWO_CALLS_ROW = "two calls before backward"
 EXPECTED = {
     "default_group": ("mesh:", "passes alone"),
     "rank_from_wrong_axis": ("mesh:", "passes alone"),
+    "group_rank_as_peer": ("mesh:", "raises inside mesh cp=4,tp=2"),
     "q_as_contiguous": (LAYOUTS_ROW, "fused qkv"),
     "v_with_k_strides": (LAYOUTS_ROW, "kv_strides"),
     "dout_as_contiguous": (LAYOUTS_ROW, ""),

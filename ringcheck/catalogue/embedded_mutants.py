@@ -6,7 +6,8 @@ are fresh contiguous tensors at batch 1 and whose every forward is followed by i
 - Inside a mesh (`mutants.textbook` with one switch): ``default_group`` (its collectives on the
   default world group: the `group` argument lost on the way down), ``rank_from_wrong_axis`` (its
   place in the ring as ``dist.get_rank() % world_size``: right for dp x cp, wrong for a strided
-  cp x tp mesh).
+  cp x tp mesh), ``group_rank_as_peer`` (its P2P peers given as ranks of the group where torch
+  wants global ranks: right only where the group is global ranks 0..P-1; inside a mesh it raises).
 - On views of fused projections: ``q_as_contiguous`` (a kernel reading q's memory as if it
   were contiguous), ``v_with_k_strides`` (the V tile built with K's strides), ``dout_as_contiguous``
   (the gradient of out read as contiguous).
@@ -35,6 +36,7 @@ from .mutants import LAYOUT, mutant_of
 SWITCHED = {
     "default_group": "collectives on the default world group instead of the group given",
     "rank_from_wrong_axis": "the ring position from the global rank (dist.get_rank() % world_size)",
+    "group_rank_as_peer": "group ranks passed as P2P peers, which want global ranks (right on ranks 0..P-1 only)",
     "q_as_contiguous": "q read as if it were contiguous",
     "v_with_k_strides": "v read with k's strides",
     "dout_as_contiguous": "the gradient of out read as if it were contiguous",

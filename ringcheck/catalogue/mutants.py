@@ -27,11 +27,13 @@ BUCKET = 8  # the `drops_remainder` bug works in buckets of this many tokens
 
 # ---------------------------------------------------------------- communication
 
-def _exchange(group, tensors):
+def _exchange(group, tensors, bugs=frozenset()):
     """Send `tensors` to the next rank and receive the same shapes from the previous one."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
+    if "group_rank_as_peer" in bugs:  # the group's ranks passed where P2P wants global ones: right on 0..P-1 only
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
@@ -129,7 +131,7 @@ class _Ring(torch.autograd.Function):
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
-                requests, incoming = _exchange(group, kv)
+                requests, incoming = _exchange(group, kv, bugs)
             s = _scores(q, kv[0], _visible(rank, src, world, n, causal, bugs), scale, bugs)
             block_lse = torch.logsumexp(s, -1)
             p = torch.exp(s - block_lse.masked_fill(torch.isneginf(block_lse), 0.0).unsqueeze(-1))
@@ -173,7 +175,7 @@ class _Ring(torch.autograd.Function):
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
-                kv_requests, kv_incoming = _exchange(group, kv)
+                kv_requests, kv_incoming = _exchange(group, kv, bugs)
             k_s, v_s = ([k, v] if "stale_kv_backward" in bugs else kv)
             s = _scores(q, k_s, _visible(rank, src, world, n, causal, bugs), scale, bugs)
             row_lse = block_lses[step] if "block_lse_backward" in bugs else lse
@@ -195,7 +197,7 @@ class _Ring(torch.autograd.Function):
             last = step == world - 1
             if last and "dkdv_not_home" in bugs:
                 break  # the accumulators of rank + 1 never make their last hop
-            grad_requests, grad_incoming = _exchange(group, dkv)
+            grad_requests, grad_incoming = _exchange(group, dkv, bugs)
             if not last:
                 _wait(kv_requests)
                 kv = kv_incoming
