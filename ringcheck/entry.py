@@ -6,17 +6,33 @@ every later import gets, here and in the worker processes a local ring starts. A
 beside the user's own code) is otherwise imported in its place: a namespace package without
 the API, so the command would end in an ImportError traceback and its workers could not
 start. Where the package cannot be pinned, the command exits 2 naming the folder that shadows
-it. Only the standard library is imported here, before the pin.
+it. Only the standard library is imported here, before the pin; a command that starts local
+rings starts their fork server here too, before its own imports (`start_workers_early`).
 """
 
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent  # this package's directory
 ROOT = str(PACKAGE.parent)                  # the directory that holds it (a checkout or site-packages)
+_PYTHONPATH_AT_START = os.environ.get("PYTHONPATH")  # before the workers' pin adds this package's directory
+
+
+def environ_as_started(environ) -> dict:
+    """`environ` with PYTHONPATH as this process found it, before the pin of the workers' start
+    method added the package's directory (what a re-run command must carry is the user's)."""
+    started = dict(environ)
+    if _PYTHONPATH_AT_START is None:
+        started.pop("PYTHONPATH", None)
+    else:
+        started["PYTHONPATH"] = _PYTHONPATH_AT_START
+    return started
 
 
 class ShadowedPackage(RuntimeError):
@@ -53,12 +69,55 @@ def pin_package() -> None:
             f"or run from a directory that does not contain a folder named 'ringcheck'")
 
 
+# what the fork server imports once, so that every worker it forks starts with it
+WORKER_PRELOAD = ["torch", "torch.distributed", "ringcheck.launch.local"]
+# commands that start local rings of worker processes (outside torchrun)
+RING_COMMANDS = ("validate", "drift", "bench", "train")
+
+
+def _pin_package_for_workers() -> None:
+    """Workers import the ringcheck this process imported. They start with their working
+    directory first on sys.path, where a folder named `ringcheck` (a clone of the repository
+    beside the user's code) would shadow the package; so the directory that holds this
+    package goes first on the PYTHONPATH they inherit (a regular package found on it wins over
+    such a folder). The launcher is an edge: this is its one write to the environment."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if paths[:1] != [ROOT]:
+        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in paths if p != ROOT])
+
+
+def worker_context():
+    """The start method of local rings' workers: forkserver where there is one (a server process
+    imports torch once and forks every worker from that clean, single-threaded state, so a pool
+    (re)starts in a fraction of a second instead of a torch import per process); spawn
+    elsewhere."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    _pin_package_for_workers()  # before the fork server starts: it and the workers keep its environment
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    return ctx
+
+
+def start_workers_early(argv: list[str], environ) -> None:
+    """Start the fork server now, for a command that will start local rings, so that its torch
+    import runs beside this process's own imports instead of after them (the command's first
+    pool then starts at once). Nothing for other commands, or under a launcher (torchrun: the
+    ranks are the processes)."""
+    if not argv or argv[0] not in RING_COMMANDS or "RANK" in environ or "forkserver" not in \
+            multiprocessing.get_all_start_methods():
+        return
+    worker_context()
+    multiprocessing.forkserver.ensure_running()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         pin_package()
     except ShadowedPackage as exc:
         print(f"ringcheck: error: {exc}", file=sys.stderr)
         return 2
+    start_workers_early(sys.argv[1:] if argv is None else list(argv), os.environ)
     from .cli import main as cli_main  # after the pin: this package's cli, whatever shadowed it
 
     return cli_main(argv)

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from ..entry import environ_as_started
 from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError, where_to_rerun
 from .drift import _add_drift, _add_report
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # argparse's own error (exit 2): only `ringcheck test` passes arguments on (to pytest)
     args.passed_on = unknown
     args.argv = argv
-    args.where = where_to_rerun(os.environ)  # before any launcher pins its package on the PYTHONPATH
+    args.where = where_to_rerun(environ_as_started(os.environ))  # the user's PYTHONPATH, not the workers' pin
     # under torchrun every rank runs this: one of them (rank 0) says what went wrong
     speaks = os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
     try:

@@ -35,8 +35,8 @@ def where_to_rerun(environ, sys_path: list[str] | None = None) -> str:
     there, as `python -m ringcheck` does), read once here at the edge."""
     cwd = os.getcwd()
     paths = [str(Path(cwd, p).resolve()) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if (sys.path if sys_path is None else sys_path)[:1] in ([""], [cwd]) and cwd not in paths:
-        paths.insert(0, cwd)
+    if {"", cwd} & set(sys.path if sys_path is None else sys_path) and cwd not in paths:
+        paths.insert(0, cwd)  # this process imports from its working directory (python -m ringcheck)
     return f"cd {shlex.quote(cwd)} && " + (f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} " if paths else "")
 
 

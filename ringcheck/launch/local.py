@@ -14,12 +14,12 @@ import sys
 import tempfile
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..entry import worker_context
 from ..spec import DEFAULT_TIMEOUT, check_timeout
 from .common import (
     GRACE,
@@ -114,28 +114,10 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
         dist.destroy_process_group()
 
 
-def _pin_package_for_workers() -> None:
-    """Workers import the ringcheck this process imported. They start with their working
-    directory first on sys.path, where a folder named `ringcheck` (a clone of the repository
-    beside the user's code) would shadow the package; so the directory that holds this
-    package goes first on the PYTHONPATH they inherit (a regular package found on it wins over
-    such a folder). The launcher is an edge: this is its one write to the environment."""
-    root = str(Path(__file__).resolve().parents[2])
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if paths[:1] != [root]:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p != root])
-
-
 def _context():
-    """forkserver where there is one: a server process imports torch once and forks every
-    worker from that clean, single-threaded state, so a pool (re)starts in a fraction of a
-    second instead of a torch import per process; spawn elsewhere."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    _pin_package_for_workers()  # before the fork server starts: it and the workers keep its environment
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
-    return ctx
+    """The workers' start method (`ringcheck.entry.worker_context`: forkserver where there is
+    one, with the package pinned on the PYTHONPATH they inherit)."""
+    return worker_context()
 
 
 def _exit_words(exitcode: int | None) -> str:
