@@ -318,22 +318,24 @@ def full_length_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict
     rows = sample_rows(spec.seq_len, target.sample_rows, target.seed)
     sparse = [with_sampled_rows(make_inputs(spec, seed=target.seed + FULL_SEED + GROUP_SEED * g, distribution="normal",
                                             ring=target.ring), rows) for g in range(full.rings)]
-    runs = run.runner.run(Case(spec, target.ring), sparse, full)
+    pending = run.runner.submit(Case(spec, target.ring), sparse, full)
+    run.note("the row reference against mpmath")  # while the ranks compute the full length
+    certified = _certify_row_reference(spec, sparse[0], rows)
+    references = [(row_results(spec, x, rows, low=False), row_results(spec, x, rows, low=True)) for x in sparse]
+    runs = pending()
     tensors = judged_tensors(run.returns_lse, target.forward_only)
     verdicts = []
-    for grun, x in zip(runs, sparse):
+    for grun, x, (true_rows, peer_rows) in zip(runs, sparse, references):
         whole = grun.calls[CONTIGUOUS]
         lse = whole.lse if whole.lse is not None else torch.zeros(whole.out.shape[0], whole.out.shape[2],
                                                                    whole.out.shape[1])
         got = Results(whole.out[:, rows], lse[:, :, rows], None if whole.dq is None else whole.dq[:, rows],
                       whole.dk, whole.dv, whole.dsinks, whole.dsinks_parts, whole.sinks_grad)
-        verdict = judge_rows(spec, target.ring, got, row_results(spec, x, rows, low=False),
-                             row_results(spec, x, rows, low=True), rows, tensors, run.budget, x)
+        verdict = judge_rows(spec, target.ring, got, true_rows, peer_rows, rows, tensors, run.budget, x)
         verdict.group = _label(grun, full)
         verdicts.append(verdict)
-    run.note("the row reference against mpmath")
     where = f" on {full.rings} CP groups of mesh {full.text}" if full.rings > 1 else ""
-    return [_certify_row_reference(spec, sparse[0], rows),
+    return [certified,
             summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows{where}", verdicts, ("out", "lse")),
             backward_row(f"backward full length {spec.seq_len}, {len(rows)} rows, all keys{where}", verdicts,
                          target.forward_only)], verdicts
