@@ -73,9 +73,13 @@ def benchmark(rep_ms: int, *, device: str = "cuda", bench=None, head_dims=HEAD_D
     from ringcheck.ring.backends import get_backend
 
     triton_backend = get_backend("triton")
+    from ringcheck import flash_stand_in
+
     try:
         from flash_attn import flash_attn_func
     except Exception:  # not installed, or its CUDA extension does not load
+        flash_attn_func = None
+    if flash_stand_in.active():  # ringcheck's CPU stand-in (installed earlier in this process): not flash-attn's kernels
         flash_attn_func = None
     if bench is None:
         from triton.testing import do_bench

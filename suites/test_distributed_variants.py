@@ -1,13 +1,17 @@
 """The variants on torch.distributed: `ring_attention` with documents, padding, windows,
 softcap, sinks and a value head dim of its own equals the simulated ring bit for bit (out,
-lse, dq, dk, dv and dsinks, which every rank receives whole), on local gloo rings (or the
-torchrun world, see suites/test_distributed.py for how tasks run)."""
+lse, dq, dk, dv and dsinks), on local gloo rings (or the torchrun world, see
+suites/test_distributed.py for how tasks run). dsinks under both conventions: each rank's share
+("partial", the default), whose sum over the ranks in rank order is the simulated ring's, and the
+whole ring's sum on every rank ("reduced")."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ringcheck
 from ringcheck.judge.inputs import make_inputs
+from ringcheck.ring.loops import sum_in_rank_order
 from ringcheck.testing.variant_cases import DISTRIBUTED_VARIANT_CASES
 
 SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones
@@ -39,6 +43,14 @@ def variant_task(member, cases):
                                             return_lse=True, timeout=member.timeout, **kwargs, **extra)
         grads = torch.autograd.grad(out, [q, k, v, *sinks], cut(inputs.dout))
         got = dict(zip(TENSORS, (out, lse, *grads)))
+        if sinks:  # this rank's share: the framework's sum (in rank order) is the whole gradient
+            shares = [torch.empty_like(got["dsinks"]) for _ in range(ring.world_size)]
+            dist.all_gather(shares, got["dsinks"].contiguous(), group=member.group)
+            got["dsinks"] = sum_in_rank_order(shares)
+            rq, rk, rv, rs = _leaves(q, k, v, sinks[0])
+            rout = ringcheck.ring_attention(rq, rk, rv, causal=s.causal, group=member.group, layout=ring.layout,
+                                            timeout=member.timeout, sinks_grad="reduced", **kwargs, sinks=rs)
+            got["dsinks reduced"] = torch.autograd.grad(rout, [rs], cut(inputs.dout))[0]
 
         wsinks = [] if inputs.sinks is None else _leaves(inputs.sinks)
         wq, wk, wv = _leaves(inputs.q, inputs.k, inputs.v)
@@ -49,7 +61,7 @@ def variant_task(member, cases):
         want = {"out": cut(wout), "lse": cut(wlse, 2), "dq": cut(wgrads[0]), "dk": cut(wgrads[1]),
                 "dv": cut(wgrads[2])}
         if wsinks:
-            want["dsinks"] = wgrads[3]
+            want["dsinks"] = want["dsinks reduced"] = wgrads[3]
         for name, b in want.items():
             a = got[name]
             if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):

@@ -7,6 +7,7 @@ torchrun world under torchrun), so these tests run the real distributed validate
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from html import escape
@@ -254,7 +255,8 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert list(report)[:2] == ["schema", "schema_version"]
     report = load(tmp_path / "validate.json", schema=VALIDATE_SCHEMA)
     assert report["passed"] and report["schema_version"] == 1
-    assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith("ringcheck validate")
+    assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith(f"cd {shlex.quote(str(ROOT))} && ")
+    assert " ringcheck validate --seq-len 256 " in report["meta"]["command"]  # after the directory and PYTHONPATH
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
 
     assert (tmp_path / "validate.html").read_text().count("data:image/png;base64,") == 1
