@@ -22,14 +22,15 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,triton,peers]"
+	$(PY) -m pip install -q -e ".[test,triton,peers,docs]"
 	@touch $(STAMP)
 
 validate: $(STAMP)
 	$(VENV)/bin/ringcheck validate
 
+# on pytest-xdist workers, one per core (the suites' local rings are processes of their own)
 test: $(STAMP)
-	$(PY) -m pytest suites -q
+	$(PY) -m pytest suites -q -n auto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
