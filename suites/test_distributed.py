@@ -201,8 +201,14 @@ def test_the_torchrun_environment_is_read_and_checked():
 
 
 def test_a_subprocess_of_a_rank_is_not_a_rank():
+    """What a rank's subprocess inherits: the launcher's variables and the rank's claim on them
+    (this process stands in for the rank; the suites run each test without the launcher's variables)."""
+    from ringcheck.launch import CLAIMED_BY
+
+    inherited = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500", CLAIMED_BY: str(os.getpid())}
     code = "from ringcheck.launch import from_torchrun_env; print(from_torchrun_env())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=inherited)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None"
 

@@ -100,7 +100,8 @@ def test_the_placement_of_a_run():
     one = placement(target, 4)  # a torchrun world with no room for a second ring says so
     assert one.scaled.rings == 1 and one.alone.startswith("one ring only (launch 2P")
     assert placement(target, 8).scaled.text == "cp=4,tp=2"
-    with pytest.raises(ValueError, match="not a multiple of the ring size"):
+    with pytest.raises(ValueError, match=r"not a multiple of the ring size .* --nproc-per-node=4 .* "
+                                         r"--world-size 2 or 3 or 6 \(a ring size that divides 6\)"):
         placement(target, 6)
     given = Target(**{**SMALL, "mesh": "dp=2,cp=4"})
     assert placement(given, None).full.text == "dp=2,cp=4"

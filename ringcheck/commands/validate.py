@@ -72,8 +72,10 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
         return Placement(Mesh.ring(p), Mesh.ring(p),
                          f"one ring only (launch 2P = {2 * p} ranks or pass --mesh to check group handling)")
     if world % p:
+        sizes = [d for d in range(2, world + 1) if world % d == 0]
         raise ValueError(f"the torchrun world has {world} ranks, not a multiple of the ring size --world-size {p}: "
-                         f"pass --mesh (e.g. --mesh dp={world // p},cp={p} on {world // p * p} ranks)")
+                         f"launch torchrun --nproc-per-node={p} (or {2 * p}: two rings), or pass --world-size "
+                         f"{' or '.join(map(str, sizes))} (a ring size that divides {world})")
     mesh = Mesh.parse(f"cp={p},{REPLICA}={world // p}")
     return Placement(mesh, mesh)
 

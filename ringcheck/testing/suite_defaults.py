@@ -6,6 +6,10 @@ keep their threads and seeds).
   when a kernel is decorated (the first import of `ringcheck.ring.backends.triton_fwd`), so
   this is set when this module loads, before any test imports the kernels.
 - One torch thread per test module, and one seed per test (from its id, the same on every rank).
+- Under torchrun, every test runs without the launcher's variables: the plugin read them at
+  start-up (the edge) and holds the world; a command a test runs, in this process or as a
+  subprocess, is then a command of its own (local rings), as a user would start it, not a second
+  claim on the launcher's world of this rank.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# what torchrun exports to each rank (torch.distributed.run): a process with them believes it is a rank
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_environment(monkeypatch):
+    for name in [*LAUNCHER_VARIABLES, *(n for n in os.environ if n.startswith("TORCHELASTIC_"))]:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(autouse=True)
