@@ -265,7 +265,8 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert (tmp_path / "validate.html").read_text().count("data:image/png;base64,") == 1
 
     failing = tmp_path / "failing"
-    done = _cli(*small, "--impl", "ringcheck.testing.mutants:diagonal_off_by_one", "--report", str(failing))
+    done = _cli(*small, "--distributions", "normal", "--impl", "ringcheck.testing.mutants:diagonal_off_by_one",
+                "--report", str(failing))  # one distribution: the mutant is off on every one
     assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
     assert "FAIL" in done.stdout and "forward" in done.stdout and "validate.html" in done.stdout
     report, page = load(failing / "validate.json", schema=VALIDATE_SCHEMA), (failing / "validate.html").read_text()
@@ -273,7 +274,8 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert all(escape(c["check"]) in page for c in report["checks"])
     assert any(c["status"] == "fail" and tensor_words(c["tensors"]).split("  ")[0] in page for c in report["checks"])
 
-    done = _cli(*small, "--impl", "ringcheck.testing.bad_impls:wrong_shape", "--timeout", "20")
+    done = _cli(*small, "--distributions", "normal", "--impl", "ringcheck.testing.bad_impls:wrong_shape",
+                "--timeout", "20")
     assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
     assert "returned out of shape" in done.stderr and "Traceback" not in done.stderr
 
