@@ -69,8 +69,11 @@ def pin_package() -> None:
             f"or run from a directory that does not contain a folder named 'ringcheck'")
 
 
-# what the fork server imports once, so that every worker it forks starts with it
-WORKER_PRELOAD = ["torch", "torch.distributed", "ringcheck.launch.local"]
+# what the fork server imports once, so that every worker it forks starts with it: the harness a
+# rank runs (with the references, and mpmath under them), and what torch.autograd.grad imports on
+# its first call (torch.fx.experimental.symbolic_shapes, with sympy: about 1.5 s a process)
+WORKER_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "ringcheck.launch.local",
+                  "ringcheck.harness.runner"]
 # commands that start local rings of worker processes (outside torchrun)
 RING_COMMANDS = ("validate", "drift", "bench", "train")
 
