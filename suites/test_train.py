@@ -24,8 +24,7 @@ from ringcheck.ring.layouts import positions
 from ringcheck.train import TrainConfig, judge
 from ringcheck.train.attention import single_device
 from ringcheck.train.data import counted_tokens, gap, make_batch, rank_part
-from ringcheck.train.loop import single_run
-from ringcheck.train.model import init_parameters, loss_of, parameter_shapes
+from ringcheck.train.model import init_parameters, loss_of
 
 CI = dict(world_size=2, steps=4, seq_len=32, layers=1, batch=2)
 CI_FLAGS = ["--world-size", "2", "--steps", "4", "--seq-len", "32", "--layers", "1", "--batch", "2", "-q"]
