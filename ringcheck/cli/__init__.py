@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..entry import environ_as_started
-from ..launch import CLAIMED_BY
+from ..launch import launched_rank
 from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError, where_to_rerun
 from .drift import _add_drift, _add_report
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args.where = where_to_rerun(environ_as_started(os.environ))  # the user's PYTHONPATH, not the workers' pin
     # under torchrun every rank runs this: one of them (rank 0) says what went wrong
     # (a subprocess of a rank inherits the launcher's variables but is no rank: it speaks for itself)
-    launched = "WORLD_SIZE" in os.environ and os.environ.get(CLAIMED_BY, str(os.getpid())) == str(os.getpid())
-    speaks = not launched or os.environ.get("RANK", "0") == "0"
+    speaks = not launched_rank(os.environ) or os.environ.get("RANK", "0") == "0"
     try:
         return args.func(args)
     except UsageError as exc:

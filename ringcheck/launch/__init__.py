@@ -34,11 +34,11 @@ from ..spec import DEFAULT_TIMEOUT
 from .channel import ProgressFile, relay
 from .common import GRACE, START_TIMEOUT, GroupPlan, RingError, RingMember, Submitted, Task, control_timeout
 from .local import LocalRingPool, LocalRings
-from .torchrun import CLAIMED_BY, TorchrunEnv, TorchrunWorld, from_torchrun_env
+from .torchrun import CLAIMED_BY, TorchrunEnv, TorchrunWorld, from_torchrun_env, launched_rank
 
 __all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "GroupPlan", "LocalRingPool", "LocalRings", "ProgressFile",
            "RingError", "RingMember", "Submitted", "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout",
-           "from_torchrun_env", "open_ring", "relay"]
+           "from_torchrun_env", "launched_rank", "open_ring", "relay"]
 
 
 def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None,

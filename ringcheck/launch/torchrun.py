@@ -48,13 +48,20 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 CLAIMED_BY = "RINGCHECK_TORCHRUN_RANK_PID"
 
 
+def launched_rank(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` makes this process a launcher's rank: some of the launcher's variables are
+    set, and no other process (the rank whose subprocess this is) has claimed them."""
+    return (any(name in environ for name in _TORCHRUN_VARS)
+            and environ.get(CLAIMED_BY, str(os.getpid())) == str(os.getpid()))
+
+
 def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
     """The torchrun environment, or None when this process was not started by a launcher
     (or inherited the variables from a process that is the rank)."""
     environ = os.environ if environ is None else environ
-    present = [name for name in _TORCHRUN_VARS if name in environ]
-    if not present or environ.get(CLAIMED_BY, str(os.getpid())) != str(os.getpid()):
+    if not launched_rank(environ):
         return None
+    present = [name for name in _TORCHRUN_VARS if name in environ]
     missing = [name for name in _TORCHRUN_VARS if name not in environ]
     if missing:
         raise RuntimeError(f"the launcher environment is incomplete: {present} are set but {missing} are not; "

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import settings
 
 from ..judge.variant_options import VariantOptions, parse_window
-from ..launch import LocalRings, TorchrunWorld, from_torchrun_env
+from ..launch import LocalRings, TorchrunWorld, from_torchrun_env, launched_rank
 from .strategies import PROFILES
 
 # ---- Hypothesis profiles for the property suites (suites/test_properties*.py) --------------
@@ -43,7 +43,7 @@ PROFILE_NAMES = ("ci", "nightly", "deep")
 
 
 def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return launched_rank(os.environ)
 
 
 def _register_hypothesis_profiles() -> None:
