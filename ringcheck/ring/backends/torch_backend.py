@@ -87,10 +87,11 @@ def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a contiguous tensor that starts its own allocation: the CPU flash kernel's float32
-    bits depend on its inputs' strides and on where they start in memory (a view at an offset,
-    e.g. rank 1's part of a whole tensor, rounds differently from a copy of it), so the same
-    values must always reach it the same way."""
+    """`t` as a contiguous tensor that starts its own allocation: the float32 bits of the CPU
+    flash kernel, and of the matmuls of the plain path, depend on their inputs' strides and on
+    where they start in memory (a view at an offset, e.g. rank 1's part of a whole tensor,
+    rounds differently from a copy of it), so the same values must always reach them the same
+    way."""
     return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
@@ -163,6 +164,7 @@ class TorchBackend:
         return bool((zero & (delta != 0)).any())
 
     def _plain_forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        q, k, v = (_owned(t.float()) for t in (q, k, v))
         kvh = k.shape[2]
         s, _ = _scores(_grouped(q, kvh), _kv(k), scale, mask, diagonal, lower, softcap)  # (b, kvh, g, sq, sk)
         lse = torch.logsumexp(s, dim=-1)                                                  # (b, kvh, g, sq)
@@ -171,6 +173,9 @@ class TorchBackend:
         return _ungroup(out), lse.reshape(b, -1, sq)
 
     def _plain_backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None):
+        # owned: a float32 dout that is rank 1's view into a whole tensor gave other dq bits than
+        # a copy of it (found by check_padding_is_inert: a window band, which takes this path)
+        q, k, v, dout, lse, delta = (_owned(t.float()) for t in (q, k, v, dout, lse, delta))
         kvh = k.shape[2]
         qg, kg, vg, dog = _grouped(q, kvh), _kv(k), _kv(v), _grouped(dout, kvh)
         b, h, sq = lse.shape
