@@ -34,6 +34,7 @@ from .common import (
     raised_text,
     ring_error,
 )
+from . import wire
 from .rank_task import STOP_PREFIX, StopFlag, log_path, rank_task
 
 # -------------------------------------------------------------------------------- local rings
@@ -99,7 +100,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
             else:
                 with rank_task(member, describe_task(task), index, flag=flag, log_dir=log_dir) as failed:
                     try:
-                        reply = pickle.dumps(("ok", task(member, *args)))
+                        reply = wire.dumps(("ok", task(member, *args)))
                     except BaseException:
                         text = raised_text()
                         failed(text)
@@ -298,7 +299,7 @@ class LocalRingPool:
         if self._in_flight is not None:
             self._in_flight.settle()
         limit = 10 * self.timeout if deadline is None else check_timeout(deadline)
-        message = pickle.dumps(("task", plan, task, args))
+        message = wire.dumps(("task", plan, task, args))
         for r, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(message)
