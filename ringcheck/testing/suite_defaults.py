@@ -5,6 +5,10 @@ keep their threads and seeds).
 - Triton runs its interpreter on CPU-only machines: Triton chooses interpreter or compiler
   when a kernel is decorated (the first import of `ringcheck.ring.backends.triton_fwd`), so
   this is set when this module loads, before any test imports the kernels.
+  Under it, a kernel's calls of other `@triton.jit` functions (our tile helpers, `tl.zeros`)
+  skip the interpreter's re-patching of `triton.language` where the launch patched it already
+  (`_calls_in_a_grid_skip_repatching`): the interpreter scans the whole language module with
+  `inspect.getmembers` on every such call, a third of the Triton suites' time.
 - One torch thread per test module, and one seed per test (from its id, the same on every rank).
 - Under torchrun, every test runs without the launcher's variables: the plugin read them at
   start-up (the edge) and holds the world; a command a test runs, in this process or as a
@@ -14,7 +18,9 @@ keep their threads and seeds).
 
 from __future__ import annotations
 
+import inspect
 import os
+import threading
 import zlib
 
 import pytest
@@ -22,6 +28,56 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _calls_in_a_grid_skip_repatching() -> None:
+    """Under Triton's interpreter, a launch (`GridExecutor.__call__`) patches the language
+    modules its kernel sees (`triton.language`, `triton.language.core`) for the whole grid and
+    restores them after; a call of another jit function inside the kernel
+    (`InterpretedFunction.__call__`) patches them again, which finds nothing left to patch but
+    costs a scan of every module member. Here a call inside a launch skips the patching when
+    every language module its function sees is patched already; a function that sees another
+    one (`tl.zeros` sees `triton.language.core`) patches it once, as before, and the launch
+    restores what it patched itself. What runs, and what each call computes, is unchanged."""
+    try:
+        # optional: only where triton is installed (the Triton suites skip without it)
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    grid_call, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    if getattr(grid_call, "_ringcheck", False):
+        return
+    state = threading.local()
+
+    def languages(fn) -> frozenset[int]:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def launch(self, *args, **kwargs):
+        outer, state.patched = getattr(state, "patched", None), set(languages(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    def call(self, *args, **kwargs):
+        patched, seen = getattr(state, "patched", None), languages(self.fn)
+        if patched is None or not seen <= patched:
+            if patched is not None:
+                patched |= seen
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # as InterpretedFunction.__call__ reports it
+            raise interpreter.InterpreterError(repr(exc)) from exc
+
+    launch._ringcheck = True
+    interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__ = launch, call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _calls_in_a_grid_skip_repatching()
 
 
 @pytest.fixture(autouse=True, scope="module")
