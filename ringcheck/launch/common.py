@@ -123,24 +123,72 @@ class GroupPlan:
         return [[values[r] for r in g] for g in self.groups]
 
 
-def plan_groups(plan: GroupPlan, rank: int, timeout: float, device: str = "cpu") -> RingMember | None:
+def _make_groups(plan: GroupPlan, rank: int, timeout: float, device: str) -> tuple[RingMember | None, list]:
     """Make every process group of `plan` (collective: every rank of the world calls it with the
-    same plan, in the same order) and return this rank's `RingMember`, or None where the rank is
-    in no ring of the plan."""
+    same plan, in the same order); this rank's `RingMember` (None where the rank is in no ring
+    of the plan) and the handles of every group made (to destroy them with)."""
     handles = [dist.new_group(ranks=list(g), timeout=as_timedelta(timeout)) for g in plan.groups]
+    made = list(handles)
     families: dict[str, Any] = {}
     for name, groups in plan.also:
         for g in groups:
             handle = dist.new_group(ranks=list(g), timeout=as_timedelta(timeout))
+            made.append(handle)
             if rank in g:
                 families[name] = handle
     place = plan.place_of(rank)
     if place is None:
-        return None
+        return None, made
     index, ring_rank = place
     ring = plan.groups[index]
     return RingMember(ring_rank, len(ring), handles[index], timeout, rank, device, index, ring,
-                      plan.describe(index), families)
+                      plan.describe(index), families), made
+
+
+KEEP_PLANS = 4  # the groups of this many plans a rank keeps (the most recently used)
+
+
+class PlanGroups:
+    """A rank's process groups per `GroupPlan`, made on a plan's first use (collectively: every
+    rank of the world asks for the same plans in the same order) and kept for the `keep` most
+    recently used plans. The groups of an older plan are destroyed: each gloo group holds a
+    polling thread of its own, and a long-lived rank that kept every group it ever made (a
+    session of tests: every ring size, every mesh) spent a tenth of a core on idle polling.
+    Every rank evicts the same plan at the same time, since each sees the same sequence."""
+
+    def __init__(self, rank: int, timeout: float, device: str = "cpu", keep: int = KEEP_PLANS):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 plan, got {keep!r}")
+        self.rank, self.timeout, self.device, self.keep = rank, timeout, device, keep
+        self._plans: dict[GroupPlan, tuple[RingMember | None, list]] = {}
+
+    def member(self, plan: GroupPlan) -> RingMember | None:
+        """This rank's member of `plan` (None: in no ring of it), its groups made if needed."""
+        if plan in self._plans:
+            self._plans[plan] = self._plans.pop(plan)  # the most recently used goes last
+        else:
+            while len(self._plans) >= self.keep:
+                _destroy(self._plans.pop(next(iter(self._plans)))[1])
+            self._plans[plan] = _make_groups(plan, self.rank, self.timeout, self.device)
+        return self._plans[plan][0]
+
+    def forget(self, plan: GroupPlan) -> None:
+        """Drop a plan's groups without destroying them (after a failure in them: a group may
+        still be busy with work that was given up on)."""
+        self._plans.pop(plan, None)
+
+    def clear(self) -> None:
+        """Drop every plan (as `forget`)."""
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def _destroy(handles: list) -> None:
+    for handle in handles:
+        if handle is not None and handle is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(handle)
 
 
 class Submitted:

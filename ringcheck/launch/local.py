@@ -25,12 +25,12 @@ from .common import (
     GRACE,
     START_TIMEOUT,
     GroupPlan,
+    PlanGroups,
     Submitted,
     Task,
     as_timedelta,
     control_timeout,
     describe_task,
-    plan_groups,
     raised_text,
     ring_error,
 )
@@ -47,6 +47,7 @@ def _loopback_interface() -> str | None:
 
 
 LAST_WORDS = 40  # lines of a dead worker's stderr its failure message quotes
+IDLE_CLOSE = 30.0  # seconds a local ring may sit unused before `LocalRings` closes it
 
 
 def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, log_dir: str | None = None,
@@ -75,7 +76,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
     except Exception:
         conn.send_bytes(pickle.dumps(("error", f"could not join the ring: {raised_text()}")))
         return
-    plans: dict[GroupPlan, Any] = {}
+    plans = PlanGroups(rank, timeout)
     index = 0
     while True:
         try:
@@ -92,9 +93,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
         index += 1  # every worker counts every task: the same stop flag key on every rank
         flag = StopFlag(store, f"{STOP_PREFIX}/{index}")
         try:
-            if plan not in plans:  # every worker gets every task, so all make the groups together
-                plans[plan] = plan_groups(plan, rank, timeout)
-            member = plans[plan]
+            member = plans.member(plan)  # every worker gets every task: all make the groups together
             if member is None:
                 reply = pickle.dumps(("idle", None))
             else:
@@ -354,7 +353,10 @@ class LocalRings:
     """Local gloo rings kept alive for a session: `run(ring_size, ...)` uses the smallest live
     pool with at least `ring_size` processes, or starts one of exactly `ring_size`.
 
-    A pool that failed is dropped, so the next task gets fresh processes. As with any
+    A pool that failed is dropped, so the next task gets fresh processes; a pool left unused for
+    `idle_close` seconds is closed when another is asked for (an idle gloo process still polls
+    its groups: a session that kept a pool of every ring size it ever ran paid for all of them).
+    Restarting one costs a fork per process (the fork server keeps torch imported). As with any
     multiprocessing start method but fork, a script that starts rings must guard its entry
     point with `if __name__ == "__main__":` (workers import the main module).
     """
@@ -364,27 +366,37 @@ class LocalRings:
     is_torchrun = False
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
-                 log_dir: str | os.PathLike | None = None, setup: Task | None = None):
+                 log_dir: str | os.PathLike | None = None, setup: Task | None = None,
+                 idle_close: float = IDLE_CLOSE):
         self.timeout = check_timeout(timeout)
         self.start_timeout = check_timeout(start_timeout)
         self.log_dir = None if log_dir is None else str(log_dir)  # each rank's log: DIR/rank<G>.log
         self.setup = setup  # a task every new pool runs first on all its processes (e.g. a stand-in)
+        if isinstance(idle_close, bool) or not isinstance(idle_close, (int, float)) or not idle_close > 0:
+            raise ValueError(f"idle_close must be a positive number of seconds (or inf: never), got {idle_close!r}")
+        self.idle_close = float(idle_close)
         self._pools: list[LocalRingPool] = []
+        self._used: dict[int, float] = {}  # id(pool) -> when it was last handed out
 
     def pool(self, ring_size: int, *, exact: bool = False) -> LocalRingPool:
         """A live pool that holds a ring of `ring_size`: the smallest that fits, or with `exact`
         one of exactly that size (for rings that must span their whole world)."""
-        for dead in [p for p in self._pools if not p.alive]:
-            dead.close()  # a worker may have died between tasks: reap it and drop the pool
-            self._pools.remove(dead)
-        fitting = [p for p in self._pools if (p.size == ring_size if exact else p.size >= ring_size)]
-        if fitting:
-            return min(fitting, key=lambda p: p.size)
-        pool = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout, log_dir=self.log_dir)
-        if self.setup is not None:  # before any task, and again in every pool started after a failure
-            pool.run(ring_size, self.setup)
-        self._pools.append(pool)
-        return pool
+        now = time.monotonic()
+        fitting = [p for p in self._pools if p.alive and (p.size == ring_size if exact else p.size >= ring_size)]
+        chosen = min(fitting, key=lambda p: p.size) if fitting else None
+        for old in [p for p in self._pools if p is not chosen and (not p.alive or p._in_flight is None and
+                                                                   now - self._used[id(p)] > self.idle_close)]:
+            old.close()  # died between tasks (a worker), or idle too long: reap it and drop the pool
+            self._pools.remove(old)
+            del self._used[id(old)]
+        if chosen is None:
+            chosen = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout,
+                                   log_dir=self.log_dir)
+            if self.setup is not None:  # before any task, and again in every pool started after a failure
+                chosen.run(ring_size, self.setup)
+            self._pools.append(chosen)
+        self._used[id(chosen)] = time.monotonic()
+        return chosen
 
     def run(self, ring_size: int, task: Task, *args: Any, deadline: float | None = None,
             exact: bool = False) -> list[Any]:
@@ -413,6 +425,7 @@ class LocalRings:
         for pool in self._pools:
             pool.close()
         self._pools = []
+        self._used = {}
 
     def __enter__(self) -> "LocalRings":
         return self

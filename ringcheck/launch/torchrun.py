@@ -16,12 +16,12 @@ import torch.distributed as dist
 from ..spec import DEFAULT_TIMEOUT, check_timeout
 from .common import (
     GroupPlan,
+    PlanGroups,
     Submitted,
     Task,
     as_timedelta,
     control_timeout,
     describe_task,
-    plan_groups,
     raised_text,
     ring_error,
 )
@@ -122,7 +122,7 @@ class TorchrunWorld:
             raise RuntimeError(f"torch.distributed is initialized as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
         self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
-        self._plans: dict[GroupPlan, Any] = {}  # a plan's member (None: idle in it), made on first use
+        self._plans = PlanGroups(self.rank, self.timeout, self.device)  # members per plan, made on first use
         os.environ[CLAIMED_BY] = str(os.getpid())  # this process is the rank (see CLAIMED_BY)
         # the stop flags live in the store every rank joined through; keys unique to this world
         # object (rank 0's pid and clock), since one process may open several in turn
@@ -141,9 +141,7 @@ class TorchrunWorld:
         return gathered
 
     def _member(self, plan: GroupPlan):
-        if plan not in self._plans:  # collective: every rank gets here in the same order
-            self._plans[plan] = plan_groups(plan, self.rank, self.timeout, self.device)
-        return self._plans[plan]
+        return self._plans.member(plan)  # collective: every rank gets here in the same order
 
     def run(self, ring_size: int, task: Task, *args: Any) -> list[Any]:
         """`task(member, *args)` on a ring of the world's last `ring_size` ranks; every rank gets
@@ -190,7 +188,7 @@ class TorchrunWorld:
         outcomes = self.all_gather(outcome)
         errors = {g: text for g, (kind, text) in enumerate(outcomes) if kind == "error"}
         if errors:
-            self._plans.pop(plan, None)  # every rank drops its groups (they all see the failure)
+            self._plans.forget(plan)  # every rank drops its groups (they all see the failure)
             raise ring_error(task, f"torchrun world of {self.size}", plan, errors)
         return plan.split([value for _, value in outcomes])
 
