@@ -6,8 +6,9 @@ every later import gets, here and in the worker processes a local ring starts. A
 beside the user's own code) is otherwise imported in its place: a namespace package without
 the API, so the command would end in an ImportError traceback and its workers could not
 start. Where the package cannot be pinned, the command exits 2 naming the folder that shadows
-it. Only the standard library is imported here, before the pin; a command that starts local
-rings starts their fork server here too, before its own imports (`start_workers_early`).
+it. Only the standard library is imported here, before the pin. A command that starts local
+rings starts their fork server as a fork of this process once it has imported what the
+workers need (`start_fork_server_here`), so torch is imported once per command, not twice.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import sys
+import threading
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent  # this package's directory
@@ -102,16 +105,65 @@ def worker_context():
     return ctx
 
 
-def start_workers_early(argv: list[str], environ) -> None:
-    """Start the fork server now, for a command that will start local rings, so that its torch
-    import runs beside this process's own imports instead of after them (the command's first
-    pool then starts at once). Nothing for other commands, or under a launcher (torchrun: the
-    ranks are the processes)."""
-    if not argv or argv[0] not in RING_COMMANDS or "RANK" in environ or "forkserver" not in \
-            multiprocessing.get_all_start_methods():
+def _rings_ahead(argv: list[str], environ) -> bool:
+    """Whether this command will start local rings (not under a launcher: torchrun's ranks are
+    the processes) on a platform with a fork server."""
+    return bool(argv) and argv[0] in RING_COMMANDS and "RANK" not in environ and \
+        "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def _fork_exec_passfds(path, args, passfds):
+    """`multiprocessing.util.spawnv_passfds` for the fork server, by fork instead of exec: the
+    child is this process (the preload imported already) and runs the server's `-c` program,
+    with every file descriptor closed but the standard ones and `passfds` (as exec would)."""
+    program = args[args.index("-c") + 1]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        keep = {0, 1, 2, *map(int, passfds)}
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        # the parent forked while holding the server's lock (ensure_running): a fresh one here
+        multiprocessing.forkserver._forkserver._lock = threading.Lock()
+        exec(program, {"__name__": "__mp_forkserver__"})
+        code = 0
+    except SystemExit as exc:  # the server's way out: every client (the parent) is gone
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:  # noqa: BLE001 - said on stderr, then this process ends
+        import traceback  # only in a fork server that failed
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def start_fork_server_here(argv: list[str], environ) -> None:
+    """For a command that will start local rings: import what every worker imports (it is
+    what the fork server would import in a fresh interpreter: torch, once more), then start
+    the fork server as a fork of this process. Nothing for other commands, under a launcher,
+    or off Linux (elsewhere a process that imported torch is no safe parent to fork: the
+    server starts as a fresh interpreter, as multiprocessing starts it)."""
+    if not _rings_ahead(argv, environ):
         return
     worker_context()
-    multiprocessing.forkserver.ensure_running()
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc/self/fd"):
+        multiprocessing.forkserver.ensure_running()
+        return
+    for name in WORKER_PRELOAD:
+        importlib.import_module(name)
+    spawn, multiprocessing.util.spawnv_passfds = multiprocessing.util.spawnv_passfds, _fork_exec_passfds
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     except ShadowedPackage as exc:
         print(f"ringcheck: error: {exc}", file=sys.stderr)
         return 2
-    start_workers_early(sys.argv[1:] if argv is None else list(argv), os.environ)
     from .cli import main as cli_main  # after the pin: this package's cli, whatever shadowed it
 
+    start_fork_server_here(sys.argv[1:] if argv is None else list(argv), os.environ)
     return cli_main(argv)

@@ -190,3 +190,41 @@ def test_a_killed_parent_leaves_no_worker_behind(tmp_path, torchrun_world):
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(pid) for pid in pids), f"workers left behind: {[p for p in pids if not _gone(p)]}"
+
+
+RECORDING_RING = """
+import os
+from ringcheck.catalogue.mutants import textbook
+
+def fn(q, k, v, *, causal, softmax_scale, group=None):
+    '''The textbook ring, which first writes down its process and its parent (the fork server).'''
+    parent = os.getppid()
+    with open(os.path.join(os.path.dirname(__file__), f"worker-{os.getpid()}.txt"), "w") as f:
+        f.write(f"{parent}\\n" + open(f"/proc/{parent}/cmdline", "rb").read().decode().replace("\\0", " "))
+    return textbook(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is forked on Linux only")
+def test_a_command_forks_its_fork_server_from_itself_and_leaves_nothing_behind(tmp_path, torchrun_world):
+    """`ringcheck validate` imports torch once: its workers' fork server is a fork of the command's
+    own process (its command line, not a second interpreter's), and it is gone with the command."""
+    if torchrun_world is not None:
+        pytest.skip("starts its own local rings: plain pytest only")
+    (tmp_path / "recording.py").write_text(RECORDING_RING)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "ringcheck", "validate", "--impl", "recording:fn", "--quick",
+                           "--seq-len", "16", "--world-size", "2", "--heads", "1", "--kv-heads", "1", "--head-dim",
+                           "8", "--distributions", "normal", "--sample-rows", "2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [p.read_text().split("\n", 1) for p in tmp_path.glob("worker-*.txt")]
+    assert records, "no worker ran the ring"
+    servers = {int(pid) for pid, _ in records}
+    assert all("-m ringcheck validate --impl recording:fn" in cmdline for _, cmdline in records), records[0][1]
+    deadline = time.monotonic() + 15
+    while not all(_gone(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in servers), f"fork server left behind: {servers}"
