@@ -64,6 +64,17 @@ def test_correct_rings_pass(ring_processes, impl):
     assert "determinism (two runs, same bits)" in checks and "no NaN/Inf" in checks
 
 
+@pytest.mark.parametrize("changes", [dict(world_size=1), dict(head_dim_v=16, world_size=2)], ids=["ring of one",
+                                                                                            "value head dim"])
+def test_the_textbook_ring_is_right_on_a_ring_of_one_and_with_a_value_head_dim_of_its_own(ring_processes, changes):
+    """Found by `ringcheck test --impl ringcheck.testing.mutants:textbook` at its default ring sizes
+    1,2,3,4: on one rank its backward sent dK and dV to itself (gloo: "Pair is not connected"), and a
+    v head dim other than q's broke its shapes. The control ring must be right wherever it runs."""
+    rows = _rows(ring_processes, impl="ringcheck.testing.mutants:textbook", distributions=("normal",),
+                 local_lengths=(2, 6), **changes)
+    assert not _failed(rows), "\n".join(f"{r.check}: {r.detail}" for r in rows if r.status == "fail")
+
+
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_every_mutant_fails(ring_processes, torchrun_world, mutant):
     ring = SPECIAL.get(mutant, {}).get("world_size", 4)

@@ -123,8 +123,8 @@ class _Ring(torch.autograd.Function):
             rank = dist.get_rank() % world
         dtype = q.dtype
         q, k, v = q.float(), k.float(), v.float()
-        b, n, h, d = q.shape
-        out = torch.zeros(b, n, h, d)
+        b, n, h, _ = q.shape
+        out = torch.zeros(b, n, h, v.shape[-1])  # v may have a head dim of its own
         lse = torch.full((b, h, n), float("-inf"))
         kv = [k, v]
         block_lses = []
@@ -189,14 +189,16 @@ class _Ring(torch.autograd.Function):
             kvh = k.shape[2]
             if "gqa_modulo" in bugs:
                 dk = dk.view(b, n, group_size, kvh, d).sum(2)
-                dv = dv.view(b, n, group_size, kvh, d).sum(2)
+                dv = dv.view(b, n, group_size, kvh, dv.shape[-1]).sum(2)
             else:
                 dk = dk.view(b, n, kvh, group_size, d).sum(3)
-                dv = dv.view(b, n, kvh, group_size, d).sum(3)
+                dv = dv.view(b, n, kvh, group_size, dv.shape[-1]).sum(3)
             dkv = [dkv[0] + dk, dkv[1] + dv]
             last = step == world - 1
             if last and "dkdv_not_home" in bugs:
                 break  # the accumulators of rank + 1 never make their last hop
+            if world == 1:
+                break  # a ring of one: the accumulators are home (gloo sends nothing to its own rank)
             grad_requests, grad_incoming = _exchange(group, dkv, bugs)
             if not last:
                 _wait(kv_requests)
