@@ -145,16 +145,26 @@ def _fork_exec_passfds(path, args, passfds):
         os._exit(code)
 
 
-def start_fork_server_here(argv: list[str], environ) -> None:
-    """For a command that will start local rings: import what every worker imports (it is
-    what the fork server would import in a fresh interpreter: torch, once more), then start
-    the fork server as a fork of this process. Nothing for other commands, under a launcher,
-    or off Linux (elsewhere a process that imported torch is no safe parent to fork: the
-    server starts as a fresh interpreter, as multiprocessing starts it)."""
-    if not _rings_ahead(argv, environ):
-        return
+FORKABLE_THREADS = 2  # threads of a process that imported torch and started nothing: its own, and torch's
+
+
+def _forkable() -> bool:
+    """Whether this process is a safe parent for the fork server: Linux (elsewhere a process
+    that imported torch is no safe parent to fork), and no thread but its own Python thread
+    and the one torch starts at import (a fork copies whatever locks other threads hold)."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/proc/self/task"):
+        return False
+    return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) <= FORKABLE_THREADS
+
+
+def start_fork_server_here() -> None:
+    """Start local rings' fork server now: as a fork of this process once it has imported what
+    every worker imports (what the server would import in a fresh interpreter: torch, once
+    more), where this process is a safe parent (`_forkable`); else as multiprocessing starts
+    it. Call it at start-up, before anything computes or starts a thread; nothing when the
+    server runs already."""
     worker_context()
-    if not sys.platform.startswith("linux") or not os.path.isdir("/proc/self/fd"):
+    if not _forkable():
         multiprocessing.forkserver.ensure_running()
         return
     for name in WORKER_PRELOAD:
@@ -174,5 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .cli import main as cli_main  # after the pin: this package's cli, whatever shadowed it
 
-    start_fork_server_here(sys.argv[1:] if argv is None else list(argv), os.environ)
+    if _rings_ahead(sys.argv[1:] if argv is None else list(argv), os.environ):
+        start_fork_server_here()
     return cli_main(argv)

@@ -205,25 +205,41 @@ def fn(q, k, v, *, causal, softmax_scale, group=None):
 """
 
 
+TINY_PROFILE = """
+from hypothesis import settings
+
+def pytest_configure(config):
+    settings.register_profile("tiny", settings.get_profile(settings.get_current_profile_name()), max_examples=1,
+                              derandomize=True, database=None)
+    settings.load_profile("tiny")
+"""
+SMALL_VALIDATE = ["--quick", "--seq-len", "16", "--world-size", "2", "--heads", "1", "--kv-heads", "1", "--head-dim", "8",
+                  "--distributions", "normal", "--sample-rows", "2"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is forked on Linux only")
-def test_a_command_forks_its_fork_server_from_itself_and_leaves_nothing_behind(tmp_path, torchrun_world):
-    """`ringcheck validate` imports torch once: its workers' fork server is a fork of the command's
-    own process (its command line, not a second interpreter's), and it is gone with the command."""
+@pytest.mark.parametrize("argv, parent", [
+    (["-m", "ringcheck", "validate", "--impl", "recording:fn", *SMALL_VALIDATE], "-m ringcheck validate --impl recording:fn"),
+    (["-m", "pytest", "--noconftest", "-p", "tiny", "-p", "no:cacheprovider", "--ring-impl", "recording:fn",
+      "--ring-world-sizes", "2", "-k", "test_determinism"], "-m pytest --noconftest -p tiny"),
+], ids=["ringcheck validate", "pytest --ring-impl"])
+def test_the_fork_server_is_forked_from_the_command_and_leaves_with_it(tmp_path, torchrun_world, argv, parent):
+    """`ringcheck validate` and `pytest --ring-impl` import torch once: their workers' fork server
+    is a fork of the command's own process (its command line, not a second interpreter's), and
+    it is gone with the command."""
     if torchrun_world is not None:
         pytest.skip("starts its own local rings: plain pytest only")
     (tmp_path / "recording.py").write_text(RECORDING_RING)
+    (tmp_path / "tiny.py").write_text(TINY_PROFILE)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}
     env["PYTHONPATH"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "ringcheck", "validate", "--impl", "recording:fn", "--quick",
-                           "--seq-len", "16", "--world-size", "2", "--heads", "1", "--kv-heads", "1", "--head-dim",
-                           "8", "--distributions", "normal", "--sample-rows", "2"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     records = [p.read_text().split("\n", 1) for p in tmp_path.glob("worker-*.txt")]
     assert records, "no worker ran the ring"
     servers = {int(pid) for pid, _ in records}
-    assert all("-m ringcheck validate --impl recording:fn" in cmdline for _, cmdline in records), records[0][1]
+    assert all(parent in cmdline for _, cmdline in records), records[0][1]
     deadline = time.monotonic() + 15
     while not all(_gone(pid) for pid in servers) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from ..entry import start_fork_server_here
 from ..judge.variant_options import VariantOptions, parse_window
 from ..launch import LocalRings, TorchrunWorld, from_torchrun_env, launched_rank
 from .strategies import PROFILES
@@ -357,6 +358,8 @@ def _configure_impl(config) -> None:
                                           mesh=given["--ring-mesh"], sinks_grad=get("sinks_grad"))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise pytest.UsageError(f"ringcheck --ring-impl: {exc}") from None
+    if world is None:  # local rings ahead: their fork server, forked now from this clean process
+        start_fork_server_here()
     suite = str(IMPL_SUITE)
     if config.args_source != pytest.Config.ArgsSource.ARGS:
         config.args[:] = [suite]  # no test paths given: the suite on the implementation is the run
