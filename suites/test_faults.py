@@ -221,7 +221,8 @@ SMALL_VALIDATE = ["--quick", "--seq-len", "16", "--world-size", "2", "--heads", 
 @pytest.mark.parametrize("argv, parent", [
     (["-m", "ringcheck", "validate", "--impl", "recording:fn", *SMALL_VALIDATE], "-m ringcheck validate --impl recording:fn"),
     (["-m", "pytest", "--noconftest", "-p", "tiny", "-p", "no:cacheprovider", "--ring-impl", "recording:fn",
-      "--ring-world-sizes", "2", "-k", "test_determinism"], "-m pytest --noconftest -p tiny"),
+      "--ring-world-sizes", "2", "--ring-dtypes", "float32", "--ring-forward-only", "-k", "test_determinism"],
+     "-m pytest --noconftest -p tiny"),
 ], ids=["ringcheck validate", "pytest --ring-impl"])
 def test_the_fork_server_is_forked_from_the_command_and_leaves_with_it(tmp_path, torchrun_world, argv, parent):
     """`ringcheck validate` and `pytest --ring-impl` import torch once: their workers' fork server

@@ -198,7 +198,7 @@ def test_an_implementation_that_never_returns_times_out_naming_the_rank(torchrun
         pytest.skip("a rank that never returns cannot be stopped in-process under torchrun")
     target = Target(**{**SMALL, "impl": "ringcheck.testing.bad_impls:never_returns_on_rank_zero",
                        "distributions": ("normal",), "local_lengths": (2,)})
-    with LocalRings(timeout=5) as rings, pytest.raises(RingError) as info:
+    with LocalRings(timeout=2) as rings, pytest.raises(RingError) as info:
         validate(target, rings)
     assert "rank 0" in str(info.value)
 
@@ -261,8 +261,10 @@ def _cli(*argv, timeout=300):
 
 def test_cli_exit_codes_and_report(tmp_path):
     """End to end in a fresh process: a passing run writes its report; a mutant exits 1 and
-    names the failing check; a contract breach at run time exits 2 without a traceback."""
-    small = ["--seq-len", "256", "--head-dim", "32", "--sample-rows", "8", "--quick"]
+    names the failing check; a contract breach at run time exits 2 without a traceback. (A small
+    target on a ring of 2: what is checked here is the command, its exit codes and its files.)"""
+    small = ["--seq-len", "64", "--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+             "--sample-rows", "4", "--quick"]
     done = _cli(*small, "--report", str(tmp_path))
     assert done.returncode == EXIT_OK, done.stdout + done.stderr
     report = json.loads((tmp_path / "validate.json").read_text(), parse_constant=_no_literal)
@@ -270,7 +272,7 @@ def test_cli_exit_codes_and_report(tmp_path):
     report = load(tmp_path / "validate.json", schema=VALIDATE_SCHEMA)
     assert report["passed"] and report["schema_version"] == 1
     assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith(f"cd {shlex.quote(str(ROOT))} && ")
-    assert " ringcheck validate --seq-len 256 " in report["meta"]["command"]  # after the directory and PYTHONPATH
+    assert " ringcheck validate --seq-len 64 " in report["meta"]["command"]  # after the directory and PYTHONPATH
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
 
     assert (tmp_path / "validate.html").read_text().count("data:image/png;base64,") == 1
