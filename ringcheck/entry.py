@@ -77,6 +77,14 @@ def pin_package() -> None:
 # its first call (torch.fx.experimental.symbolic_shapes, with sympy: about 1.5 s a process)
 WORKER_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "ringcheck.launch.local",
                   "ringcheck.harness.runner"]
+
+
+def preload_in_workers(*names: str) -> None:
+    """Modules every local ring worker should start with: the fork server imports them once
+    (before it starts: call this early), instead of each worker on its first use."""
+    WORKER_PRELOAD.extend(n for n in names if n not in WORKER_PRELOAD)
+
+
 # commands that start local rings of worker processes (outside torchrun)
 RING_COMMANDS = ("validate", "drift", "bench", "train")
 
@@ -168,7 +176,10 @@ def start_fork_server_here() -> None:
         multiprocessing.forkserver.ensure_running()
         return
     for name in WORKER_PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # as the fork server's preload: a worker that needs it says so
+            pass
     spawn, multiprocessing.util.spawnv_passfds = multiprocessing.util.spawnv_passfds, _fork_exec_passfds
     try:
         multiprocessing.forkserver.ensure_running()

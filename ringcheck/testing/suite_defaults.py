@@ -9,6 +9,10 @@ keep their threads and seeds).
   skip the interpreter's re-patching of `triton.language` where the launch patched it already
   (`_calls_in_a_grid_skip_repatching`): the interpreter scans the whole language module with
   `inspect.getmembers` on every such call, a third of the Triton suites' time.
+- Local rings' workers start with what the suites' rings import on first use in every worker
+  (`ringcheck.entry.preload_in_workers`): PyTorch's context parallel (with torch._dynamo, which
+  its backward imports: about 1.3 s a worker) and our Triton kernels; the fork server imports
+  them once per session.
 - One torch thread per test module, and one seed per test (from its id, the same on every rank).
 - Under torchrun, every test runs without the launcher's variables: the plugin read them at
   start-up (the edge) and holds the world; a command a test runs, in this process or as a
@@ -25,6 +29,8 @@ import zlib
 
 import pytest
 import torch
+
+from ..entry import preload_in_workers
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -78,6 +84,9 @@ def _calls_in_a_grid_skip_repatching() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _calls_in_a_grid_skip_repatching()
+
+preload_in_workers("torch._dynamo", "torch.distributed.tensor.experimental._context_parallel._attention",
+                   "ringcheck.ring.backends.triton_backend")
 
 
 @pytest.fixture(autouse=True, scope="module")
