@@ -28,9 +28,12 @@ $(STAMP): pyproject.toml Makefile
 validate: $(STAMP)
 	$(VENV)/bin/ringcheck validate
 
-# on pytest-xdist workers, one per core (the suites' local rings are processes of their own)
+# on pytest-xdist workers, one per core (the suites' local rings are processes of their own);
+# with byte-code caches even where the environment turns them off (PYTHONDONTWRITEBYTECODE): the
+# suites start about a hundred Python processes, each importing ringcheck (and pytest rewriting
+# the test modules in each worker)
 test: $(STAMP)
-	$(PY) -m pytest suites -q -n auto
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -128,3 +128,13 @@ def test_ringcheck_test_starts_pytest_without_assert_rewrite_warnings(tmp_path):
     assert _collected(result) == ["ringcheck/testing/impl_suite.py::test_determinism[forward+backward]"], _said(result)
     for warned in ("PytestAssertRewriteWarning", "Module already imported so cannot be rewritten"):
         assert warned not in result.stdout + result.stderr, _said(result)
+
+
+def test_a_project_that_does_not_test_a_ring_pays_no_torch_import(tmp_path):
+    """The plugin loads in every pytest run where ringcheck is installed: it imports no torch
+    until a test asks for a ring, so another project's suite starts as fast as without it."""
+    (tmp_path / "test_other.py").write_text("import sys\n\n\ndef test_no_torch_yet():\n"
+                                            "    assert 'torch' not in sys.modules, 'the plugin imported torch'\n")
+    result = _run("-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-q", "--profile", "ci",
+                  "test_other.py", cwd=tmp_path)  # --profile: the plugin is loaded (it adds that option)
+    assert result.returncode == 0 and "1 passed" in result.stdout, _said(result)

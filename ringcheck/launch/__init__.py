@@ -28,25 +28,41 @@ workers `grace` seconds after the first failure.
 
 from __future__ import annotations
 
-from typing import Mapping
+import importlib
+from typing import Any, Mapping
 
-from ..spec import DEFAULT_TIMEOUT
-from .channel import ProgressFile, relay
-from .common import GRACE, START_TIMEOUT, GroupPlan, RingError, RingMember, Submitted, Task, control_timeout
-from .local import LocalRingPool, LocalRings
-from .torchrun import CLAIMED_BY, TorchrunEnv, TorchrunWorld, from_torchrun_env, launched_rank
+from .environment import CLAIMED_BY, TorchrunEnv, from_torchrun_env, launched_rank
 
 __all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "GroupPlan", "LocalRingPool", "LocalRings", "ProgressFile",
            "RingError", "RingMember", "Submitted", "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout",
            "from_torchrun_env", "launched_rank", "open_ring", "relay"]
 
+# the rest loads on first use (they import torch): whether this process is a launcher's rank is
+# asked at start-up by the pytest plugin of every pytest run, and by the command, without it
+_LAZY = {"ProgressFile": "channel", "relay": "channel", "GRACE": "common", "START_TIMEOUT": "common",
+         "GroupPlan": "common", "RingError": "common", "RingMember": "common", "Submitted": "common", "Task": "common",
+         "control_timeout": "common", "LocalRingPool": "local", "LocalRings": "local", "TorchrunWorld": "torchrun"}
 
-def open_ring(*, timeout: float = DEFAULT_TIMEOUT, environ: Mapping[str, str] | None = None,
-              log_dir: str | None = None, stuck_exit_code: int | None = None, setup: Task | None = None):
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def open_ring(*, timeout: float | None = None, environ: Mapping[str, str] | None = None,
+              log_dir: str | None = None, stuck_exit_code: int | None = None, setup=None):
     """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry).
-    `log_dir`: one log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`;
-    `setup`: a task every local ring's processes run first (under torchrun each rank is the
-    calling process, which does its own setup)."""
+    `timeout`: every ring wait's bound (default `ringcheck.spec.DEFAULT_TIMEOUT`); `log_dir`: one
+    log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`; `setup`: a task every
+    local ring's processes run first (under torchrun each rank is the calling process, which
+    does its own setup)."""
+    # start-up time: the launchers import torch, and are needed only here
+    from ..spec import DEFAULT_TIMEOUT
+    from .local import LocalRings
+    from .torchrun import TorchrunWorld
+
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     env = from_torchrun_env(environ)
     if env is not None:
         return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code)

@@ -7,8 +7,7 @@ import os
 import pickle
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,57 +24,10 @@ from .common import (
     raised_text,
     ring_error,
 )
+from .environment import CLAIMED_BY, TorchrunEnv
 from .rank_task import STOP_PREFIX, StopFlag, StuckWatchdog, rank_task
 
 # ----------------------------------------------------------------------------------- torchrun
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    """The launcher's environment, read once (`from_torchrun_env`)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-# set by the process that joins the world with these variables: its subprocesses inherit them
-# but are not ranks (a rank that runs `ringcheck validate` in a subprocess must not make that
-# subprocess join the world as a second copy of itself, which would hang)
-CLAIMED_BY = "RINGCHECK_TORCHRUN_RANK_PID"
-
-
-def launched_rank(environ: Mapping[str, str]) -> bool:
-    """Whether `environ` makes this process a launcher's rank: some of the launcher's variables are
-    set, and no other process (the rank whose subprocess this is) has claimed them."""
-    return (any(name in environ for name in _TORCHRUN_VARS)
-            and environ.get(CLAIMED_BY, str(os.getpid())) == str(os.getpid()))
-
-
-def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
-    """The torchrun environment, or None when this process was not started by a launcher
-    (or inherited the variables from a process that is the rank)."""
-    environ = os.environ if environ is None else environ
-    if not launched_rank(environ):
-        return None
-    present = [name for name in _TORCHRUN_VARS if name in environ]
-    missing = [name for name in _TORCHRUN_VARS if name not in environ]
-    if missing:
-        raise RuntimeError(f"the launcher environment is incomplete: {present} are set but {missing} are not; "
-                           f"launch with `torchrun --nproc-per-node=<P> ...`, or unset {present}")
-    try:
-        env = TorchrunEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]),
-                          environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
-    except ValueError as exc:
-        raise RuntimeError(f"the launcher environment has a non-integer value: "
-                           f"{ {n: environ[n] for n in _TORCHRUN_VARS} }") from exc
-    if not 0 <= env.rank < env.world_size:
-        raise RuntimeError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
-    return env
-
 
 def _default_store():
     """The store the default process group was made with, for the stop flags; None where this

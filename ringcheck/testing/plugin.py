@@ -2,11 +2,10 @@
 and the ring fixtures.
 
 Registered under the `pytest11` entry point, so an installed ringcheck brings it to every
-pytest run (nothing to copy into a conftest); this repository's root conftest names it in
-`pytest_plugins` too, for a checkout that is not installed. What it adds:
+pytest run (nothing to copy into a conftest; it imports no torch until a test needs it). Adds:
 
 - ``--profile {ci,nightly,deep}``: the Hypothesis profile of the property suites (example
-  count and the size bounds of drawn cases, `ringcheck.testing.strategies.PROFILES`);
+  count and the size bounds of drawn cases, `ringcheck.testing.profiles.PROFILES`);
 - ``--ring-timeout``: the bound on every ring wait and collective of distributed tests;
 - under torchrun (the launcher's environment is read here, once: the edge) every rank runs
   the same tests in the same order, every test's verdict is collective (a failure on any rank
@@ -30,13 +29,14 @@ import pytest
 from hypothesis import settings
 
 from ..entry import start_fork_server_here
-from ..judge.variant_options import VariantOptions, parse_window
-from ..launch import LocalRings, TorchrunWorld, from_torchrun_env, launched_rank
-from .strategies import PROFILES
+# torch-free at load (start-up time: every pytest run where ringcheck is installed loads this
+# plugin); the judge and the launchers are imported where a test asks for them
+from ..launch.environment import from_torchrun_env, launched_rank
+from .profiles import PROFILES
 
 # ---- Hypothesis profiles for the property suites (suites/test_properties*.py) --------------
 # `pytest --profile {ci,nightly,deep}` picks the example count per property and the size
-# bounds of the drawn cases (ringcheck.testing.strategies.PROFILES); `ci` is the default. Under
+# bounds of the drawn cases (ringcheck.testing.profiles.PROFILES); `ci` is the default. Under
 # torchrun (RANK and WORLD_SIZE set) the derandomized, database-free variant of the profile is
 # loaded, so every rank draws the same examples in the same order.
 
@@ -97,10 +97,11 @@ def _add_variant_options(parser) -> None:
 
 
 @pytest.fixture(scope="session")
-def variant_options(pytestconfig) -> VariantOptions | None:
+def variant_options(pytestconfig):
     """The `VariantOptions` given on the command line (--documents, --pad, --window, --softcap,
     --sinks, --head-dim-v; the same meaning as ringcheck drift's flags), None when none is: the
     variant suites then draw their variants."""
+    from ..judge.variant_options import VariantOptions, parse_window  # start-up time (above)
     get = pytestconfig.getoption
     try:
         window = get("--window")
@@ -158,6 +159,7 @@ def _configure_ring(config) -> None:
         config.stash[_QUIET] = (sys.stdout, open(os.devnull, "w"))
         sys.stdout = config.stash[_QUIET][1]
     _derandomize_hypothesis()
+    from ..launch.torchrun import TorchrunWorld  # start-up time (above)
     config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"),
                                          log_dir=config.getoption("--ring-log-dir"))
 
@@ -174,7 +176,7 @@ def _stand_in(config) -> bool:
     return True
 
 
-def _local_rings(config, timeout: float) -> LocalRings:
+def _local_rings(config, timeout: float):
     """The session's local rings of one timeout: every pool installs the flash-attn stand-in
     first where asked, and writes each rank's log where asked."""
     setup = None
@@ -182,6 +184,7 @@ def _local_rings(config, timeout: float) -> LocalRings:
         from ..adapters.flash import stand_in_task  # only with --ring-flash-attn-stand-in
 
         setup = stand_in_task
+    from ..launch.local import LocalRings  # start-up time (above)
     return LocalRings(timeout=timeout, log_dir=config.getoption("--ring-log-dir"), setup=setup)
 
 

@@ -1,0 +1,56 @@
+"""Whether this process is a launcher's rank, read from its environment: standard library only,
+so the pytest plugin and the command ask it without importing torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The launcher's environment, read once (`from_torchrun_env`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+# set by the process that joins the world with these variables: its subprocesses inherit them
+# but are not ranks (a rank that runs `ringcheck validate` in a subprocess must not make that
+# subprocess join the world as a second copy of itself, which would hang)
+CLAIMED_BY = "RINGCHECK_TORCHRUN_RANK_PID"
+
+
+def launched_rank(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` makes this process a launcher's rank: some of the launcher's variables are
+    set, and no other process (the rank whose subprocess this is) has claimed them."""
+    return (any(name in environ for name in TORCHRUN_VARS)
+            and environ.get(CLAIMED_BY, str(os.getpid())) == str(os.getpid()))
+
+
+def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """The torchrun environment, or None when this process was not started by a launcher
+    (or inherited the variables from a process that is the rank)."""
+    environ = os.environ if environ is None else environ
+    if not launched_rank(environ):
+        return None
+    present = [name for name in TORCHRUN_VARS if name in environ]
+    missing = [name for name in TORCHRUN_VARS if name not in environ]
+    if missing:
+        raise RuntimeError(f"the launcher environment is incomplete: {present} are set but {missing} are not; "
+                           f"launch with `torchrun --nproc-per-node=<P> ...`, or unset {present}")
+    try:
+        env = TorchrunEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]),
+                          environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+    except ValueError as exc:
+        raise RuntimeError(f"the launcher environment has a non-integer value: "
+                           f"{ {n: environ[n] for n in TORCHRUN_VARS} }") from exc
+    if not 0 <= env.rank < env.world_size:
+        raise RuntimeError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
+    return env
