@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -68,6 +69,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
     if lo is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     torch.set_num_threads(1)
+    gc.freeze()  # what the fork server imported (torch and all) stays put: the collector no longer walks it
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=as_timedelta(control_timeout(timeout)))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
