@@ -34,9 +34,21 @@ def _exchange(group, tensors, bugs=frozenset()):
     prv = dist.get_global_rank(group, (rank - 1) % world)
     if "group_rank_as_peer" in bugs:  # the group's ranks passed where P2P wants global ones: right on 0..P-1 only
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    return send_packed(group, tensors, nxt, prv)
+
+
+def send_packed(group, tensors, nxt: int, prv: int):
+    """Send `tensors` (one dtype) to global rank `nxt` as one message and receive the same
+    shapes from `prv`; returns (requests, received: views of one buffer, valid once waited for).
+    One send and one receive per hop, not one per tensor: each point-to-point message costs
+    more than a copy of a small tensor."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    buffer = torch.empty_like(flat)
+    received, at = [], 0
+    for t in tensors:
+        received.append(buffer[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    ops = [dist.P2POp(dist.isend, flat, nxt, group), dist.P2POp(dist.irecv, buffer, prv, group)]
     return dist.batch_isend_irecv(ops), received
 
 

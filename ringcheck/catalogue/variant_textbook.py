@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ringcheck.catalogue.mutants import send_packed
 from ringcheck.ring.layouts import positions
 
 NEG_INF = float("-inf")
@@ -45,10 +46,7 @@ def exchange(group, tensors):
         return [], [t.clone() for t in tensors]
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
-    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    return dist.batch_isend_irecv(ops), received
+    return send_packed(group, tensors, nxt, prv)
 
 
 def wait(requests):
