@@ -22,17 +22,32 @@ SMALL = ["--seq-len", "32", "--world-size", "2", "--heads", "2", "--kv-heads", "
 USER_RING = "from ringcheck.catalogue.mutants import textbook as fn\n"
 
 
-@pytest.fixture
-def beside_a_clone(tmp_path):
-    """A working directory holding the user's module and a folder named ringcheck (a clone of
-    this repository: its root has no __init__.py, so Python would import it as a namespace
-    package in place of the installed one)."""
-    clone = tmp_path / "ringcheck"
+def _beside_a_clone(where: Path) -> Path:
+    """`where` holding the user's module and a folder named ringcheck (a clone of this
+    repository: its root has no __init__.py, so Python would import it as a namespace package
+    in place of the installed one)."""
+    clone = where / "ringcheck"
     (clone / "ringcheck").mkdir(parents=True)
     (clone / "README.md").write_text("# a clone of ringcheck\n")
     (clone / "ringcheck" / "placeholder.txt").write_text("not the package\n")
-    (tmp_path / "myring.py").write_text(USER_RING)
-    return tmp_path
+    (where / "myring.py").write_text(USER_RING)
+    return where
+
+
+@pytest.fixture
+def beside_a_clone(tmp_path):
+    return _beside_a_clone(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def console_script_run(tmp_path_factory):
+    """The user's ring validated through the console script from beside a clone, with a report
+    (its folder, the report's folder, the finished process): run once, read by two tests."""
+    where = _beside_a_clone(tmp_path_factory.mktemp("user"))
+    report = tmp_path_factory.mktemp("report")
+    done = _run([str(BIN / "ringcheck"), "validate", "--impl", "myring:fn", "--quick", *SMALL, "--report",
+                 str(report)], where)
+    return where, report, done
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -46,9 +61,12 @@ def _run(cmd, cwd, *, timeout=300, pythonpath="."):
 
 
 @pytest.mark.parametrize("how", ["console script", "python -m"])
-def test_validate_from_a_directory_holding_a_folder_named_ringcheck(beside_a_clone, how):
-    head = [str(BIN / "ringcheck")] if how == "console script" else [sys.executable, "-m", "ringcheck"]
-    done = _run([*head, "validate", "--impl", "myring:fn", "--quick", *SMALL], beside_a_clone)
+def test_validate_from_a_directory_holding_a_folder_named_ringcheck(request, how):
+    if how == "console script":
+        _, _, done = request.getfixturevalue("console_script_run")
+    else:
+        where = _beside_a_clone(request.getfixturevalue("tmp_path"))
+        done = _run([sys.executable, "-m", "ringcheck", "validate", "--impl", "myring:fn", "--quick", *SMALL], where)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASSED" in done.stdout and "Traceback" not in done.stderr
 
@@ -100,13 +118,11 @@ def test_the_echoed_command_reproduces_the_run(tmp_path, capsys):
     assert [(c["check"], c["status"]) for c in redo["checks"]] == [(c["check"], c["status"]) for c in doc["checks"]]
 
 
-def test_the_stored_command_reproduces_the_run_from_the_directory_it_names(beside_a_clone, tmp_path):
+def test_the_stored_command_reproduces_the_run_from_the_directory_it_names(console_script_run, tmp_path):
     """A user's ring imported through PYTHONPATH=. in the user's folder: the command stored in the
     report carries the folder and that PYTHONPATH (made absolute), so pasting it anywhere, with
     no PYTHONPATH of one's own, runs the same target to the same verdict."""
-    report = tmp_path / "first"
-    done = _run([str(BIN / "ringcheck"), "validate", "--impl", "myring:fn", "--quick", *SMALL, "--report",
-                 str(report)], beside_a_clone)
+    beside_a_clone, report, done = console_script_run
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads((report / "validate.json").read_text())
     command = doc["command"]
