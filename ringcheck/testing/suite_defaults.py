@@ -26,6 +26,7 @@ keep their threads and seeds).
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import os
@@ -61,6 +62,7 @@ def _calls_in_a_grid_skip_repatching() -> None:
         return
     state = threading.local()
 
+    @functools.cache  # per jit function: the language modules its globals name do not change
     def languages(fn) -> frozenset[int]:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
