@@ -8,6 +8,7 @@ import torch
 from ..spec import (
     DEFAULT_TIMEOUT,
     DOC_LAYOUTS,
+    RING_DTYPES,
     RingSpec,
     check_causal,
     check_cu_seqlens,
@@ -58,7 +59,8 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_si
     q is (batch, seq, heads, head_dim), k (batch, seq, kv_heads, head_dim) and v (batch, seq,
     kv_heads, v_head_dim). Shards the sequence with `layout`, runs every rank's loop, and
     returns the whole output (batch, seq, heads, v_head_dim) (and lse, (batch, heads, seq)
-    float32, with `return_lse`); differentiable in q, k, v and sinks.
+    float32, with `return_lse`); differentiable in q, k, v and sinks. float64 inputs run in
+    float64 throughout (lse float64 too) on the torch backends.
 
     Variants (optional, combinable; see README "Attention variants"): `cu_seqlens` global
     document boundaries of the packed sequence (past the last one: padding), `window=(left,
@@ -69,7 +71,7 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_si
     on whole tensors both conventions give the whole sequence's sinks gradient (under
     "partial" the P ranks' shares are summed in rank order, as a framework would).
     """
-    check_qkv(q, k, v, what="sequence")
+    check_qkv(q, k, v, what="sequence", dtypes=RING_DTYPES)
     ring = RingSpec(world_size, layout)
     ring.check_seq_len(q.shape[1])
     config = make_config(world_size=world_size, layout=layout, causal=causal,
@@ -108,7 +110,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     (the sum over the group's rows, added in rank order), for one that does not.
     """
     require_distributed("calling ring_attention")
-    check_qkv(q, k, v, what="shard")
+    check_qkv(q, k, v, what="shard", dtypes=RING_DTYPES)
     comm = RingComm(group, timeout=timeout)
     config = make_config(world_size=comm.world_size, layout=layout, causal=causal,
                          softmax_scale=softmax_scale, head_dim=q.shape[-1], backend=backend,

@@ -3,7 +3,8 @@
 Every rank keeps its queries; the K/V shards travel around the ring (rank r sends to r+1 and
 receives from r-1), so at step s rank r holds the K/V of rank (r - s) mod P. Each step's
 blocks (see `layouts.block_plan`) are merged into a float32 running (out, lse) and the output
-is cast to the input dtype once, at the end. In the backward, dK/dV accumulators (float32)
+is cast to the input dtype once, at the end (float64 inputs: float64 throughout,
+`ringcheck.spec.working_dtype`). In the backward, dK/dV accumulators (float32)
 travel with their K/V and take one more hop at the end to return home, where their origin tag
 is checked; each hop of the accumulators overlaps the next step's block computation (they
 are waited for only when that step's contributions are added).
@@ -25,7 +26,7 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from ..spec import RingSpec
+from ..spec import RingSpec, working_dtype
 from .backends import BlockBackend, row_delta
 from .layouts import block_plan, positions
 from .merge import finish, merge_into, start_state
@@ -163,12 +164,13 @@ def _kernel_args(config: RingConfig, block) -> dict:
 
 
 def sink_rows(config: RingConfig, shard: RankShard, sinks: torch.Tensor | None, batch: int,
-              local_len: int) -> torch.Tensor | None:
-    """Each of this rank's rows' sink logit (batch, heads, local_len) float32: sinks[h], and
-    -inf on padding rows (past the last document), which get no sink. None without sinks."""
+              local_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """Each of this rank's rows' sink logit (batch, heads, local_len) in the working `dtype`
+    (float32; float64 for a float64 ring): sinks[h], and -inf on padding rows (past the last
+    document), which get no sink. None without sinks."""
     if sinks is None:
         return None
-    rows = sinks.detach().float().view(1, -1, 1).expand(batch, -1, local_len)
+    rows = sinks.detach().to(dtype).view(1, -1, 1).expand(batch, -1, local_len)
     if config.cu_seqlens is None:
         return rows.contiguous()
     pos = positions(layout=config.layout, rank=shard.rank, world_size=config.world_size,
@@ -182,8 +184,9 @@ def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch
     """One rank's forward; returns (out in q's dtype, lse float32, out float32). `sinks`
     (heads,) join every row's softmax once, in the final normalisation (`merge.finish`)."""
     b, n, h, _ = q.shape
-    acc, m, l = start_state(b, n, h, v.shape[-1], device=q.device)
-    sink = sink_rows(config, shard, sinks, b, n)
+    work = working_dtype(q.dtype)
+    acc, m, l = start_state(b, n, h, v.shape[-1], device=q.device, dtype=work)
+    sink = sink_rows(config, shard, sinks, b, n, work)
     kv = (k, v)
     for step in range(config.world_size):
         last = step == config.world_size - 1
@@ -196,7 +199,7 @@ def forward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torch
             a, mm, ll = config.parts.merge(acc[:, rows], m[:, :, rows], l[:, :, rows], block_out, block_lse)
             if config.accumulate == "input":  # the partial output takes a trip through q's dtype
                 out_rows, _ = finish(a, mm, ll)
-                a = out_rows.to(q.dtype).float() * ll.transpose(1, 2).unsqueeze(-1)
+                a = out_rows.to(q.dtype).to(work) * ll.transpose(1, 2).unsqueeze(-1)
             acc[:, rows], m[:, :, rows], l[:, :, rows] = a, mm, ll
         if observer is not None:
             observer(shard.rank, step, shard.source(step), *finish(acc, m, l, sink))
@@ -224,11 +227,12 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
     delta = row_delta(out, dout)
     if dlse is not None:
         delta = delta - dlse
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    work = working_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
     origin = torch.tensor([shard.rank], dtype=torch.int64, device=q.device)
     kv = (k, v)
-    grads = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-             torch.zeros(v.shape, dtype=torch.float32, device=v.device), origin)
+    grads = (torch.zeros(k.shape, dtype=work, device=k.device),
+             torch.zeros(v.shape, dtype=work, device=v.device), origin)
     for step in range(config.world_size):
         last = step == config.world_size - 1
         src = shard.source(step)
@@ -264,7 +268,7 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
             f"gradients for rank {shard.rank} did not return home: after {config.world_size} "
             f"steps it holds the dK/dV of rank {int(tag)}")
     dsinks = None
-    sink = sink_rows(config, shard, sinks, q.shape[0], n)
+    sink = sink_rows(config, shard, sinks, q.shape[0], n, work)
     if sink is not None:
         weight = torch.exp(sink - lse.masked_fill(torch.isneginf(lse), 0.0)).masked_fill(torch.isneginf(sink), 0.0)
         dsinks = -(weight * delta).sum((0, 2))

@@ -14,7 +14,7 @@ lse = -inf (no visible key: a fully masked row) gets weight exactly 0 without pr
 also when every side is empty (then out = 0 and lse = -inf).
 
 Shapes: out and acc are (batch, seq, heads, head_dim); lse, m and l are (batch, heads, seq);
-everything float32.
+everything float32 (float64 throughout for a float64 ring: `ringcheck.spec.working_dtype`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(**tensors: torch.Tensor) -> None:
+    first = next(iter(tensors.values())).dtype
     for name, t in tensors.items():
-        if t.dtype != torch.float32:
-            raise TypeError(f"merge works in float32; {name} is {t.dtype}")
+        if t.dtype not in (torch.float32, torch.float64) or t.dtype != first:
+            raise TypeError(f"merge works in float32 (float64 for a float64 ring), one dtype for every part; {name} "
+                            f"is {t.dtype}, {next(iter(tensors))} {first}")
 
 
 def merge_into(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, block_out: torch.Tensor,
@@ -48,11 +50,12 @@ def merge_into(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, block_out: t
     return acc * _rows(keep) + block_out * _rows(add), new_m, l * keep + add
 
 
-def start_state(batch: int, seq: int, heads: int, head_dim: int, *,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The running state over no keys (the identity of `merge_into`)."""
-    acc = torch.zeros(batch, seq, heads, head_dim, dtype=torch.float32, device=device)
-    m = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=device)
+def start_state(batch: int, seq: int, heads: int, head_dim: int, *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The running state over no keys (the identity of `merge_into`), in `dtype` (float32, or
+    float64 for a float64 ring)."""
+    acc = torch.zeros(batch, seq, heads, head_dim, dtype=dtype, device=device)
+    m = torch.full((batch, heads, seq), float("-inf"), dtype=dtype, device=device)
     return acc, m, torch.zeros_like(m)
 
 
@@ -64,7 +67,7 @@ def finish(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
     denominator here, once (-inf: none, as on padding rows). A row with no visible key but a
     sink has out 0 and lse = the sink."""
     if sink is not None:
-        _check(sink=sink)
+        _check(acc=acc, sink=sink)
         new_m = torch.maximum(m, sink)
         safe = new_m.masked_fill(torch.isneginf(new_m), 0.0)
         keep = torch.exp(m - safe)
@@ -78,7 +81,7 @@ def finish(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
 def state_of(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The running state of a finished partial (out, lse)."""
     _check(out=out, lse=lse)
-    return out, lse, (~torch.isneginf(lse)).to(torch.float32)
+    return out, lse, (~torch.isneginf(lse)).to(lse.dtype)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from ...spec import working_dtype
 from .torch_backend import TorchBackend
 
 
@@ -62,5 +63,7 @@ def get_backend(name: str) -> BlockBackend:
 
 
 def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """rowsum(dout * out) in float32, arranged (batch, heads, seq) like lse."""
-    return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    """rowsum(dout * out) in out's working dtype (float32; float64 for a float64 ring), arranged
+    (batch, heads, seq) like lse."""
+    work = working_dtype(out.dtype)
+    return (dout.to(work) * out.to(work)).sum(-1).transpose(1, 2).contiguous()

@@ -13,24 +13,33 @@
   GQA expands K/V to the query heads there (the kernel wants equal head counts) and sums dK/dV back;
   a value head dim other than the query/key one is zero-padded to the larger (zeros change no score
   and no output column).
+
+Both paths compute in float64 on float64 inputs (and return float64): "float32" below is the
+working dtype of every other input dtype (`ringcheck.spec.working_dtype`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...spec import working_dtype
 from ..layouts import check_mask
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """`t` in its working dtype: float32 (float64 stays float64)."""
+    return t.to(working_dtype(t.dtype))
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(b, s, h, d) -> (b, kv_heads, group, s, d) float32; query head h is in group h // group."""
     b, s, h, d = q.shape
-    return q.float().view(b, s, kv_heads, h // kv_heads, d).permute(0, 2, 3, 1, 4)
+    return _up(q).view(b, s, kv_heads, h // kv_heads, d).permute(0, 2, 3, 1, 4)
 
 
 def _kv(x: torch.Tensor) -> torch.Tensor:
     """(b, s, kv_heads, d) -> (b, kv_heads, 1, s, d) float32, broadcast over the group."""
-    return x.float().permute(0, 2, 1, 3).unsqueeze(2)
+    return _up(x).permute(0, 2, 1, 3).unsqueeze(2)
 
 
 def _ungroup(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +85,7 @@ def _pad_dim(x: torch.Tensor, size: int) -> torch.Tensor:
 
 def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
     """(b, s, kvh, d) -> (b, heads, s, d) float32, each K/V head repeated over its group."""
-    x = x.float().transpose(1, 2)
+    x = _up(x).transpose(1, 2)
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
@@ -124,7 +133,7 @@ class TorchBackend:
             h, d, dv = q.shape[2], q.shape[3], v.shape[3]
             width = max(d, dv)
             # owned inputs: the fused kernel's float32 bits depend on strides and alignment, not only on values
-            out, lse = _FLASH_FWD(_owned(_pad_dim(q.float(), width).transpose(1, 2)),
+            out, lse = _FLASH_FWD(_owned(_pad_dim(_up(q), width).transpose(1, 2)),
                                   _owned(_pad_dim(_heads_first(k, h), width)),
                                   _owned(_pad_dim(_heads_first(v, h), width)), 0.0, mask == "causal", scale=scale)
             return out.transpose(1, 2)[..., :dv], lse
@@ -146,10 +155,10 @@ class TorchBackend:
             # that rowsum gives the same gradients), built here so the merged statistic is used
             h, kvh, d, d_v = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
             width = max(d, d_v)
-            do = _owned(_pad_dim(dout.float(), width).transpose(1, 2))
+            do = _owned(_pad_dim(_up(dout), width).transpose(1, 2))
             norm = (do * do).sum(-1, keepdim=True)
             out = torch.where(norm > 0, do * (delta.unsqueeze(-1) / norm.clamp_min(1e-30)), do)
-            dq, dk, dv = _FLASH_BWD(do, _owned(_pad_dim(q.float(), width).transpose(1, 2)),
+            dq, dk, dv = _FLASH_BWD(do, _owned(_pad_dim(_up(q), width).transpose(1, 2)),
                                     _owned(_pad_dim(_heads_first(k, h), width)),
                                     _owned(_pad_dim(_heads_first(v, h), width)),
                                     _owned(out), _owned(lse), 0.0, mask == "causal", scale=scale)
@@ -164,7 +173,7 @@ class TorchBackend:
         return bool((zero & (delta != 0)).any())
 
     def _plain_forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
-        q, k, v = (_owned(t.float()) for t in (q, k, v))
+        q, k, v = (_owned(_up(t)) for t in (q, k, v))
         kvh = k.shape[2]
         s, _ = _scores(_grouped(q, kvh), _kv(k), scale, mask, diagonal, lower, softcap)  # (b, kvh, g, sq, sk)
         lse = torch.logsumexp(s, dim=-1)                                                  # (b, kvh, g, sq)
@@ -175,7 +184,7 @@ class TorchBackend:
     def _plain_backward(self, q, k, v, dout, lse, delta, *, scale, mask, diagonal=0, lower=0, softcap=None):
         # owned: a float32 dout that is rank 1's view into a whole tensor gave other dq bits than
         # a copy of it (found by check_padding_is_inert: a window band, which takes this path)
-        q, k, v, dout, lse, delta = (_owned(t.float()) for t in (q, k, v, dout, lse, delta))
+        q, k, v, dout, lse, delta = (_owned(_up(t)) for t in (q, k, v, dout, lse, delta))
         kvh = k.shape[2]
         qg, kg, vg, dog = _grouped(q, kvh), _kv(k), _kv(v), _grouped(dout, kvh)
         b, h, sq = lse.shape
