@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..spec import DTYPES
+from ..spec import DTYPES, working_dtype
 from .config import TrainConfig
 from .data import Batch
 
@@ -71,36 +71,42 @@ def init_parameters(config: TrainConfig) -> dict[str, torch.Tensor]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
+    """RMSNorm in the working dtype (float32; float64 stays float64), rounded once to x's dtype."""
+    xf = x.to(working_dtype(x.dtype))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)).to(x.dtype) * weight
 
 
-def rope_tables(rope: torch.Tensor, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (n, 1, head_dim / 2) in float32 of the rotary positions `rope` (n,)."""
+def rope_tables(rope: torch.Tensor, head_dim: int, device,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin in `dtype` of the rotary positions `rope`: (n, 1, head_dim / 2) for positions
+    (n,) shared by every sequence, (b, n, 1, head_dim / 2) for per-sequence positions (b, n)."""
     inv = 1.0 / ROPE_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = (rope.to(torch.float64)[:, None] * inv[None, :]).float().to(device)
-    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+    angles = (rope.to(torch.float64)[..., None] * inv).to(dtype).to(device)
+    return angles.cos().unsqueeze(-2), angles.sin().unsqueeze(-2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x (b, n, heads, d) in float32, rounded once to x's dtype."""
+    """Rotary embedding of x (b, n, heads, d) in the working dtype, rounded once to x's dtype."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    work = working_dtype(x.dtype)
+    x1, x2 = x[..., :half].to(work), x[..., half:].to(work)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def loss_of(params: dict[str, torch.Tensor], pieces: Sequence[Batch], attend: Attend, config: TrainConfig,
-            count: int, device) -> torch.Tensor:
-    """The counted tokens' cross-entropy summed over every piece, over `count` (float32)."""
-    dtype = DTYPES[config.dtype]
+def decoder(params: dict[str, torch.Tensor], pieces: Sequence, attend: Attend, config: TrainConfig, device,
+            dtype: torch.dtype, layer_call: Callable | None = None) -> list[torch.Tensor]:
+    """The decoder's final hidden states (before the last norm), one per piece (anything with
+    `tokens` (b, n) and `rope` (n,) or (b, n)), every weight cast to `dtype` at each use.
+    `layer_call(fn, *xs)`, when given, runs each layer's `fn(*xs) -> xs` (e.g. under activation
+    checkpointing)."""
     h, kvh, hd = config.heads, config.kv_heads, config.head_dim
 
     def w(name: str) -> torch.Tensor:  # one cast per use: each use's gradient returns to the master in float32
         return params[name].to(dtype)
 
-    xs = [F.embedding(p.tokens.to(device), w("embed")) for p in pieces]
-    tables = [rope_tables(p.rope, hd, device) for p in pieces]
-    for i in range(config.layers):
+    tables = [rope_tables(p.rope, hd, device, working_dtype(dtype)) for p in pieces]
+
+    def layer(i: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pre = f"layers.{i}."
         qs, ks, vs = [], [], []
         for x, (cos, sin) in zip(xs, tables):
@@ -110,15 +116,29 @@ def loss_of(params: dict[str, torch.Tensor], pieces: Sequence[Batch], attend: At
             ks.append(rotate((a @ w(pre + "wk")).view(b, n, kvh, hd), cos, sin))
             vs.append((a @ w(pre + "wv")).view(b, n, kvh, hd))
         outs = attend(qs, ks, vs, params.get(pre + "sinks"))
-        for j, out in enumerate(outs):
-            x = xs[j] + out.reshape(*out.shape[:2], h * hd) @ w(pre + "wo")
+        new = []
+        for x, out in zip(xs, outs):
+            x = x + out.reshape(*out.shape[:2], h * hd) @ w(pre + "wo")
             m = rms_norm(x, w(pre + "mlp_norm"))
-            xs[j] = x + (F.silu(m @ w(pre + "w_gate")) * (m @ w(pre + "w_up"))) @ w(pre + "w_down")
+            new.append(x + (F.silu(m @ w(pre + "w_gate")) * (m @ w(pre + "w_up"))) @ w(pre + "w_down"))
+        return tuple(new)
+
+    xs = tuple(F.embedding(p.tokens.to(device), w("embed")) for p in pieces)
+    for i in range(config.layers):
+        xs = layer(i, *xs) if layer_call is None else layer_call(lambda *a, i=i: layer(i, *a), *xs)
+    return list(xs)
+
+
+def loss_of(params: dict[str, torch.Tensor], pieces: Sequence[Batch], attend: Attend, config: TrainConfig,
+            count: int, device) -> torch.Tensor:
+    """The counted tokens' cross-entropy summed over every piece, over `count` (float32)."""
+    dtype = DTYPES[config.dtype]
+    xs = decoder(params, pieces, attend, config, device, dtype)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for x, p in zip(xs, pieces):
         # a piece with no counted target (a rank holding only questions' sources, or padding) adds 0, yet its
         # graph still reaches every parameter: its ring backward runs like every rank's
         counted = p.counted.to(device)
-        logits = (rms_norm(x[counted], w("norm")) @ w("lm_head")).float()
+        logits = (rms_norm(x[counted], params["norm"].to(dtype)) @ params["lm_head"].to(dtype)).float()
         total = total + F.cross_entropy(logits, p.labels.to(device)[counted], reduction="sum")
     return total / count
