@@ -36,3 +36,13 @@ def test_the_list_names_suites_that_exist():
 def test_ci_runs_the_list_under_torchrun():
     script = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"torchrun-suites.*\n.*torchrun --standalone --nproc-per-node=4 -m pytest \"\$\{suites\[@\]\}\"", script), script
+
+
+def test_ci_runs_the_precision_suites_on_a_second_cpu_kernel():
+    """make test runs the machine's best CPU kernels; CI runs the suites whose verdicts rest on
+    rounding again on PyTorch's portable ones (issue 34: a verdict that flipped on AVX2)."""
+    script = (ROOT / ".ci" / "run").read_text()
+    suites = re.search(r"CAPABILITY_SUITES=\(([^)]*)\)", script)
+    assert suites and {"suites/test_precision_class.py", "suites/test_budget_rule.py"} <= set(suites.group(1).split())
+    assert all((ROOT / name).is_file() for name in suites.group(1).split())
+    assert re.search(r'ATEN_CPU_CAPABILITY=default [^\n]*pytest "\$\{CAPABILITY_SUITES\[@\]\}"', script), script
