@@ -21,15 +21,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 # the references also take float64 inputs (the truth is float64)
 REFERENCE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float64": torch.float64}
-# our ring (torch backend) also runs float64 inputs, working in float64 throughout: the exact
-# arithmetic of `ringcheck step`; validate, drift and the suites judge the dtypes of `DTYPES`
-RING_DTYPES: dict[str, torch.dtype] = REFERENCE_DTYPES
-
-
-def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the ring accumulates in for inputs of `dtype`: float32 (bf16, fp16 and fp32 inputs:
-    exact up to one final cast), float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+RING_DTYPES = REFERENCE_DTYPES  # our ring runs float64 too, in float64 (ring.merge.working_dtype)
 LAYOUTS = ("contiguous", "zigzag", "striped")
 # layouts that balance per document: they need the packed sequence's `cu_seqlens`
 DOC_LAYOUTS = ("zigzag_docs",)

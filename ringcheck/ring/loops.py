@@ -4,7 +4,7 @@ Every rank keeps its queries; the K/V shards travel around the ring (rank r send
 receives from r-1), so at step s rank r holds the K/V of rank (r - s) mod P. Each step's
 blocks (see `layouts.block_plan`) are merged into a float32 running (out, lse) and the output
 is cast to the input dtype once, at the end (float64 inputs: float64 throughout,
-`ringcheck.spec.working_dtype`). In the backward, dK/dV accumulators (float32)
+`ringcheck.ring.merge.working_dtype`). In the backward, dK/dV accumulators (float32)
 travel with their K/V and take one more hop at the end to return home, where their origin tag
 is checked; each hop of the accumulators overlaps the next step's block computation (they
 are waited for only when that step's contributions are added).
@@ -26,10 +26,10 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from ..spec import RingSpec, working_dtype
+from ..spec import RingSpec
 from .backends import BlockBackend, row_delta
 from .layouts import block_plan, positions
-from .merge import finish, merge_into, start_state
+from .merge import finish, merge_into, start_state, working_dtype
 
 ACCUMULATIONS = ("float32", "input")
 SINKS_GRAD = ("partial", "reduced")  # who sums the sinks' gradient: the framework, or the ring

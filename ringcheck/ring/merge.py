@@ -14,12 +14,18 @@ lse = -inf (no visible key: a fully masked row) gets weight exactly 0 without pr
 also when every side is empty (then out = 0 and lse = -inf).
 
 Shapes: out and acc are (batch, seq, heads, head_dim); lse, m and l are (batch, heads, seq);
-everything float32 (float64 throughout for a float64 ring: `ringcheck.spec.working_dtype`).
+everything float32 (float64 throughout for a float64 ring: `working_dtype`).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the ring accumulates in for inputs of `dtype`: float32 (bf16, fp16 and fp32 inputs:
+    exact up to one final cast), float64 for float64 inputs (`ringcheck step`'s exact arithmetic)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..spec import DTYPES, working_dtype
+from ..ring.merge import working_dtype
+from ..spec import DTYPES
 from .config import TrainConfig
 from .data import Batch
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from ...spec import working_dtype
+from ..merge import working_dtype
 from .torch_backend import TorchBackend
 
 

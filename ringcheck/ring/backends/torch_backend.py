@@ -15,15 +15,15 @@
   and no output column).
 
 Both paths compute in float64 on float64 inputs (and return float64): "float32" below is the
-working dtype of every other input dtype (`ringcheck.spec.working_dtype`).
+working dtype of every other input dtype (`ringcheck.ring.merge.working_dtype`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...spec import working_dtype
 from ..layouts import check_mask
+from ..merge import working_dtype
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:
