@@ -1,7 +1,7 @@
 """Every document a command writes, on disk: one strict JSON writer and loader, one `meta`,
 and what changed between two drift documents.
 
-Four kinds, each with a schema name and version (`KINDS`); a change to any key or meaning
+Five kinds, each with a schema name and version (`KINDS`); a change to any key or meaning
 of a kind bumps its `schema_version`. Every document starts with `schema` and
 `schema_version` and ends with `meta` (built by `meta`, the same keys in all). The
 writer (`dumps`, `save`) writes strict JSON: non-finite numbers (an infinite error of a ring
@@ -81,6 +81,9 @@ DIR`): verdict ("pass", "fail", "no verdict"), passed, why, command, model, mesh
 per parameter: step-0 error, spread, floor, budget, ratio) and `steps` (one row per step: the
 losses, spread, envelope, band, gap, gradient norms), meta (`ringcheck.train.verdict`).
 
+`ringcheck.step`, version 1 (`ringcheck.commands.step.report_dict`): verdict, passed, why, command, config,
+mesh, reference_mesh, rule, convention, `cases` (errors, budgets, first out, candidates, diagnosis), meta.
+
 `meta` (every kind, `meta`): command (the command line run), created (UTC, ISO 8601), host,
 platform, python, torch, ringcheck (versions), threads (torch CPU threads of the command's
 process), elapsed_s; then the keys a command adds.
@@ -106,6 +109,7 @@ DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION = "ringcheck.drift", 1
 VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 1
 BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 1
 TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION = "ringcheck.train", 1
+STEP_SCHEMA, STEP_SCHEMA_VERSION = "ringcheck.step", 1
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,9 @@ KINDS = {kind.schema: kind for kind in (
     Kind(TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION, "train",
          {"verdict": str, "config": dict, "summary": dict, "gradients": list, "steps": list},
          ("config", "rule", "summary", "gradients", "steps", "meta")),
+    Kind(STEP_SCHEMA, STEP_SCHEMA_VERSION, "step",
+         {"verdict": str, "config": dict, "cases": list},
+         ("config", "rule", "cases", "meta")),
 )}
 
 META_KEYS = ("command", "created", "host", "platform", "python", "torch", "ringcheck", "threads", "elapsed_s")

@@ -36,3 +36,120 @@ def test_our_ring_in_float64_matches_the_dense_float64_reference(layout, variant
     assert float((out - want).detach().abs().max()) < 1e-13
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, ref):
         assert a.dtype == torch.float64 and float((a - b).abs().max()) < 1e-13, name
+
+
+# ---- the contract, the cases, the budget --------------------------------------------------------
+
+def test_a_shard_is_contiguous_and_packed_rows_give_their_documents():
+    from ringcheck.step.contract import CP, documents_of
+
+    cp = CP(rank=1, size=2, group=None, layout="contiguous", impl=None)
+    x = torch.arange(16).view(2, 8)
+    part = cp.shard(x)
+    assert part.is_contiguous() and part.tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert part.view(-1).numel() == 8  # transformers' loss views the labels flat
+    assert cp.pad(torch.ones(1, 7), 0).shape == (1, 8) and CP(0, 2, None, "zigzag", None).multiple == 4
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]] * 2)
+    assert documents_of(pos) == (0, 3, 5, 8) and documents_of(torch.arange(8).view(1, 8)) is None
+    with pytest.raises(ValueError, match="packed differently"):
+        documents_of(torch.stack([pos[0], torch.arange(8)]))
+
+
+def test_the_budget_follows_the_reordered_sums_and_the_loss_dtype():
+    from ringcheck.step.verdict import K_COND, budgets
+
+    u64, u32 = 2.0 ** -53, 2.0 ** -24
+    assert budgets(64, "float64", None) == (2 * 64 * K_COND * u64, 2 * 64 * K_COND * u64)
+    loss, grad = budgets(64, "float64", "float32")
+    assert loss == 2 * 64 * u32 and grad == 2 * 64 * K_COND * u64
+    assert loss < 1e-4  # still below the smallest reported bug
+
+
+def test_a_recipe_that_breaks_the_contract_is_named_before_any_rank_starts(capsys):
+    from ringcheck.cli import EXIT_USAGE, main
+
+    assert main(["step", "--recipe", "ringcheck.catalogue.step_mutants:EXPECTED", "-q"]) == EXIT_USAGE
+    assert "lacks model(), step(), vocab_size" in capsys.readouterr().err
+    assert main(["step", "--cases", "one_sequence,no_such_case", "-q"]) == EXIT_USAGE
+    assert "no_such_case" in capsys.readouterr().err
+    assert main(["step", "--recipe", "plain", "--dtype", "float32", "--world-size", "3", "--layout", "contig"]) == 2
+    assert "contig" in capsys.readouterr().err
+
+
+# ---- the verdict: correct recipes pass, every mutant fails with its diagnosis --------------------
+
+MUTANTS = "ringcheck.catalogue.step_mutants"
+
+
+def _step(processes, **settings):
+    from ringcheck.commands.step import run_step
+    from ringcheck.step.run import StepConfig
+
+    config = StepConfig(**{"world_size": 2, **settings})
+    if processes.size is not None and processes.size < config.mesh_spec.size:
+        pytest.skip(f"the torchrun world has {processes.size} ranks, the mesh {config.mesh_spec.size}")
+    return run_step(config, processes)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(layout="contiguous", mesh="dp=2,cp=2",
+                                                   cases=("batch2", "two_micro_batches", "not_divisible"))],
+                         ids=["p2_zigzag_every_case", "dp2_cp2_contiguous"])
+def test_the_plain_recipe_passes_every_case(ring_processes, settings):
+    judged = _step(ring_processes, **settings)
+    assert judged["verdict"] == "pass", judged["why"]
+    for row in judged["cases"]:
+        assert row["loss"]["error"] < 1e-14 and row["worst_gradient"] < 1e-14, row["case"]
+    assert judged["convention"]["follows"] == "token_mean"
+
+
+@pytest.mark.parametrize("mutant", sorted(__import__(MUTANTS, fromlist=["EXPECTED"]).EXPECTED))
+def test_every_mutant_fails_with_its_diagnosis(ring_processes, mutant):
+    from ringcheck.catalogue.step_mutants import EXPECTED
+
+    case, diagnosis = EXPECTED[mutant]
+    judged = _step(ring_processes, recipe=f"{MUTANTS}:{mutant}", cases=(case,))
+    (row,) = judged["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"] is not None, row.get("candidates")
+    assert row["diagnosis"]["name"] == diagnosis
+    assert row["first_out"] is not None or row["loss"]["ratio"] > 1
+    assert max(row["loss"]["ratio"], max(g["ratio"] for g in row["gradients"])) > 1e6  # far out, not a near miss
+
+
+def test_micro_batches_weighed_equally_is_consistent_and_named_by_the_convention(ring_processes):
+    judged = _step(ring_processes, recipe=f"{MUTANTS}:micro_batches_weighed_equally", cases=("two_micro_batches",))
+    assert judged["verdict"] == "pass", judged["why"]
+    assert judged["convention"]["follows"] == "micro_batches_weighed_equally"
+    assert "#34191" in judged["convention"]["words"]
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def test_the_command_passes_plain_and_writes_its_report(tmp_path, capsys):
+    from ringcheck.cli import EXIT_OK, main
+    from ringcheck.documents import STEP_SCHEMA, load
+
+    argv = ["step", "--world-size", "2", "--cases", "one_sequence,evaluation", "--report", str(tmp_path), "-q"]
+    assert main(argv) == EXIT_OK
+    assert "PASSED" in capsys.readouterr().out
+    doc = load(tmp_path / "step.json", schema=STEP_SCHEMA)
+    assert doc["passed"] and [c["case"] for c in doc["cases"]] == ["one_sequence", "evaluation"]
+    assert "ringcheck step: PASSED" in (tmp_path / "step.md").read_text()
+
+
+def test_the_command_fails_a_mutant_and_names_its_class(capsys):
+    from ringcheck.cli import EXIT_FAILED, main
+
+    argv = ["step", "--recipe", f"{MUTANTS}:labels_shifted_in_shards", "--world-size", "2", "--cases", "one_sequence"]
+    assert main(argv) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "labels shifted inside each shard" in out and "shift_labels" in out
+
+
+def test_a_length_the_recipe_cannot_shard_gets_no_verdict_naming_the_case(capsys):
+    from ringcheck.cli import EXIT_USAGE, main
+
+    argv = ["step", "--recipe", f"{MUTANTS}:no_padding", "--world-size", "2", "--cases", "not_divisible", "-q",
+            "--timeout", "10"]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "not_divisible" in err and "does not pad" in err

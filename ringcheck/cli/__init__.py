@@ -16,6 +16,7 @@ from ..launch import launched_rank
 from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError, where_to_rerun
 from .drift import _add_drift, _add_report
+from .step import _add_step
 from .test import _add_test
 from .train import _add_train
 from .validate import _add_validate, rerun_command
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_test(sub)
     _add_train(sub)
+    _add_step(sub)
     return parser
 
 

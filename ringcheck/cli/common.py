@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..documents import meta
 from ..judge.variant_options import VariantOptions, parse_documents, parse_window
+from ..spec import check_timeout
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SILENT_RANK_GRACE_S = 2.0  # under torchrun, how long a rank that failed quietly waits for rank 0 to speak
@@ -38,6 +39,24 @@ def where_to_rerun(environ, sys_path: list[str] | None = None) -> str:
     if {"", cwd} & set(sys.path if sys_path is None else sys_path) and cwd not in paths:
         paths.insert(0, cwd)  # this process imports from its working directory (python -m ringcheck)
     return f"cd {shlex.quote(cwd)} && " + (f"PYTHONPATH={shlex.quote(os.pathsep.join(paths))} " if paths else "")
+
+
+def timeout_of(args: argparse.Namespace, default: float) -> float:
+    """--timeout (seconds any rank may wait on another; `default` when unset), checked."""
+    try:
+        return check_timeout(default if args.timeout is None else args.timeout)
+    except ValueError as exc:
+        raise UsageError(f"--timeout: {exc}") from exc
+
+
+def present(report: dict, console, out_dir: str | None, summary, write) -> None:
+    """A command's summary on the console, and with `out_dir` its report files (`write(report,
+    out_dir)` -> their paths), named in one line."""
+    summary(report, console)
+    if out_dir:
+        paths = [str(p) for p in write(report, out_dir).values()]
+        named = paths[0] if len(paths) == 1 else ", ".join(paths[:-1]) + " and " + paths[-1]
+        console.print(f"report written to {named}")
 
 
 def add_quiet(parser: argparse.ArgumentParser) -> None:

@@ -13,9 +13,9 @@ from ..launch import RingError, open_ring
 from ..render.files import write_train_reports
 from ..render.terminal import make_console, progress
 from ..render.train_terminal import print_train_summary
-from ..spec import check_timeout
 from ..train.config import PRESETS, TrainConfig
-from .common import UsageError, add_log_dir, add_quiet, add_variant_flags, command_meta, shows_progress
+from .common import (UsageError, add_log_dir, add_quiet, add_variant_flags, command_meta, present, shows_progress,
+                     timeout_of)
 from .validate import incomplete_run, where_to_rerun
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -79,10 +79,7 @@ def _check_before_start(config: TrainConfig) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     prefix = where_to_rerun(os.environ)  # before the launcher pins its package on the PYTHONPATH
-    try:
-        timeout = check_timeout(DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout)
-    except ValueError as exc:
-        raise UsageError(f"--timeout: {exc}") from exc
+    timeout = timeout_of(args, DEFAULT_TIMEOUT_S)
     config = train_config(args)
     _check_before_start(config)
     console = make_console()
@@ -114,10 +111,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not main:
         return EXIT_OF[judged["verdict"]]
     report = report_dict(config, judged, command, meta=command_meta(args, start))
-    print_train_summary(report, console)
-    if args.report:
-        paths = write_train_reports(report, args.report)
-        console.print(f"report written to {paths['json']}, {paths['md']} and {paths['html']}")
+    present(report, console, args.report, print_train_summary, write_train_reports)
     return EXIT_OF[report["verdict"]]
 
 

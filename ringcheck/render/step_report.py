@@ -1,0 +1,80 @@
+"""`ringcheck step`'s presentation: the case table (terminal and Markdown), the diagnosis lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from ..documents import save
+
+VERDICT_WORDS = {"pass": "PASSED", "fail": "FAILED", "no verdict": "NO VERDICT"}
+_STYLE = {"pass": "bold green", "fail": "bold red", "no verdict": "bold yellow"}
+HEADERS = ("case", "loss error", "loss budget", "worst gradient error", "gradient budget", "first parameter out",
+           "verdict")
+
+
+def case_rows(doc: dict) -> list[tuple[str, ...]]:
+    rows = []
+    for c in doc["cases"]:
+        first = c["first_out"]
+        rows.append((c["case"], f"{c['loss']['error']:.2g}", f"{c['loss']['budget']:.2g}",
+                     f"{c['worst_gradient']:.2g}" if c["gradients"] else "-",
+                     f"{c['gradient_budget']:.2g}" if c["gradients"] else "-",
+                     "-" if first is None else f"{first['name']} (x{first['factor']:.4g})", c["verdict"]))
+    return rows
+
+
+def diagnosis_lines(doc: dict) -> list[str]:
+    """One line per failed case: the transformation its figures match, or the nearest ones."""
+    lines = []
+    for c in doc["cases"]:
+        if c["verdict"] != "fail":
+            continue
+        d = c.get("diagnosis")
+        if d is not None:
+            fig = ", ".join(f"{k} to {d[k + '_error']:.1g}" for k in ("loss", "gradient") if d[k + "_error"] is not None)
+            lines.append(f"{c['case']}: your step equals a correct step with {d['name']} ({fig}): [{d['class']}] "
+                         f"{d['words']} (as in {d['reports']})")
+        else:
+            near = ", ".join(f"{r['name']} ({max(r['loss_ratio'] or 0, r['gradient_ratio'] or 0):.2g} budgets)"
+                             for r in c.get("candidates", [])[:3])
+            lines.append(f"{c['case']}: matches no known transformation" + (f"; nearest: {near}" if near else
+                                                                              " (the recipe has no logits hook)"))
+    conv = doc.get("convention")
+    if conv is not None:
+        lines.append(f"convention ({conv['case']}, informative): {conv['words']}")
+    return lines
+
+
+def print_step_summary(doc: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="the step at CP=P against CP=1 (relative errors)", box=box.SIMPLE_HEAD, title_justify="left")
+    for name in HEADERS:
+        table.add_column(name, justify="left" if name in ("case", "first parameter out") else "right", no_wrap=True)
+    for row in case_rows(doc):
+        table.add_row(*row[:-1], "[green]ok[/]" if row[-1] == "pass" else "[red]FAIL[/]")
+    console.print(table)
+    for line in diagnosis_lines(doc):
+        console.print(f"- {line}", markup=False, highlight=False)
+    console.print(f"[{_STYLE[doc['verdict']]}]{VERDICT_WORDS[doc['verdict']]}[/]: ", end="")
+    console.print(doc["why"], markup=False, highlight=False)
+
+
+def step_markdown(doc: dict) -> str:
+    out = [f"# ringcheck step: {VERDICT_WORDS[doc['verdict']]}", "", f"`{doc['command']}`", "", doc["why"], "",
+           "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    out += ["| " + " | ".join(row) + " |" for row in case_rows(doc)]
+    out += ["", *[f"- {line}" for line in diagnosis_lines(doc)], "", f"Rule: loss {doc['rule']['loss']}; gradients "
+            f"{doc['rule']['gradients']}.", ""]
+    return "\n".join(out)
+
+
+def write_step_reports(doc: dict, out_dir: str | Path) -> dict[str, Path]:
+    """step.json and step.md in `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    paths = {"json": save(doc, out / "step.json"), "md": out / "step.md"}
+    paths["md"].write_text(step_markdown(doc), encoding="utf-8")
+    return paths

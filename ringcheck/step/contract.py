@@ -1,0 +1,175 @@
+"""The recipe contract: what `ringcheck step` calls of a user's training step, and what it hands it.
+
+A recipe is an object (or a module) with
+
+- `vocab_size`: the token ids ringcheck may draw (0 .. vocab_size - 1);
+- `model()` -> `torch.nn.Module`: the user's model at a tiny size. ringcheck seeds torch the same
+  way on every rank and sets torch's default dtype to `--dtype` first, then casts the model's
+  floating parameters to it, so every rank and the reference start identical;
+- `step(model, micro_batches, cp)` -> the loss the user would log: the whole training step of
+  one optimizer step (shard inputs, labels and positions for `cp`, forward with the attention
+  through `cp.attention` on `cp.group`, the loss and its reduction, backward, the gradient
+  reduction over `cp.group` and `cp.dp_group`). ringcheck then reads every parameter's `.grad`.
+
+and optionally
+
+- `logits(model, input_ids, position_ids, cp)` -> (batch, seq, vocab): the model's logits on
+  whole sequences, called by ringcheck at CP=1 (`cp` of size 1: its attention is the whole
+  sequence's). With it ringcheck compares the loss with its own definition (the convention)
+  and diagnoses a failure (`ringcheck.step.diagnosis`);
+- `evaluate(model, micro_batches, cp)` -> the loss alone, forward only (ringcheck calls it under
+  `torch.no_grad()`; the evaluation case);
+- `checkpointing`: the activation-checkpointing modes the step offers, of ("non_reentrant",
+  "reentrant"); the checkpointing cases set `cp.checkpoint` to one of them;
+- `loss_dtype`: the narrowest dtype the step's loss is computed in (e.g. "float32" when the loss
+  casts logits to float32, as transformers' ForCausalLMLoss does): the budget's unit roundoff.
+
+A micro-batch is a dict in the common convention, the same global tensors on every rank:
+`input_ids` (B, N) int64; `labels` (B, N) int64 **unshifted** (the target of position i is
+labels[:, i + 1]), -100 where not counted; `position_ids` (B, N) global, restarting at 0 at each
+document of a packed sequence; `cu_seqlens`: the documents' global boundaries (a tuple, the same
+for every row) or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..adapters import Impl, unpack
+from ..ring.layouts import positions
+from ..spec import RingSpec
+from ..user_code import import_object
+
+IGNORE = -100  # the label of a position the loss does not count (PyTorch's and transformers' ignore_index)
+CHECKPOINTING = ("non_reentrant", "reentrant")
+BUILTIN_RECIPES = {"plain": "ringcheck.recipes.plain:recipe", "hf_llama": "ringcheck.recipes.hf_llama:recipe"}
+
+
+@dataclass(frozen=True)
+class CP:
+    """What a recipe's step learns about its place: its rank and the size of its CP group, the
+    group, the layout of the shards, the data-parallel replica it is in (`dp_rank` of `dp_size`,
+    `dp_group`: the ranks at its cp index in every replica), and the attention under test
+    (`attention`: the ring of `--impl` on `group`). At CP=1 `group` is a real process group of
+    one rank, so the recipe's own collectives run unchanged. `checkpoint`: the activation
+    checkpointing the case asks for (None, or one of `CHECKPOINTING`)."""
+
+    rank: int
+    size: int
+    group: Any
+    layout: str
+    impl: Impl
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    checkpoint: str | None = None
+    timeout: float = 60.0
+
+    @property
+    def multiple(self) -> int:
+        """The sequence length must be a multiple of this for the layout (2 x size for zigzag)."""
+        return RingSpec(self.size, self.layout).chunks
+
+    def positions(self, seq_len: int, cu_seqlens=None) -> torch.Tensor:
+        """The global positions this rank holds, in its local order."""
+        return positions(layout=self.layout, rank=self.rank, world_size=self.size, seq_len=seq_len,
+                         cu_seqlens=cu_seqlens)
+
+    def shard(self, x: torch.Tensor, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+        """This rank's tokens of the global `x` along `dim`, as a contiguous tensor of its own (a
+        contiguous layout's shard would otherwise be a strided view, and `.view(-1)` on it fails)."""
+        index = self.positions(x.shape[dim], cu_seqlens).to(x.device)
+        return x.index_select(dim, index).contiguous()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This data-parallel replica's rows (dim 0) of a global batch tensor."""
+        if x.shape[0] % self.dp_size:
+            raise ValueError(f"a batch of {x.shape[0]} rows cannot be dealt to {self.dp_size} data-parallel "
+                             f"replicas; give it a multiple of {self.dp_size} rows")
+        n = x.shape[0] // self.dp_size
+        return x[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def pad(self, x: torch.Tensor, value, dim: int = 1) -> torch.Tensor:
+        """`x` right-padded with `value` along `dim` to a multiple of `multiple`."""
+        extra = -x.shape[dim] % self.multiple
+        if not extra:
+            return x
+        shape = list(x.shape)
+        shape[dim] = extra
+        return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                  softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
+        """The attention under test on this rank's shards (batch, local_seq, heads, head_dim):
+        the ring of `--impl` on `group`, with the global document boundaries `cu_seqlens`."""
+        extra = {"layout": self.layout}
+        if cu_seqlens is not None:
+            extra["cu_seqlens"] = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+        out, _ = unpack(self.impl.call(q, k, v, causal=causal, softmax_scale=softmax_scale or q.shape[-1] ** -0.5,
+                                       group=self.group, **extra), q, v, self.impl.name)
+        return out
+
+
+def documents_of(position_ids: torch.Tensor) -> tuple[int, ...] | None:
+    """The global document boundaries of packed rows whose positions restart at 0 at each
+    document: None for one document per row; ValueError when the rows are packed differently."""
+    starts = [tuple(int(i) for i in torch.nonzero(row == 0).flatten().tolist()) for row in position_ids]
+    if len(set(starts)) != 1:
+        raise ValueError(f"the rows of this batch are packed differently (documents start at {starts}); the ring "
+                         f"takes one set of boundaries per call")
+    first = starts[0]
+    if first in ((), (0,)):
+        return None
+    return (*first, position_ids.shape[1]) if first[0] == 0 else (0, *first, position_ids.shape[1])
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every position (labels[:, i + 1]; IGNORE at the last), on the global sequence."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded recipe: its hooks, checked against the contract."""
+
+    name: str
+    vocab_size: int
+    model: Callable[[], torch.nn.Module]
+    step: Callable[..., Any]
+    logits: Callable[..., torch.Tensor] | None
+    evaluate: Callable[..., Any] | None
+    checkpointing: tuple[str, ...]
+    loss_dtype: str | None
+
+
+def load_recipe(spec: str) -> Recipe:
+    """`--recipe`: a built-in (`BUILTIN_RECIPES`) or `package.module:object` (an object or a
+    module with the hooks); ValueError/TypeError naming what is missing and the fix."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"--recipe must be {' or '.join(BUILTIN_RECIPES)} or 'package.module:object', got {spec!r}")
+    target = BUILTIN_RECIPES.get(spec, spec)
+    if ":" not in target:
+        raise ValueError(f"--recipe {spec!r} is neither a built-in recipe ({', '.join(BUILTIN_RECIPES)}) nor of the "
+                         f"form 'package.module:object'")
+    obj = import_object(target, f"--recipe {spec}")
+    missing = [n for n in ("model", "step") if not callable(getattr(obj, n, None))]
+    vocab = getattr(obj, "vocab_size", None)
+    if missing or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+        what = ", ".join([f"{n}()" for n in missing] + ([] if isinstance(vocab, int) and vocab >= 2 else
+                                                         [f"vocab_size (an int >= 2, got {vocab!r})"]))
+        raise TypeError(f"--recipe {spec}: {type(obj).__name__} lacks {what}; a recipe has vocab_size, model() -> "
+                        f"torch.nn.Module and step(model, micro_batches, cp) -> loss (see docs/reference/recipe.md)")
+    modes = tuple(getattr(obj, "checkpointing", ()) or ())
+    bad = [m for m in modes if m not in CHECKPOINTING]
+    if bad:
+        raise ValueError(f"--recipe {spec}: checkpointing {bad} unknown; offer some of {list(CHECKPOINTING)}")
+    loss_dtype = getattr(obj, "loss_dtype", None)
+    if loss_dtype not in (None, "float64", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--recipe {spec}: loss_dtype {loss_dtype!r} is not a dtype name (e.g. 'float32')")
+    hook = {n: getattr(obj, n, None) for n in ("logits", "evaluate")}
+    return Recipe(spec, vocab, obj.model, obj.step, hook["logits"] if callable(hook["logits"]) else None,
+                  hook["evaluate"] if callable(hook["evaluate"]) else None, modes, loss_dtype)

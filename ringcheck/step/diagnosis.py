@@ -1,0 +1,215 @@
+"""The diagnosis of a failed case: which known bug the step's figures match, from evidence.
+
+ringcheck recomputes the step's loss and gradients on whole sequences (the recipe's `logits` at
+CP=1, ringcheck's own cross-entropy in float64) under each known transformation of a correct
+step (`TRANSFORMS`: the classes of the public reports), and compares the CP=P run with each:
+the one its loss and every gradient equal within the budget is named. Three more candidates
+come from the runs' own gradients: the reference's x P and / P, and the sum of the CP ranks'
+gradients (a step that never reduced over the CP group). `CONVENTIONS` are the loss conventions
+a step may follow legitimately (the same at CP=1 and CP=P); the reference is matched against
+them, for the report's convention line (transformers #34191).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..ring.layouts import positions
+from ..spec import RingSpec
+from .contract import IGNORE, CP, shift_labels
+
+# name -> (class, what it means, a report where it happened)
+WORDS = {
+    "token_mean": ("correct", "the global token mean over every micro-batch and replica", ""),
+    "labels_shifted_in_shards": ("labels / loss", "labels shifted inside each shard: the token at every shard "
+                                 "boundary loses its target (or is given a wrong one); pass labels shifted on the "
+                                 "whole sequence (transformers: shift_labels)", "transformers #36607, verl #4250"),
+    "mean_of_rank_means": ("loss reduction", "the loss reduced as a mean of per-rank means while the ranks hold "
+                           "different counts; divide the summed loss by the global count (transformers: "
+                           "num_items_in_batch)", "verl #6564, Megatron-LM #673"),
+    "pad_tokens_counted": ("padding", "the padding added for the layout counted in the loss's denominator",
+                           "TransformerEngine #1930, NeMo-RL #4070"),
+    "micro_batches_weighed_equally": ("accumulation", "micro-batches weighed equally (a mean of micro-batch means) "
+                                      "instead of by their tokens", "transformers #34191, verl #2855"),
+    "local_positions": ("positions / RoPE", "position ids restarting at 0 on every rank instead of the global "
+                        "positions sharded with the tokens", "NeMo Automodel #1482, Megatron-LM #1612"),
+    "local_attention": ("CP bypassed", "attention local to each rank's shard: the ring is not called (an attention "
+                        "backend or adapter bypasses it)", "Megatron-Bridge #2667, pytorch #152261"),
+    "grads_times_p": ("gradient sync", "every gradient P times the reference's (scaled twice)",
+                      "torchtitan #685, VeOmni #1115"),
+    "grads_over_p": ("gradient sync", "every gradient 1/P of the reference's: averaged over the CP group instead "
+                     "of summed", "torchtitan #685, slime #1366"),
+    "no_cp_reduction": ("gradient sync", "gradients never reduced over the CP group: each rank holds its own "
+                        "share (their sum is the reference)", "Megatron-LM #3816, DeepSpeed #5248"),
+}
+TRANSFORMS = ("labels_shifted_in_shards", "mean_of_rank_means", "pad_tokens_counted", "micro_batches_weighed_equally",
+              "local_positions", "local_attention")
+CONVENTIONS = ("token_mean", "micro_batches_weighed_equally", "pad_tokens_counted")
+
+
+class Layout:
+    """Where every global position of a padded sequence sits on a ring of P ranks."""
+
+    def __init__(self, layout: str, world_size: int, seq_len: int, cu_seqlens):
+        self.padded = -(-seq_len // RingSpec(world_size, layout).chunks) * RingSpec(world_size, layout).chunks
+        self.held = [positions(layout=layout, rank=r, world_size=world_size, seq_len=self.padded,
+                               cu_seqlens=cu_seqlens) for r in range(world_size)]
+        self.owner = torch.empty(self.padded, dtype=torch.int64)
+        self.local = torch.empty(self.padded, dtype=torch.int64)
+        for r, held in enumerate(self.held):
+            self.owner[held] = r
+            self.local[held] = torch.arange(len(held))
+
+
+def _shifted_in_shards(labels: torch.Tensor, where: Layout) -> torch.Tensor:
+    """The targets a step gets that shards the unshifted labels and shifts inside each shard."""
+    n = labels.shape[1]
+    padded = F.pad(labels, (0, where.padded - n), value=IGNORE)
+    out = torch.full_like(labels, IGNORE)
+    for held in where.held:
+        nxt = held[1:]
+        keep = held[:-1] < n
+        out[:, held[:-1][keep]] = padded[:, nxt[keep]]
+    return out
+
+
+def _weights(name: str, batches: list[dict], layouts: list[Layout], P: int, dp: int, targets: list[torch.Tensor]):
+    """Per micro-batch the per-token weights (R, N) of the loss under the transformation `name`."""
+    valid = [t != IGNORE for t in targets]
+    total = sum(int(v.sum()) for v in valid)
+    M = len(batches)
+    out = []
+    for v, where, mb in zip(valid, layouts, batches):
+        w = torch.zeros(v.shape, dtype=torch.float64)
+        if name in ("token_mean", "labels_shifted_in_shards", "local_positions", "local_attention"):
+            w[v] = 1.0 / max(total, 1)
+        elif name == "micro_batches_weighed_equally":
+            w[v] = 1.0 / (M * max(int(v.sum()), 1))
+        elif name == "pad_tokens_counted":
+            w[v] = 1.0 / sum(b["input_ids"].shape[0] * lay.padded for b, lay in zip(batches, layouts))
+        elif name == "mean_of_rank_means":
+            rows = v.shape[0] // dp
+            owner = where.owner[:v.shape[1]]
+            for d in range(dp):
+                for r in range(P):
+                    cell = v[d * rows:(d + 1) * rows] & (owner == r)
+                    w[d * rows:(d + 1) * rows][cell] = 1.0 / (P * M * dp * max(int(cell.sum()), 1))
+        else:
+            raise ValueError(f"unknown transformation {name!r}")
+        out.append(w)
+    return out
+
+
+def _logits(recipe, model, mb: dict, cp: CP, name: str, where: Layout) -> torch.Tensor | None:
+    """The logits of a micro-batch under `name` (None where the transformation is not defined:
+    positions and local attention on packed documents)."""
+    ids, pos, cu = mb["input_ids"], mb["position_ids"], mb.get("cu_seqlens")
+    n = ids.shape[1]
+    if name == "local_positions":
+        if cu is not None:
+            return None
+        return recipe.logits(model, {"input_ids": ids, "position_ids": where.local[:n].expand_as(pos).clone(),
+                                     "cu_seqlens": None}, cp)
+    if name == "local_attention":
+        if cu is not None:
+            return None
+        parts = []
+        z = None
+        for held in where.held:
+            idx = held[held < n]
+            if len(idx) == 0:
+                continue
+            part = recipe.logits(model, {"input_ids": ids[:, idx], "position_ids": pos[:, idx], "cu_seqlens": None}, cp)
+            if z is None:
+                z = part.new_zeros(ids.shape[0], n, part.shape[-1])
+            parts.append((idx, part))
+        for idx, part in parts:
+            z = z.index_copy(1, idx, part)
+        return z
+    return recipe.logits(model, mb, cp)
+
+
+def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict], cp: CP, *, P: int, layout: str,
+               dp: int, names=TRANSFORMS + ("token_mean",)) -> dict[str, Any]:
+    """Each transformation's loss and gradients, computed on whole sequences with `cp` of size one."""
+    layouts = [Layout(layout, P, mb["input_ids"].shape[1], mb.get("cu_seqlens")) for mb in batches]
+    out = {}
+    for name in names:
+        model = build()
+        params = dict(model.named_parameters())
+        if name == "labels_shifted_in_shards":
+            targets = [_shifted_in_shards(mb["labels"], lay) for mb, lay in zip(batches, layouts)]
+        else:
+            targets = [shift_labels(mb["labels"]) for mb in batches]
+        weights = _weights(name, batches, layouts, P, dp, targets)
+        loss = torch.zeros((), dtype=torch.float64)
+        for mb, lay, t, w in zip(batches, layouts, targets, weights):
+            z = _logits(recipe, model, mb, cp, name, lay)
+            if z is None:
+                loss = None
+                break
+            ce = F.cross_entropy(z.double().flatten(0, 1), t.clamp_min(0).flatten(), reduction="none")
+            loss = loss + (ce * w.flatten()).sum()
+        if loss is None:
+            continue
+        used = {n: p for n, p in params.items() if p.requires_grad}
+        grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
+        out[name] = {"loss": float(loss.detach()), "grads": {n: None if g is None else g.detach() for n, g in zip(used, grads)}}
+    return out
+
+
+def _sum_over_cp(ranks: list[dict]) -> dict[str, torch.Tensor | None]:
+    """The sum of the first CP group's ranks' gradients (what a step that never reduced over CP
+    would have had to reduce)."""
+    group = [r for r in ranks if r["where"][0] == 0]
+    names = group[0]["grads"]
+    return {n: None if any(r["grads"][n] is None for r in group) else sum(r["grads"][n] for r in group) for n in names}
+
+
+def match(ranks: list[dict], ref: dict, cands: dict[str, Any], *, P: int, loss_budget: float, grad_budget: float,
+          evaluate: bool, relative) -> list[dict[str, Any]]:
+    """Every candidate's distance to the CP=P run (rank 0 of its first group), nearest first;
+    `matches` where the loss and every gradient are within the budgets."""
+    user = ranks[0]
+    pool = {n: c for n, c in cands.items() if n != "token_mean"}
+    if not evaluate:
+        pool["grads_times_p"] = {"loss": None, "grads": {n: None if g is None else g * P for n, g in ref["grads"].items()}}
+        pool["grads_over_p"] = {"loss": None, "grads": {n: None if g is None else g / P for n, g in ref["grads"].items()}}
+    rows = []
+    for name, c in pool.items():
+        loss_err = None if c["loss"] is None else relative(user["loss"], c["loss"])
+        grad_err = None
+        if not evaluate:
+            grad_err = max((relative(user["grads"][n], g) if user["grads"].get(n) is not None else float("inf"))
+                           for n, g in c["grads"].items() if g is not None)
+        rows.append(_row(name, loss_err, grad_err, loss_budget, grad_budget))
+    if not evaluate and P > 1:
+        summed = _sum_over_cp(ranks)
+        grad_err = max(relative(summed[n], g) if summed.get(n) is not None else float("inf")
+                       for n, g in ref["grads"].items() if g is not None)
+        rows.append(_row("no_cp_reduction", None, grad_err, loss_budget, grad_budget))
+    rows = [r for r in rows if r["loss_error"] is not None or r["gradient_error"] is not None]
+    return sorted(rows, key=lambda r: (not r["matches"], max(r["loss_ratio"] or 0, r["gradient_ratio"] or 0)))
+
+
+def _row(name, loss_err, grad_err, loss_budget, grad_budget) -> dict[str, Any]:
+    lr = None if loss_err is None else loss_err / loss_budget
+    gr = None if grad_err is None else grad_err / grad_budget
+    ok = all(x is None or x <= 1 for x in (lr, gr)) and (lr is not None or gr is not None)
+    cls, words, reports = WORDS[name]
+    return {"name": name, "class": cls, "words": words, "reports": reports, "loss_error": loss_err,
+            "gradient_error": grad_err, "loss_ratio": lr, "gradient_ratio": gr, "matches": ok}
+
+
+def convention(ref: dict, cands: dict[str, Any], *, loss_budget: float, relative) -> dict[str, Any]:
+    """Which loss convention the reference step follows (informative: the same at CP=1 and CP=P)."""
+    rows = [_row(n, relative(ref["loss"], cands[n]["loss"]), None, loss_budget, 1.0) for n in CONVENTIONS
+            if n in cands]
+    found = next((r for r in rows if r["matches"]), None)
+    return {"follows": None if found is None else found["name"], "rows": rows,
+            "words": ("the loss is none of the known conventions" if found is None else
+                      WORDS[found["name"]][1] + ("" if found["name"] == "token_mean" else
+                                                 " (not the global token mean: transformers #34191)"))}

@@ -1,0 +1,173 @@
+"""The runs of `ringcheck step`: the recipe's step on every rank of a mesh, once at CP=P and once
+at CP=1 (the reference: the same data-parallel dims, a real process group of one rank per CP
+group), every case in turn; and, for a failure, the diagnosis's candidates on one rank.
+
+`StepConfig` holds the settings, checked at construction (the value received and the fix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..harness import ImplOptions, Mesh
+from ..harness.mesh import REPLICAS
+from ..harness.runner import loaded
+from ..ring.layouts import positions
+from ..spec import REFERENCE_DTYPES, RingSpec, check_int
+from .cases import CASES, micro_batches
+from .contract import CP, load_recipe
+from .diagnosis import candidates
+
+DTYPES = ("float64", "float32")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """`ringcheck step`'s settings."""
+
+    recipe: str = "plain"
+    impl: str = "ringcheck"
+    world_size: int = 4
+    mesh: str | None = None
+    layout: str = "zigzag"
+    dtype: str = "float64"
+    seed: int = 0
+    cases: tuple[str, ...] = field(default_factory=lambda: tuple(CASES))
+    backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        check_int("--world-size", self.world_size, low=1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: the step is judged in {' or '.join(DTYPES)} (float64 is exact "
+                             f"enough to see a 1e-10 bug); pass --dtype float64")
+        if self.mesh is not None and self.mesh_spec.cp != self.world_size:
+            raise ValueError(f"--mesh {self.mesh} has cp={self.mesh_spec.cp} but --world-size is {self.world_size}: "
+                             f"the cp dim is the ring; drop --world-size or make the two agree")
+        RingSpec(self.world_size, self.layout)
+        bad = [c for c in self.cases if c not in CASES]
+        if bad or not self.cases:
+            raise ValueError(f"--cases: unknown case(s) {bad}; choose from {', '.join(CASES)}")
+
+    @property
+    def mesh_spec(self) -> Mesh:
+        return Mesh.ring(self.world_size) if self.mesh is None else Mesh.parse(self.mesh)
+
+    @property
+    def reference_mesh(self) -> Mesh:
+        """The same mesh with a CP dim of one: the reference."""
+        return self.mesh_spec.with_cp(1)
+
+    @property
+    def impl_options(self) -> ImplOptions:
+        return ImplOptions(self.impl, self.layout, self.backend)
+
+    def flags(self) -> list[str]:
+        out = ["--recipe", self.recipe, "--impl", self.impl, "--world-size", str(self.world_size)]
+        out += ["--mesh", self.mesh] if self.mesh is not None else []
+        out += ["--layout", self.layout, "--dtype", self.dtype, "--seed", str(self.seed), "--cases", ",".join(self.cases)]
+        return out + (["--backend", self.backend] if self.backend != "torch" else [])
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build_model(recipe, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The recipe's model, seeded the same way everywhere, its floating parameters in `dtype`."""
+    torch.manual_seed(seed)
+    model = recipe.model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--recipe {recipe.name}: model() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model.to(dtype)
+
+
+def ring_positions(config: StepConfig) -> torch.Tensor:
+    """The positions rank 0 of the ring under test holds (where the uneven case counts almost nothing)."""
+    return positions(layout=config.layout, rank=0, world_size=config.world_size, seq_len=64)
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient gathered to the full tensor; a plain one as it is."""
+    full = getattr(grad, "full_tensor", None)
+    return (full() if callable(full) else grad).detach().clone()
+
+
+def _loss_value(loss: Any, recipe: str, case: str) -> float:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach())
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return float(loss)
+    raise TypeError(f"--recipe {recipe}, case {case}: step returned {type(loss).__name__}; the contract is the loss "
+                    f"the user would log (a scalar tensor or a float)")
+
+
+def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: torch.Tensor) -> dict[str, Any]:
+    """One case on one rank: the model from the seed, the step (or the evaluation), the loss and
+    every parameter's gradient (None where none reached it)."""
+    case = CASES[case_name]
+    dtype = REFERENCE_DTYPES[config.dtype]
+    with default_dtype(dtype):
+        model = build_model(recipe, dtype, config.seed)
+        batches = micro_batches(case, vocab=recipe.vocab_size, seed=config.seed, dp=cp.dp_size,
+                                rank0_positions=positions0)
+        try:
+            if case.evaluate:
+                if recipe.evaluate is None:
+                    raise ValueError("the recipe offers no evaluate(model, micro_batches, cp)")
+                with torch.no_grad():
+                    loss = recipe.evaluate(model, batches, cp)
+            else:
+                loss = recipe.step(model, batches, cp)
+        except Exception as exc:
+            raise RuntimeError(f"--recipe {recipe.name}, case {case_name} ({case.words}) at CP={cp.size}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    grads = {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
+    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
+
+
+def step_task(member, config: StepConfig, names: tuple[str, ...], positions0: torch.Tensor) -> dict[str, Any]:
+    """One rank of a run (`ringcheck.launch` task): every case of `names` in turn."""
+    recipe = load_recipe(config.recipe)
+    impl = loaded(config.impl_options)
+    cases = {}
+    for name in names:
+        cp = CP(rank=member.rank, size=member.world_size, group=member.group, layout=config.layout, impl=impl,
+                dp_rank=member.group_index, dp_size=dist.get_world_size(member.groups[REPLICAS]),
+                dp_group=member.groups[REPLICAS],
+                checkpoint=CASES[name].checkpoint, timeout=member.timeout)
+        cases[name] = run_case(recipe, name, cp, config, positions0)
+    return {"cp_rank": member.rank, "dp_rank": member.group_index, "cases": cases}
+
+
+def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, tuple[str, ...]], ...],
+                   positions0: torch.Tensor) -> dict[str, Any]:
+    """On one rank (a CP group of one): per request (case, ring size, transformations) the
+    candidates of `ringcheck.step.diagnosis`; nothing when the recipe has no `logits`."""
+    recipe = load_recipe(config.recipe)
+    if recipe.logits is None:
+        return {}
+    cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.impl_options),
+            dp_group=member.group, timeout=member.timeout)
+    dtype = REFERENCE_DTYPES[config.dtype]
+    dp = config.mesh_spec.rings
+    out = {}
+    with default_dtype(dtype):
+        for case_name, P, names in requests:
+            batches = micro_batches(CASES[case_name], vocab=recipe.vocab_size, seed=config.seed, dp=dp,
+                                    rank0_positions=positions0)
+            out[f"{case_name}@{P}"] = candidates(recipe, lambda: build_model(recipe, dtype, config.seed), batches, cp,
+                                                 P=P, layout=config.layout, dp=dp, names=names)
+    return out

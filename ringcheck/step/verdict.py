@@ -1,0 +1,95 @@
+"""The verdict of `ringcheck step`: the step at CP=P against the same step at CP=1, per case.
+
+**The budget** (derived; measured in docs/explanation/step-verdict.md). The two runs compute
+the same sums in other orders: a rank's share of the tokens, then a sum over ranks, where the
+reference sums all tokens at once. Reordering a sum of n terms changes it by at most
+2 (n - 1) u sum|terms| (u the unit roundoff), so relative to the sum by at most 2 n u kappa,
+kappa = sum|terms| / |sum| its condition. n is the case's target positions (micro-batches x
+rows x tokens: the longest sum, the loss's and every weight gradient's over the tokens).
+
+- loss: its terms (the tokens' cross-entropies) are all >= 0, so kappa = 1: |L_P - L_1| <=
+  2 n u_loss |L_1|, u_loss the unit roundoff of the dtype the loss is computed in (a recipe
+  that casts logits to float32 declares `loss_dtype = "float32"`), at least `K_COND` u of
+  the step's dtype (the model's own roundings reach the cross-entropies);
+- every parameter's gradient, normwise: ||g_P - g_1|| <= 2 n K_COND u ||g_1||, with a condition
+  allowance K_COND = 16 (a gradient's per-token terms have both signs).
+
+Correct recipes sit near 1e-15 in float64 (a few u); the reported bugs are 1e-4 to 1, a million
+budgets out and more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..spec import REFERENCE_DTYPES
+
+K_COND = 16.0
+
+
+def unit_roundoff(dtype: str) -> float:
+    return float(torch.finfo(REFERENCE_DTYPES[dtype]).eps) / 2
+
+
+def budgets(n: int, dtype: str, loss_dtype: str | None) -> tuple[float, float]:
+    """(relative loss budget, relative gradient budget) of a case of `n` target positions."""
+    u = unit_roundoff(dtype)
+    u_loss = max(unit_roundoff(loss_dtype or dtype), K_COND * u)
+    return 2 * n * u_loss, 2 * n * K_COND * u
+
+
+def relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
+    """||a - b|| / ||b|| (||a - b|| where b is 0; inf where a is not finite)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    diff, norm = float((a - b).norm()), float(b.norm())
+    return diff / norm if norm > 0 else diff
+
+
+def scale_of(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The least-squares factor f of a ~ f b (how far out, as a factor)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    den = float(b @ b)
+    return float(a @ b) / den if den > 0 else math.nan
+
+
+def gradient_rows(ranks: list[dict], ref: dict[str, torch.Tensor | None], budget: float) -> list[dict[str, Any]]:
+    """Per parameter: the worst rank's normwise error against the reference, its ratio to the
+    budget and the factor it is out by."""
+    rows = []
+    for name, want in ref.items():
+        if want is None:
+            continue
+        worst, where, factor = 0.0, None, 1.0
+        for r in ranks:
+            got = r["grads"].get(name)
+            err = math.inf if got is None else relative(got, want)
+            if err > worst or where is None:
+                worst, where = err, r["where"]
+                factor = math.nan if got is None else scale_of(got, want)
+        rows.append({"name": name, "error": worst, "budget": budget, "ratio": worst / budget, "rank": where,
+                     "factor": factor, "missing": any(r["grads"].get(name) is None for r in ranks)})
+    return rows
+
+
+def judge_case(name: str, ranks: list[dict], ref: dict, n: int, dtype: str, loss_dtype: str | None,
+               evaluate: bool) -> dict[str, Any]:
+    """One case: every rank of the CP=P run (`ranks`: {where, loss, grads}) against the reference
+    (`ref`: rank 0 of the CP=1 run)."""
+    loss_budget, grad_budget = budgets(n, dtype, loss_dtype)
+    loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
+    grads = [] if evaluate else gradient_rows(ranks, ref["grads"], grad_budget)
+    out = [g for g in grads if not g["ratio"] <= 1]
+    passed = loss_err <= loss_budget and not out
+    first = out[0] if out else None
+    return {"case": name, "verdict": "pass" if passed else "fail", "targets": n,
+            "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": loss_err, "budget": loss_budget,
+                     "ratio": loss_err / loss_budget},
+            "gradient_budget": grad_budget,
+            "worst_gradient": max((g["error"] for g in grads), default=0.0),
+            "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
+            "gradients": grads}
