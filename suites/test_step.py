@@ -100,6 +100,14 @@ def test_the_plain_recipe_passes_every_case(ring_processes, settings):
     for row in judged["cases"]:
         assert row["loss"]["error"] < 1e-14 and row["worst_gradient"] < 1e-14, row["case"]
     assert judged["convention"]["follows"] == "token_mean"
+    assert judged["data"]["verdict"] == "pass", judged["data"]["words"]
+
+
+def test_a_sampler_seeded_by_the_global_rank_fails_the_data_check(ring_processes):
+    judged = _step(ring_processes, recipe=f"{MUTANTS}:sampler_seeded_by_global_rank", mesh="dp=2,cp=2",
+                   cases=("one_sequence",))
+    assert judged["verdict"] == "fail" and judged["cases"][0]["verdict"] == "pass"
+    assert judged["data"]["verdict"] == "fail" and "CP group 0 got different batches" in judged["data"]["words"]
 
 
 @pytest.mark.parametrize("mutant", sorted(__import__(MUTANTS, fromlist=["EXPECTED"]).EXPECTED))

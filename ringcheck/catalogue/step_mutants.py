@@ -11,6 +11,8 @@ the convention line instead.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -120,6 +122,14 @@ class MicroBatchesWeighedEqually(PlainRecipe):
         return ce / mine / len(micro_batches)
 
 
+class SamplerSeededByGlobalRank(PlainRecipe):
+    """The data sampler seeded by the global rank: the ranks of one CP group get different
+    batches (LlamaFactory #10559; axolotl #3920; 360-LLaMA-Factory #82)."""
+
+    def loader(self, cp: CP, seed: int) -> list[dict]:
+        return super().loader(replace(cp, dp_rank=cp.global_rank), seed)
+
+
 class NoPadding(PlainRecipe):
     """Shards whatever length it is given: a length no 2 x P divides has no verdict (exit 2)."""
 
@@ -140,6 +150,7 @@ cp_bypassed = CPBypassed()
 local_positions = LocalPositions()
 micro_batches_weighed_equally = MicroBatchesWeighedEqually()
 no_padding = NoPadding()
+sampler_seeded_by_global_rank = SamplerSeededByGlobalRank()
 
 # mutant -> (a case where it fails, the diagnosis named)
 EXPECTED = {

@@ -22,7 +22,7 @@ from ..step.cases import CASES
 from ..step.contract import load_recipe
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
 from ..step.run import StepConfig, diagnosis_task, ring_positions, step_task
-from ..step.verdict import K_COND, budgets, judge_case, relative, unit_roundoff
+from ..step.verdict import K_COND, budgets, data_row, judge_case, relative, unit_roundoff
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
 
@@ -96,13 +96,16 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
                           loss_budget=budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype)[0],
                           relative=relative)
         conv["case"] = conv_case
-    verdict = "fail" if failed else "pass"
-    return {"verdict": verdict, "cases": rows, "convention": conv, "mesh": mesh, "reference_mesh": ref_mesh,
-            "loss_dtype": recipe.loss_dtype or config.dtype, "why": _why(rows)}
+    data = data_row(ring)
+    verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else "pass"
+    return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
+            "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "why": _why(rows, data)}
 
 
-def _why(rows) -> str:
+def _why(rows, data=None) -> str:
     bad = [r for r in rows if r["verdict"] == "fail"]
+    if data is not None and data["verdict"] == "fail":
+        return f"data: {data['words']}" + ("; " + _why(rows) if bad else "")
     if not bad:
         worst = max(max(r["loss"]["ratio"], max((g["ratio"] for g in r["gradients"]), default=0)) for r in rows)
         return f"every case's loss and gradients at CP=P equal CP=1 within the budget (worst {worst:.2g} of it)"
@@ -132,5 +135,6 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
     return {**header(STEP_SCHEMA), "verdict": judged["verdict"], "passed": judged["verdict"] == "pass",
             "why": judged["why"], "command": command, "config": {**config.__dict__, "cases": list(config.cases)},
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
-            "rule": rule_words(config, judged["loss_dtype"]), "convention": judged["convention"], "cases": cases,
+            "rule": rule_words(config, judged["loss_dtype"]), "convention": judged["convention"],
+            "data": judged["data"], "cases": cases,
             "meta": meta or {}}

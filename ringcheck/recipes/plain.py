@@ -137,6 +137,13 @@ class PlainRecipe:
     def evaluate(self, model, micro_batches, cp: CP) -> torch.Tensor:
         return self.step(model, micro_batches, cp, backward=False)
 
+    def loader(self, cp: CP, seed: int) -> list[dict]:
+        """The batches this rank's data pipeline gives it: a sampler seeded by the data-parallel
+        rank, so the ranks of a CP group share a batch and the replicas differ."""
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + cp.dp_rank)
+        ids = torch.randint(0, self.vocab_size, (1, 64), generator=gen)
+        return [{"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(64).view(1, 64)}]
+
     def logits(self, model, batch, cp: CP) -> torch.Tensor:
         """Whole sequences on a CP group of one: (B, N, vocab)."""
         n, cu = batch["input_ids"].shape[1], batch.get("cu_seqlens")

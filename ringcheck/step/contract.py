@@ -22,7 +22,9 @@ and optionally
 - `checkpointing`: the activation-checkpointing modes the step offers, of ("non_reentrant",
   "reentrant"); the checkpointing cases set `cp.checkpoint` to one of them;
 - `loss_dtype`: the narrowest dtype the step's loss is computed in (e.g. "float32" when the loss
-  casts logits to float32, as transformers' ForCausalLMLoss does): the budget's unit roundoff.
+  casts logits to float32, as transformers' ForCausalLMLoss does): the budget's unit roundoff;
+- `loader(cp, seed)` -> the micro-batches this rank's data pipeline would hand its step: every
+  rank of a CP group must get the same ones, the data-parallel replicas different ones.
 
 A micro-batch is a dict in the common convention, the same global tensors on every rank:
 `input_ids` (B, N) int64; `labels` (B, N) int64 **unshifted** (the target of position i is
@@ -68,6 +70,7 @@ class CP:
     dp_group: Any = None
     checkpoint: str | None = None
     timeout: float = 60.0
+    global_rank: int = 0
 
     @property
     def multiple(self) -> int:
@@ -144,6 +147,7 @@ class Recipe:
     evaluate: Callable[..., Any] | None
     checkpointing: tuple[str, ...]
     loss_dtype: str | None
+    loader: Callable[..., Any] | None = None
 
 
 def load_recipe(spec: str) -> Recipe:
@@ -170,6 +174,7 @@ def load_recipe(spec: str) -> Recipe:
     loss_dtype = getattr(obj, "loss_dtype", None)
     if loss_dtype not in (None, "float64", "float32", "bfloat16", "float16"):
         raise ValueError(f"--recipe {spec}: loss_dtype {loss_dtype!r} is not a dtype name (e.g. 'float32')")
-    hook = {n: getattr(obj, n, None) for n in ("logits", "evaluate")}
-    return Recipe(spec, vocab, obj.model, obj.step, hook["logits"] if callable(hook["logits"]) else None,
-                  hook["evaluate"] if callable(hook["evaluate"]) else None, modes, loss_dtype)
+    hook = {n: getattr(obj, n, None) for n in ("logits", "evaluate", "loader")}
+    hook = {n: f if callable(f) else None for n, f in hook.items()}
+    return Recipe(spec, vocab, obj.model, obj.step, hook["logits"], hook["evaluate"], modes, loss_dtype,
+                  hook["loader"])

@@ -8,6 +8,7 @@ group), every case in turn; and, for a failure, the diagnosis's candidates on on
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,9 +148,24 @@ def step_task(member, config: StepConfig, names: tuple[str, ...], positions0: to
         cp = CP(rank=member.rank, size=member.world_size, group=member.group, layout=config.layout, impl=impl,
                 dp_rank=member.group_index, dp_size=dist.get_world_size(member.groups[REPLICAS]),
                 dp_group=member.groups[REPLICAS],
-                checkpoint=CASES[name].checkpoint, timeout=member.timeout)
+                checkpoint=CASES[name].checkpoint, timeout=member.timeout, global_rank=member.global_rank)
         cases[name] = run_case(recipe, name, cp, config, positions0)
-    return {"cp_rank": member.rank, "dp_rank": member.group_index, "cases": cases}
+    data = None
+    if recipe.loader is not None and member.world_size > 1:
+        data = batch_digest(recipe.loader(cp, config.seed))
+    return {"cp_rank": member.rank, "dp_rank": member.group_index, "cases": cases, "data": data}
+
+
+def batch_digest(batches) -> str:
+    """A digest of the tensors a loader handed out (what every rank of a CP group must share)."""
+    digest = hashlib.sha256()
+    for mb in batches:
+        for key in sorted(mb):
+            value = mb[key]
+            digest.update(key.encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes() if isinstance(value, torch.Tensor)
+                          else repr(value).encode())
+    return digest.hexdigest()[:16]
 
 
 def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, tuple[str, ...]], ...],

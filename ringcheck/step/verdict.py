@@ -93,3 +93,26 @@ def judge_case(name: str, ranks: list[dict], ref: dict, n: int, dtype: str, loss
             "worst_gradient": max((g["error"] for g in grads), default=0.0),
             "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
             "gradients": grads}
+
+
+def data_row(groups: list[list[dict]]) -> dict[str, Any] | None:
+    """The loader check: every rank of a CP group got the same micro-batches (`data`: a digest
+    per rank), and the data-parallel replicas (the CP groups) different ones; None without a
+    loader hook (or at CP=1)."""
+    digests = [[r.get("data") for r in g] for g in groups]
+    if any(d is None for g in digests for d in g):
+        return None
+    split = [(i, g) for i, g in enumerate(digests) if len(set(g)) > 1]
+    firsts = [g[0] for g in digests]
+    same = [(i, j) for i in range(len(firsts)) for j in range(i + 1, len(firsts)) if firsts[i] == firsts[j]]
+    if split:
+        i, g = split[0]
+        ranks = ", ".join(f"rank {r}: {d}" for r, d in enumerate(g))
+        words = (f"the ranks of CP group {i} got different batches from the loader ({ranks}): a sampler seeded by "
+                 f"the global rank instead of the data-parallel rank (LlamaFactory #10559, axolotl #3920)")
+    elif same:
+        words = (f"data-parallel replicas {same[0][0]} and {same[0][1]} got the same batch: seed the sampler by the "
+                 f"data-parallel rank")
+    else:
+        words = "every rank of a CP group got the same batch, every replica its own"
+    return {"verdict": "fail" if split or same else "pass", "class": "data", "words": words, "digests": digests}
