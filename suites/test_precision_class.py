@@ -27,7 +27,7 @@ from ringcheck.judge.distributions import DISTRIBUTIONS
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.precision import CLASS_K, class_reference, flash_class, judge_class, judge_precision
 from ringcheck.launch import RingError
-from ringcheck.spec import DTYPES, AttentionSpec, RingSpec
+from ringcheck.spec import DTYPES, AttentionSpec, RingSpec, Variant
 from ringcheck.catalogue.mutants import CATALOGUES
 from ringcheck.catalogue.precision_mutants import (
     NARROWER,
@@ -221,3 +221,33 @@ def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(ring_proces
     assert backward.tensors["dk"]["passed"] and backward.tensors["dv"]["passed"]
     assert backward.error > 3 * backward.budget and "dq FAILED (precision class)" in backward.detail
     assert CLASS_K[torch.float16] == CLASS_K[torch.bfloat16] == 2.0  # the budget the README states
+
+
+def test_the_kernel_peer_is_a_ring_of_pytorchs_kernel_and_only_widens_the_budget():
+    """`kernel_class`: a ring of PyTorch's CPU flash kernel over the case's shards, where the
+    kernel runs the case; on any CPU path it is within one rounding of the exact truth's class
+    on the forward, the budget with it is never below the class's, and a narrowing still fails
+    by >= 3x on the normal distribution (the row's anchor) under every capability CI runs."""
+    from ringcheck.judge.check import token_owners
+    from ringcheck.judge.precision import KERNEL_BLOCK_ROWS, PEER_K, kernel_class
+
+    case = _case(4, "zigzag", "float16", "normal", 1)
+    inputs = make_inputs(case.spec, seed=1, distribution="normal", ring=case.ring)
+    owner, _ = token_owners(case.spec.seq_len, case.ring)
+    kernel = kernel_class(case.spec, inputs, owner)
+    assert kernel is not None and kernel.dv.dtype == torch.float16 and kernel.lse.dtype == torch.float32
+    true = truth(case.spec, inputs)
+    got = run_whole(simulated_impl(case), inputs)
+    with_peer = judge_precision(case, got, true, inputs)
+    alone = judge_precision(case, got, true, inputs, reference=class_reference(case.spec, inputs, true))
+    for name in TENSORS:
+        assert with_peer[name].budget >= alone[name].budget * (1 - 1e-12), name
+        bad = judge_precision(case, _narrowed(got, name, "bfloat16"), true, inputs, tensors=(name,))[name]
+        assert bad.ratio >= 3, bad.describe()
+    assert PEER_K < CLASS_K[torch.float16]
+    # where the kernel cannot run the case there is no peer
+    softcap = case.spec.replace(variant=Variant(softcap=30.0))
+    assert kernel_class(softcap, make_inputs(softcap, seed=1, ring=case.ring), owner) is None
+    wide = _case(1, "bidirectional", "float16", "normal", 1, local=KERNEL_BLOCK_ROWS + 2)
+    owner1, _ = token_owners(wide.spec.seq_len, wide.ring)
+    assert kernel_class(wide.spec, make_inputs(wide.spec, seed=1, ring=wide.ring), owner1) is None
