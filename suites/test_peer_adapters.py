@@ -212,12 +212,28 @@ def test_a_package_that_is_not_installed_says_how_to_install_it(monkeypatch):
 
 
 @needs_rfa
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
 def test_without_transformers_the_ring_modules_load_without_the_hf_adapter(clean_modules, monkeypatch):
     for name in [n for n in sys.modules if n.split(".")[0] == "ring_flash_attn"]:
         monkeypatch.delitem(sys.modules, name)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(rfa_adapter.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
     flash_stand_in.install()
     package = rfa_adapter.load_ring_flash_attn()
     assert "transformers is not installed" in package.__ringcheck_partial__
     assert callable(package.llama3_flash_attn_prepare_cu_seqlens) and callable(package.zigzag_ring_flash_attn_func)
     assert "ring_flash_attn.adapters" not in sys.modules
+
+
+@needs_rfa
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_with_a_transformers_its_hf_adapter_cannot_import_the_ring_modules_still_load(clean_modules, monkeypatch):
+    """ring-flash-attn 0.1.8's package __init__ imports its Hugging Face adapter, which needs a name
+    transformers 5.x removed: the rings are then loaded without it, and say so."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "ring_flash_attn"]:
+        monkeypatch.delitem(sys.modules, name)
+    flash_stand_in.install()
+    package = rfa_adapter.load_ring_flash_attn()
+    assert callable(package.zigzag_ring_flash_attn_func) and callable(package.ring_flash_attn_func)
+    partial = getattr(package, "__ringcheck_partial__", None)
+    assert partial is None or "Hugging Face adapter does not import" in partial

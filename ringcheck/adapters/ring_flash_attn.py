@@ -53,15 +53,24 @@ RFA_FUNCTIONS = {"zigzag": "zigzag_ring_flash_attn_func", "basic": "ring_flash_a
                  "stripe": "stripe_flash_attn_func"}
 
 def load_ring_flash_attn(spec: str = "ring_flash_attn"):
-    """The ring_flash_attn package: imported whole where transformers is installed, otherwise
-    its ring modules without the package ``__init__`` (which imports the Hugging Face adapter)."""
+    """The ring_flash_attn package: imported whole where transformers is installed and its
+    Hugging Face adapter imports with it, otherwise its ring modules without the package
+    ``__init__`` (which imports that adapter: ring-flash-attn 0.1.8's needs a name transformers
+    5.x no longer has)."""
     require(spec, "ring_flash_attn")
-    try:
-        if "ring_flash_attn" in sys.modules or importlib.util.find_spec("transformers") is not None:
+    if "ring_flash_attn" in sys.modules:
+        return sys.modules["ring_flash_attn"]
+    why = "ring modules only: transformers is not installed"
+    if importlib.util.find_spec("transformers") is not None:
+        try:
             return importlib.import_module("ring_flash_attn")
+        except ImportError as exc:  # the ring modules alone, below
+            sys.modules.pop("ring_flash_attn", None)
+            why = f"ring modules only: its Hugging Face adapter does not import ({exc})"
+    try:
         found = importlib.util.find_spec("ring_flash_attn")
         package = importlib.util.module_from_spec(found)  # not executed: its __init__ needs transformers
-        package.__ringcheck_partial__ = "ring modules only: transformers is not installed"
+        package.__ringcheck_partial__ = why
         sys.modules["ring_flash_attn"] = package
         for name in RFA_MODULES:
             module = importlib.import_module(f"ring_flash_attn.{name}")
