@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,triton,peers,docs]"
+	$(PY) -m pip install -q -e ".[test,triton,peers,docs,hf]"
 	@touch $(STAMP)
 
 validate: $(STAMP)

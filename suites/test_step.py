@@ -130,6 +130,32 @@ def test_micro_batches_weighed_equally_is_consistent_and_named_by_the_convention
     assert "#34191" in judged["convention"]["words"]
 
 
+# ---- the hf_llama recipe (transformers: the optional extra `hf`) --------------------------------
+
+def _transformers():
+    pytest.importorskip("transformers", reason="the hf_llama recipe needs transformers (pip install ringcheck[hf])")
+
+
+def test_the_hf_llama_recipe_passes_every_case(ring_processes):
+    """Its loss is float32 (transformers casts the logits), its gradients float64: each within its budget."""
+    _transformers()
+    judged = _step(ring_processes, recipe="hf_llama")
+    assert judged["verdict"] == "pass", judged["why"]
+    assert judged["loss_dtype"] == "float32"
+    for row in judged["cases"]:
+        assert row["loss"]["error"] < 1e-6 and row["worst_gradient"] < 1e-14, row["case"]
+
+
+def test_sharded_labels_handed_to_the_hf_model_are_named(ring_processes):
+    _transformers()
+    from ringcheck.catalogue.hf_step_mutants import EXPECTED
+
+    case, diagnosis = EXPECTED["labels_sharded"]
+    judged = _step(ring_processes, recipe="ringcheck.catalogue.hf_step_mutants:labels_sharded", cases=(case,))
+    (row,) = judged["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"]["name"] == diagnosis, row.get("candidates")
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 def test_the_command_passes_plain_and_writes_its_report(tmp_path, capsys):

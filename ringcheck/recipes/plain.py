@@ -118,18 +118,27 @@ class PlainRecipe:
 
     # ---- the hooks of the contract
 
+    def inputs(self, mb: dict, cp: CP):
+        """This rank's token ids and positions (this replica's rows, padded, sharded), the
+        replica's labels (whole sequences, unshifted) and the documents' global boundaries."""
+        ids, labels, pos = (cp.rows(mb[k]) for k in ("input_ids", "labels", "position_ids"))
+        cu = mb.get("cu_seqlens")
+        return cp.shard(cp.pad(ids, 0), cu_seqlens=cu), self.positions(pos, cp, cu), labels, cu
+
+    def micro_loss(self, model, mb: dict, total, cp: CP, micro_batches) -> torch.Tensor:
+        """One micro-batch's share of the loss on this rank."""
+        ids, pos, labels, cu = self.inputs(mb, cp)
+        logits = model(ids, pos, self.attend(cp, cu), cp.checkpoint)
+        return self.loss(logits, self.targets(labels, cp, cu), total, cp, micro_batches)
+
     def step(self, model, micro_batches, cp: CP, *, backward: bool = True) -> torch.Tensor:
         total = self.count(micro_batches, cp)
-        logged = torch.zeros(())
+        logged = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
-            ids, labels, pos = (cp.rows(mb[k]) for k in ("input_ids", "labels", "position_ids"))
-            cu = mb.get("cu_seqlens")
-            logits = model(cp.shard(cp.pad(ids, 0), cu_seqlens=cu), self.positions(pos, cp, cu), self.attend(cp, cu),
-                           cp.checkpoint)
-            loss = self.loss(logits, self.targets(labels, cp, cu), total, cp, micro_batches)
+            loss = self.micro_loss(model, mb, total, cp, micro_batches)
             if backward:
                 loss.backward()
-            logged = logged + loss.detach()
+            logged = logged + loss.detach().double()
         if backward:
             self.reduce_gradients(model, cp)
         return self.reduce_loss(logged, cp)
