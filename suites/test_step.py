@@ -55,14 +55,18 @@ def test_a_shard_is_contiguous_and_packed_rows_give_their_documents():
         documents_of(torch.stack([pos[0], torch.arange(8)]))
 
 
-def test_the_budget_follows_the_reordered_sums_and_the_loss_dtype():
+def test_the_budget_follows_the_reordered_sums_and_the_loss_and_attention_dtypes():
+    from ringcheck.commands.step import attention_dtype
+    from ringcheck.step.run import StepConfig
     from ringcheck.step.verdict import K_COND, budgets
 
     u64, u32 = 2.0 ** -53, 2.0 ** -24
     assert budgets(64, "float64", None) == (2 * 64 * K_COND * u64, 2 * 64 * K_COND * u64)
     loss, grad = budgets(64, "float64", "float32")
     assert loss == 2 * 64 * u32 and grad == 2 * 64 * K_COND * u64
+    assert budgets(64, "float64", None, "float32") == (2 * 64 * u32, 2 * 64 * u32)
     assert loss < 1e-4  # still below the smallest reported bug
+    assert attention_dtype(StepConfig()) is None and attention_dtype(StepConfig(impl="torch_cp")) == "float32"
 
 
 def test_a_recipe_that_breaks_the_contract_is_named_before_any_rank_starts(capsys):
@@ -136,10 +140,12 @@ def _transformers():
     pytest.importorskip("transformers", reason="the hf_llama recipe needs transformers (pip install ringcheck[hf])")
 
 
-def test_the_hf_llama_recipe_passes_every_case(ring_processes):
-    """Its loss is float32 (transformers casts the logits), its gradients float64: each within its budget."""
+def test_the_hf_llama_recipe_passes(ring_processes):
+    """Its loss is float32 (transformers casts the logits), its gradients float64: each within its
+    budget (packed documents, accumulation and reentrant checkpointing here; every case, P = 2 and
+    4, both layouts and a mesh in benchmarks/step_report.py, reports/step/)."""
     _transformers()
-    judged = _step(ring_processes, recipe="hf_llama")
+    judged = _step(ring_processes, recipe="hf_llama", cases=("packed", "two_micro_batches", "checkpoint_reentrant"))
     assert judged["verdict"] == "pass", judged["why"]
     assert judged["loss_dtype"] == "float32"
     for row in judged["cases"]:
@@ -187,3 +193,27 @@ def test_a_length_the_recipe_cannot_shard_gets_no_verdict_naming_the_case(capsys
     assert main(argv) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "not_divisible" in err and "does not pad" in err
+
+
+# ---- the pytest plugin: --ring-recipe ------------------------------------------------------------
+
+def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, torchrun_world):
+    """One run of a mutant's cases as tests (a subprocess from an empty directory, without the
+    launcher's variables): its one_sequence tests fail at P=2 and 4 with the diagnosis, its loader
+    test passes, and the test ids name the suite in the package."""
+    if torchrun_world is not None:
+        pytest.skip("a subprocess pytest per rank: the local run covers it")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
+    argv = [sys.executable, "-m", "pytest", "--ring-recipe", f"{MUTANTS}:grads_averaged", "-p", "no:cacheprovider",
+            "-q", "-k", "one_sequence or loader", "--noconftest"]
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    said = result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 1, said
+    assert "2 failed, 2 passed" in said
+    assert "ringcheck/testing/recipe_suite.py::test_the_step_at_cp_p_equals_cp_1[P2-one_sequence]" in said
+    assert "grads_over_p" in said and "averaged over the CP group instead of summed" in said

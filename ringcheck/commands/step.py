@@ -25,6 +25,15 @@ from ..step.run import StepConfig, diagnosis_task, ring_positions, step_task
 from ..step.verdict import K_COND, budgets, data_row, judge_case, relative, unit_roundoff
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
+# rings known to compute float64 inputs in float64 throughout (ours on its torch backends)
+EXACT_FLOAT64 = {("ringcheck", "torch"), ("ringcheck", "torch_plain")}
+
+
+def attention_dtype(config: StepConfig) -> str | None:
+    """The dtype the ring under test is taken to compute in: the step's for `EXACT_FLOAT64`,
+    float32 for every other ring in a float64 step."""
+    exact = (config.impl, config.backend) in EXACT_FLOAT64 or config.dtype != "float64"
+    return None if exact else "float32"
 
 
 def check_before_start(config: StepConfig) -> None:
@@ -70,7 +79,7 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     for name in names:
         n = _targets(name, mesh.rings)
         rows.append(judge_case(name, _ranks(ring, name), ref[0][0]["cases"][name], n, config.dtype,
-                               recipe.loss_dtype, CASES[name].evaluate))
+                               recipe.loss_dtype, CASES[name].evaluate, attention_dtype(config)))
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
     conv_case = "two_micro_batches" if "two_micro_batches" in names else names[0]
     requests = [(c, config.world_size, TRANSFORMS) for c in failed] + [(conv_case, 1, CONVENTIONS)]
@@ -78,12 +87,13 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     if recipe.logits is not None:
         cands = processes.run_groups(GroupPlan(((first,),), label="diagnosis"), diagnosis_task, config,
                                      tuple(requests), pos0, **kw)[0][0]
-    diag_u = unit_roundoff(recipe.loss_dtype or config.dtype)
+    attn = attention_dtype(config)
+    diag_u = max(unit_roundoff(recipe.loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
     for row in rows:
         if row["verdict"] != "fail":
             continue
         n = row["targets"]
-        loss_budget, _ = budgets(n, config.dtype, recipe.loss_dtype)
+        loss_budget, _ = budgets(n, config.dtype, recipe.loss_dtype, attn)
         found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
                       cands.get(f"{row['case']}@{config.world_size}", {}), P=config.world_size,
                       loss_budget=loss_budget, grad_budget=2 * n * K_COND * diag_u,
@@ -93,13 +103,14 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     conv = None
     if f"{conv_case}@1" in cands:
         conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"],
-                          loss_budget=budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype)[0],
+                          loss_budget=budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype, attn)[0],
                           relative=relative)
         conv["case"] = conv_case
     data = data_row(ring)
     verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else "pass"
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
-            "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "why": _why(rows, data)}
+            "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "attention_dtype": attn,
+            "why": _why(rows, data)}
 
 
 def _why(rows, data=None) -> str:
@@ -120,8 +131,11 @@ def _why(rows, data=None) -> str:
     return "; ".join(parts)
 
 
-def rule_words(config: StepConfig, loss_dtype: str) -> dict[str, Any]:
+def rule_words(config: StepConfig, loss_dtype: str, attention: str | None = None) -> dict[str, Any]:
     return {"k_cond": K_COND, "unit_roundoff": unit_roundoff(config.dtype), "loss_dtype": loss_dtype,
+            "attention_dtype": attention or config.dtype,
+            "attention": ("" if attention is None else f"--impl {config.impl} is not known to compute {config.dtype} "
+                          f"throughout: its attention is taken as {attention}, which floors both budgets at 2 n u of it"),
             "loss": "|L_P - L_1| <= 2 n max(u_loss, K_COND u) |L_1|, n the case's target positions",
             "gradients": "per parameter, every rank: ||g_P - g_1|| <= 2 n K_COND u ||g_1||",
             "diagnosis": "the transformation whose loss and every gradient the CP=P run equals within the budgets "
@@ -135,6 +149,6 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
     return {**header(STEP_SCHEMA), "verdict": judged["verdict"], "passed": judged["verdict"] == "pass",
             "why": judged["why"], "command": command, "config": {**config.__dict__, "cases": list(config.cases)},
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
-            "rule": rule_words(config, judged["loss_dtype"]), "convention": judged["convention"],
+            "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype")), "convention": judged["convention"],
             "data": judged["data"], "cases": cases,
             "meta": meta or {}}

@@ -43,6 +43,8 @@ def diagnosis_lines(doc: dict) -> list[str]:
                              for r in c.get("candidates", [])[:3])
             lines.append(f"{c['case']}: matches no known transformation" + (f"; nearest: {near}" if near else
                                                                               " (the recipe has no logits hook)"))
+    if doc.get("rule", {}).get("attention"):
+        lines.append(doc["rule"]["attention"])
     if doc.get("data") is not None:
         lines.append(f"data ({doc['data']['verdict']}): {doc['data']['words']}")
     conv = doc.get("convention")

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..adapters import Impl, unpack
+from ..adapters import Impl, accepted_keywords, unpack
 from ..ring.layouts import positions
 from ..spec import RingSpec
 from ..user_code import import_object
@@ -111,6 +111,9 @@ class CP:
         the ring of `--impl` on `group`, with the global document boundaries `cu_seqlens`."""
         extra = {"layout": self.layout}
         if cu_seqlens is not None:
+            if not accepted_keywords(self.impl.fn, ("cu_seqlens",)):
+                raise ValueError(f"--impl {self.impl.name} takes no cu_seqlens: it cannot attend within packed "
+                                 f"documents; drop the packed case (--cases) or use a ring that takes them")
             extra["cu_seqlens"] = torch.as_tensor(cu_seqlens, dtype=torch.int64)
         out, _ = unpack(self.impl.call(q, k, v, causal=causal, softmax_scale=softmax_scale or q.shape[-1] ** -0.5,
                                        group=self.group, **extra), q, v, self.impl.name)

@@ -15,7 +15,8 @@ pytest run (nothing to copy into a conftest; it imports no torch until a test ne
 - ``--ring-impl MOD:FN|ADAPTER`` (with ``--ring-layout``, ``--ring-world-sizes``,
   ``--ring-dtypes``, ``--ring-forward-only``): the property suites on that implementation
   (`ringcheck.testing.impl_suite`, collected from the package: with no test paths given it is
-  what runs, with paths it joins them), and the fixtures ``ring_impl_config`` and ``ring_impl``.
+  what runs, with paths it joins them), fixtures ``ring_impl_config``, ``ring_impl``; and
+  ``--ring-recipe PKG.MOD:OBJ``: `ringcheck step`'s cases on a training step (`recipe_plugin`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,10 @@ from ..entry import start_fork_server_here
 # torch-free at load (start-up time: every pytest run where ringcheck is installed loads this
 # plugin); the judge and the launchers are imported where a test asks for them
 from ..launch.environment import from_torchrun_env, launched_rank
+from . import recipe_plugin
 from .profiles import PROFILES
 
-# ---- Hypothesis profiles for the property suites (suites/test_properties*.py) --------------
-# `pytest --profile {ci,nightly,deep}` picks the example count per property and the size
-# bounds of the drawn cases (ringcheck.testing.profiles.PROFILES); `ci` is the default. Under
-# torchrun (RANK and WORLD_SIZE set) the derandomized, database-free variant of the profile is
-# loaded, so every rank draws the same examples in the same order.
+# ---- Hypothesis profiles (--profile, profiles.PROFILES); under torchrun derandomized, the same on every rank
 
 PROFILE_NAMES = ("ci", "nightly", "deep")
 
@@ -436,6 +434,7 @@ def pytest_addoption(parser):
     _add_ring_options(parser)
     _add_variant_options(parser)
     _add_impl_options(parser)
+    recipe_plugin.add_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)  # the ring section must act before the terminal reporter exists
@@ -444,6 +443,7 @@ def pytest_configure(config):
     _configure_ring(config)  # after the profile: under torchrun it derandomizes the loaded one
     _stand_in(config)        # before any implementation is loaded
     _configure_impl(config)  # after the ring: it needs the torchrun world's size
+    recipe_plugin.configure(config)
 
 
 def pytest_unconfigure(config):

@@ -1,0 +1,89 @@
+"""The pytest plugin's part for a training step under test: ``--ring-recipe PKG.MOD:OBJ``.
+
+    pytest --ring-recipe my_pkg.train:recipe                      # local gloo rings, P = 2 and 4
+    torchrun --nproc-per-node=4 -m pytest --ring-recipe my_pkg.train:recipe
+
+runs the cases of `ringcheck step` (`ringcheck.step.cases`) as tests, one per case and ring size
+(`ringcheck/testing/recipe_suite.py`, collected from the package as --ring-impl's suite is): each
+passes when the recipe's step at CP=P equals the same step at CP=1 within the budget, and a
+failure names the bug class the figures match. Under torchrun the ring is the whole world and
+the verdicts are collective, as every test of the plugin's.
+`ringcheck.testing.plugin` calls `add_options` and `configure`; this module holds the fixtures.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..launch.environment import from_torchrun_env
+
+RECIPE_SUITE = Path(__file__).with_name("recipe_suite.py")
+SIZES = (2, 4)  # the local rings' sizes (under torchrun: the world's)
+
+
+def add_options(parser) -> None:
+    group = parser.getgroup("ringcheck recipe under test", "your training step at CP=P against CP=1 (ringcheck step)")
+    group.addoption("--ring-recipe", default=None, metavar="PKG.MOD:OBJ",
+                    help="run the cases of ringcheck step on this recipe (plain, hf_llama or package.module:object)")
+    group.addoption("--ring-recipe-impl", default="ringcheck", metavar="MOD:FN|ADAPTER",
+                    help="the ring the recipe's attention goes through (default ringcheck)")
+
+
+def configure(config) -> None:
+    spec = config.getoption("--ring-recipe")
+    if spec is None:
+        return
+    # start-up time: the contract imports torch, needed only with --ring-recipe
+    from ..step.contract import load_recipe
+
+    try:
+        load_recipe(spec)
+    except (ValueError, TypeError) as exc:
+        raise pytest.UsageError(f"ringcheck --ring-recipe: {exc}") from None
+    config.pluginmanager.register(sys.modules[__name__], "ringcheck-recipe")
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args[:] = [str(RECIPE_SUITE)]
+    elif str(RECIPE_SUITE) not in config.args:
+        config.args.append(str(RECIPE_SUITE))
+
+
+# the module is registered as a plugin (fixtures and hook below) only with --ring-recipe
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path, parent):
+    """The suite's test ids from an installed package: its path in the package (as --ring-impl's)."""
+    if module_path.resolve() != RECIPE_SUITE.resolve() or module_path.is_relative_to(parent.config.rootpath):
+        return None
+    return pytest.Module.from_parent(parent, path=module_path, nodeid="ringcheck/testing/recipe_suite.py")
+
+
+@pytest.fixture(scope="session")
+def ring_recipe_run(request, ring_processes):
+    """The session's runs of the recipe, one per ring size (every case at once)."""
+    # start-up time: the command's room imports the ring and the launchers
+    from ..commands.step import run_step
+    from ..step.cases import CASES
+    from ..step.run import StepConfig
+
+    spec, impl = request.config.getoption("--ring-recipe"), request.config.getoption("--ring-recipe-impl")
+    runs: dict[int, dict] = {}
+
+    def run(world_size: int) -> dict:
+        if world_size not in runs:  # the cases the session's selected tests ask for (-k), in the table's order
+            asked = {getattr(item, "callspec", None) and item.callspec.params.get("case")
+                     for item in request.session.items}
+            cases = tuple(c for c in CASES if c in asked) or tuple(CASES)[:1]
+            runs[world_size] = run_step(StepConfig(recipe=spec, impl=impl, world_size=world_size, cases=cases),
+                                        ring_processes)
+        return runs[world_size]
+    return run
+
+
+def ring_sizes(config) -> tuple[int, ...]:
+    """The ring sizes of the suite: the torchrun world's size, else `SIZES`."""
+    env = from_torchrun_env(os.environ)
+    return SIZES if env is None else (env.world_size,)
