@@ -21,6 +21,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def time_runs(command: list[str], runs: int, label: str = "") -> list[float]:
+    """Each run's wall time of `command` from the repository root, printed with its exit code."""
+    times = []
+    for i in range(runs):
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        times.append(time.perf_counter() - start)
+        print(f"{label}run {i + 1}: {times[-1]:.1f} s, exit {done.returncode}", flush=True)
+    return times
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -28,12 +39,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = [sys.executable, "-m", "ringcheck", "train", "-q", *args.extra]
     print("command:", " ".join(command[1:]), f"| cores: {os.cpu_count()}", f"| load before: {os.getloadavg()}")
-    times = []
-    for i in range(args.runs):
-        start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        times.append(time.perf_counter() - start)
-        print(f"run {i + 1}: {times[-1]:.1f} s, exit {done.returncode}", flush=True)
+    times = time_runs(command, args.runs)
     print(f"median {statistics.median(times):.1f} s (min {min(times):.1f}, max {max(times):.1f}) over {len(times)} "
           f"runs | load after: {os.getloadavg()}")
     return 0

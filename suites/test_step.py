@@ -78,6 +78,9 @@ def test_a_recipe_that_breaks_the_contract_is_named_before_any_rank_starts(capsy
     assert "no_such_case" in capsys.readouterr().err
     assert main(["step", "--recipe", "plain", "--dtype", "float32", "--world-size", "3", "--layout", "contig"]) == 2
     assert "contig" in capsys.readouterr().err
+    ring = "ringcheck.testing.mutants:textbook"  # a ring that takes no cu_seqlens: no packed case for it
+    assert main(["step", "--impl", ring, "--cases", "packed", "-q"]) == EXIT_USAGE
+    assert "takes no cu_seqlens" in capsys.readouterr().err
 
 
 # ---- the verdict: correct recipes pass, every mutant fails with its diagnosis --------------------
@@ -162,6 +165,16 @@ def test_sharded_labels_handed_to_the_hf_model_are_named(ring_processes):
     assert row["verdict"] == "fail" and row["diagnosis"]["name"] == diagnosis, row.get("candidates")
 
 
+def test_the_how_to_example_is_named_as_the_page_says(ring_processes):
+    """docs/how-to/step.md's example step (examples/step_recipe.py): labels shifted by the model
+    inside each shard, named to float32 precision (its loss is float32)."""
+    _transformers()
+    judged = _step(ring_processes, recipe="examples.step_recipe:recipe", world_size=4, cases=("one_sequence",))
+    (row,) = judged["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"]["name"] == "labels_shifted_in_shards"
+    assert row["worst_gradient"] > 0.1 and row["loss"]["error"] < 1e-3  # gradients far out, the loss barely
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 def test_the_command_passes_plain_and_writes_its_report(tmp_path, capsys):
@@ -217,3 +230,16 @@ def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, tor
     assert "2 failed, 2 passed" in said
     assert "ringcheck/testing/recipe_suite.py::test_the_step_at_cp_p_equals_cp_1[P2-one_sequence]" in said
     assert "grads_over_p" in said and "averaged over the CP group instead of summed" in said
+
+
+def test_a_reference_that_is_not_finite_gives_no_verdict():
+    from ringcheck.step.verdict import judge_case
+
+    ref = {"loss": float("nan"), "grads": {"w": torch.ones(3)}}
+    ranks = [{"where": (0, 0), "loss": 1.0, "grads": {"w": torch.ones(3)}}]
+    row = judge_case("one_sequence", ranks, ref, 64, "float64", None, False)
+    assert row["verdict"] == "no verdict" and "not finite" in row["why"]
+    good = judge_case("one_sequence", ranks, {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None, False)
+    bad = judge_case("one_sequence", [{**ranks[0], "grads": {"w": torch.full((3,), float("nan"))}}],
+                     {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None, False)
+    assert good["verdict"] == "pass" and bad["verdict"] == "fail" and bad["first_out"]["name"] == "w"

@@ -7,7 +7,8 @@ import os
 import shlex
 import time
 
-from ..commands.step import EXIT_OF, check_before_start, report_dict, run_step
+from ..commands.step import EXIT_OF, check_before_start, default_cases, report_dict, run_step
+from ..harness import ImplOptions, Mesh
 from ..launch import RingError, open_ring
 from ..render.step_report import print_step_summary, write_step_reports
 from ..render.terminal import make_console
@@ -25,13 +26,12 @@ def step_config(args: argparse.Namespace, world: int | None = None) -> StepConfi
     --world-size ranks (default: the whole world), k rings of it the mesh dp=k,cp=P."""
     try:
         recipe = load_recipe(args.recipe)
-        cases = case_names(args.cases, recipe.checkpointing, recipe.evaluate is not None)
+        impl = ImplOptions(args.impl, args.layout, args.backend).load()
+        cases = default_cases(recipe, impl) if args.cases is None else case_names(args.cases)
         values = {"recipe": args.recipe, "impl": args.impl, "layout": args.layout, "dtype": args.dtype,
                   "seed": args.seed, "cases": cases, "backend": args.backend}
         mesh, ring = args.mesh, args.world_size
         if mesh is not None and ring is None:
-            from ..harness import Mesh  # start-up time: the mesh imports torch, needed only with --mesh
-
             ring = Mesh.parse(mesh).cp
         if world is not None and mesh is None:
             ring = ring or world

@@ -18,7 +18,8 @@ from typing import Any
 
 from ..documents import STEP_SCHEMA, header
 from ..launch import GroupPlan
-from ..step.cases import CASES
+from ..adapters import accepted_keywords
+from ..step.cases import CASES, case_names
 from ..step.contract import load_recipe
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
 from ..step.run import StepConfig, diagnosis_task, ring_positions, step_task
@@ -36,6 +37,16 @@ def attention_dtype(config: StepConfig) -> str | None:
     return None if exact else "float32"
 
 
+def takes_documents(impl) -> bool:
+    return bool(accepted_keywords(impl.fn, ("cu_seqlens",)))
+
+
+def default_cases(recipe, impl) -> tuple[str, ...]:
+    """Every case the recipe offers and the ring can run (packed documents need cu_seqlens)."""
+    names = case_names(None, recipe.checkpointing, recipe.evaluate is not None)
+    return tuple(n for n in names if takes_documents(impl) or not CASES[n].packed)
+
+
 def check_before_start(config: StepConfig) -> None:
     """The recipe's hooks and the implementation's rules, before any rank starts (ValueError /
     TypeError naming the value and the fix)."""
@@ -46,6 +57,9 @@ def check_before_start(config: StepConfig) -> None:
         raise ValueError(f"--impl {impl.name} runs the dtypes {list(impl.dtypes)}, not {config.dtype}; pass --dtype "
                          f"{impl.dtypes[0]} (the budget follows it)")
     for name in config.cases:
+        if CASES[name].packed and not takes_documents(impl):
+            raise ValueError(f"--cases {name}: --impl {impl.name} takes no cu_seqlens, so it cannot attend within packed "
+                             f"documents; drop the case")
         if CASES[name].checkpoint is not None and CASES[name].checkpoint not in recipe.checkpointing:
             raise ValueError(f"--cases {name}: --recipe {config.recipe} offers no {CASES[name].checkpoint} "
                              f"activation checkpointing (its checkpointing: {list(recipe.checkpointing)}); drop the case")
@@ -107,9 +121,11 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
                           relative=relative)
         conv["case"] = conv_case
     data = data_row(ring)
-    verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else "pass"
+    verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else (
+        "no verdict" if any(r["verdict"] == "no verdict" for r in rows) else "pass")
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
             "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "attention_dtype": attn,
+            "has_logits": recipe.logits is not None,
             "why": _why(rows, data)}
 
 
@@ -117,6 +133,9 @@ def _why(rows, data=None) -> str:
     bad = [r for r in rows if r["verdict"] == "fail"]
     if data is not None and data["verdict"] == "fail":
         return f"data: {data['words']}" + ("; " + _why(rows) if bad else "")
+    blind = [r["case"] for r in rows if r["verdict"] == "no verdict"]
+    if blind and not bad:
+        return f"no verdict: the step at CP=1 is not finite in {', '.join(blind)}"
     if not bad:
         worst = max(max(r["loss"]["ratio"], max((g["ratio"] for g in r["gradients"]), default=0)) for r in rows)
         return f"every case's loss and gradients at CP=P equal CP=1 within the budget (worst {worst:.2g} of it)"
@@ -150,5 +169,5 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
             "why": judged["why"], "command": command, "config": {**config.__dict__, "cases": list(config.cases)},
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
             "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype")), "convention": judged["convention"],
-            "data": judged["data"], "cases": cases,
+            "data": judged["data"], "has_logits": judged["has_logits"], "cases": cases,
             "meta": meta or {}}

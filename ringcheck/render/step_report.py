@@ -41,8 +41,10 @@ def diagnosis_lines(doc: dict) -> list[str]:
         else:
             near = ", ".join(f"{r['name']} ({max(r['loss_ratio'] or 0, r['gradient_ratio'] or 0):.2g} budgets)"
                              for r in c.get("candidates", [])[:3])
-            lines.append(f"{c['case']}: matches no known transformation" + (f"; nearest: {near}" if near else
-                                                                              " (the recipe has no logits hook)"))
+            hook = "" if doc.get("has_logits", True) else (" (without a logits hook only the gradient-scale "
+                                                            "candidates are tried: add logits(model, batch, cp))")
+            lines.append(f"{c['case']}: matches no known transformation" + (f"; nearest: {near}" if near else "")
+                         + hook)
     if doc.get("rule", {}).get("attention"):
         lines.append(doc["rule"]["attention"])
     if doc.get("data") is not None:
@@ -59,7 +61,7 @@ def print_step_summary(doc: dict, console: Console | None = None) -> None:
     for name in HEADERS:
         table.add_column(name, justify="left" if name in ("case", "first parameter out") else "right", no_wrap=True)
     for row in case_rows(doc):
-        table.add_row(*row[:-1], "[green]ok[/]" if row[-1] == "pass" else "[red]FAIL[/]")
+        table.add_row(*row[:-1], {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]"}.get(row[-1], "[yellow]NO VERDICT[/]"))
     console.print(table)
     for line in diagnosis_lines(doc):
         console.print(f"- {line}", markup=False, highlight=False)

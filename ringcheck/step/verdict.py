@@ -83,11 +83,22 @@ def gradient_rows(ranks: list[dict], ref: dict[str, torch.Tensor | None], budget
     return rows
 
 
+def reference_is_finite(ref: dict) -> bool:
+    grads = [g for g in ref["grads"].values() if g is not None]
+    return math.isfinite(ref["loss"]) and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
 def judge_case(name: str, ranks: list[dict], ref: dict, n: int, dtype: str, loss_dtype: str | None,
                evaluate: bool, attention_dtype: str | None = None) -> dict[str, Any]:
     """One case: every rank of the CP=P run (`ranks`: {where, loss, grads}) against the reference
     (`ref`: rank 0 of the CP=1 run)."""
     loss_budget, grad_budget = budgets(n, dtype, loss_dtype, attention_dtype)
+    if not reference_is_finite(ref):  # the step itself gives NaN/Inf at CP=1: nothing to compare with
+        return {"case": name, "verdict": "no verdict", "targets": n,
+                "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": math.nan, "budget": loss_budget,
+                         "ratio": math.nan},
+                "gradient_budget": grad_budget, "worst_gradient": math.nan, "first_out": None, "gradients": [],
+                "why": "the reference (the same step at CP=1) is not finite: nothing can be judged"}
     loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
     grads = [] if evaluate else gradient_rows(ranks, ref["grads"], grad_budget)
     out = [g for g in grads if not g["ratio"] <= 1]
