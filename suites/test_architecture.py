@@ -145,7 +145,7 @@ def test_tests_and_tools_import_no_private_names():
 def test_the_mutant_catalogue_is_importable_from_the_package(mutant):
     from ringcheck.adapters import load_impl
 
-    impl = load_impl(f"ringcheck.testing.mutants:{mutant}", layout="zigzag")
+    impl = load_impl(f"ringcheck.catalogue.mutants:{mutant}", layout="zigzag")
     assert callable(impl.fn)
 
 

@@ -84,7 +84,7 @@ def test_validate_follows_a_custom_layout(torchrun_world, capsys):
     assert main(["validate", "--layout", moved, *SMALL]) == 0, capsys.readouterr().out
     # a ring that assumes zig-zag shards is right on zig-zag spelled as a custom layout, and
     # wrong once the tokens move
-    textbook = ["--impl", "ringcheck.testing.mutants:textbook"]
+    textbook = ["--impl", "ringcheck.catalogue.mutants:textbook"]
     assert main(["validate", "--layout", f"{EXAMPLES}:zigzag_again", *textbook, *SMALL]) == 0, capsys.readouterr().out
     capsys.readouterr()
     assert main(["validate", "--layout", moved, *textbook, *SMALL]) == 1

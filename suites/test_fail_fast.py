@@ -102,7 +102,7 @@ def test_a_stopped_rank_is_told_apart_from_the_culprit():
 def _torchrun_validate(impl: str, tmp_path: Path, timeout_s: float):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=3", "-m", "ringcheck", "validate",
-           "--impl", f"ringcheck.testing.bad_impls:{impl}", "--world-size", "3", "--seq-len", "24", "--heads", "2",
+           "--impl", f"ringcheck.catalogue.bad_impls:{impl}", "--world-size", "3", "--seq-len", "24", "--heads", "2",
            "--kv-heads", "1", "--head-dim", "8", "--quick", "--distributions", "normal", "--sample-rows", "4",
            "--timeout", str(timeout_s), "--log-dir", str(tmp_path / "logs"), "-q"]
     start = time.monotonic()

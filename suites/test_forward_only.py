@@ -12,7 +12,7 @@ from ringcheck.cli import main
 
 SMALL = ["--seq-len", "32", "--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
          "--distributions", "normal", "--sample-rows", "4", "--quick", "-q"]
-INFERENCE = ["--impl", "ringcheck.testing.bad_impls:inference_only"]
+INFERENCE = ["--impl", "ringcheck.catalogue.bad_impls:inference_only"]
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_forward_only_judges_the_forward_and_never_passes_the_backward(local_onl
 
 
 def test_forward_only_still_fails_a_forward_bug(local_only, capsys):
-    assert main(["validate", "--impl", "ringcheck.testing.mutants:merge_no_rescale", *SMALL, "--forward-only",
+    assert main(["validate", "--impl", "ringcheck.catalogue.mutants:merge_no_rescale", *SMALL, "--forward-only",
                  "--distributions", "wide"]) == 1
     out = capsys.readouterr().out
     assert "FAILED" in out and "not run" in out

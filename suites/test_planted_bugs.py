@@ -1,7 +1,7 @@
 """Deliberately broken rings: the verdict (or the ring's own home check) must reject each.
 
 Each bug is planted by swapping one piece of the real ring for a wrong one through its seam
-(`ringcheck.testing.planted.PLANTED`), so these tests prove that the checks of test_ring.py
+(`ringcheck.catalogue.planted.PLANTED`), so these tests prove that the checks of test_ring.py
 can fail.
 """
 

@@ -30,7 +30,7 @@ from ringcheck.testing.properties import check_ring_invariance
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RINGCHECK_TORCHRUN_RANK_PID")
-MUTANT = "ringcheck.testing.mutants:dkdv_not_home"  # dK and dV wrong on every ring of 2 or more, right at P=1
+MUTANT = "ringcheck.catalogue.mutants:dkdv_not_home"  # dK and dV wrong on every ring of 2 or more, right at P=1
 
 
 def _clean_env() -> dict[str, str]:
@@ -108,7 +108,7 @@ def _collected(result: subprocess.CompletedProcess) -> list[str]:
 
 def test_test_ids_have_a_file_part_outside_the_rootdir(tmp_path):
     result = _run("-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "--collect-only", "-q",
-                  "--ring-impl", "ringcheck.testing.mutants:textbook", cwd=tmp_path)  # rootdir: the empty directory
+                  "--ring-impl", "ringcheck.catalogue.mutants:textbook", cwd=tmp_path)  # rootdir: the empty directory
     ids = _collected(result)
     assert result.returncode == 0 and len(ids) > 10, _said(result)
     assert all(i.startswith("ringcheck/testing/impl_suite.py::test_") for i in ids), _said(result)
@@ -121,7 +121,7 @@ def test_ringcheck_test_starts_pytest_without_assert_rewrite_warnings(tmp_path):
     """`ringcheck test` used to call pytest.main in its own process, where ringcheck and reference
     were imported already: pytest warned it could not rewrite them. It now starts pytest afresh.
     The test is selected by its id as a failure names it, from a directory without that file."""
-    result = _run("-m", "ringcheck", "test", "--impl", "ringcheck.testing.mutants:textbook", "--noconftest",
+    result = _run("-m", "ringcheck", "test", "--impl", "ringcheck.catalogue.mutants:textbook", "--noconftest",
                   "-p", "no:cacheprovider", "--collect-only", "-q", "ringcheck/testing/impl_suite.py::test_determinism",
                   cwd=tmp_path)
     assert result.returncode == 0, _said(result)

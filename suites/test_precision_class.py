@@ -133,7 +133,7 @@ def test_the_catalogue_has_a_mutant_per_tensor_and_narrow_dtype():
     assert CATALOGUES["ringcheck.catalogue.precision_mutants"] == "PRECISION_MUTANTS"
     for module, name in CATALOGUES.items():
         assert getattr(importlib.import_module(module), name)
-    impl = load_impl("ringcheck.testing.precision_mutants:narrow_dk_float16", layout="zigzag")
+    impl = load_impl("ringcheck.catalogue.precision_mutants:narrow_dk_float16", layout="zigzag")
     assert impl.fn is PRECISION_MUTANTS["narrow_dk_float16"][0]
 
 
@@ -142,10 +142,10 @@ def test_public_mutants_fail_and_the_textbook_and_torch_cp_rings_pass(run_on_rin
     are the textbook ring's with one tensor narrowed, bit for bit (what the benchmark judges),
     and fail by >= 3x."""
     cases = [_case(2, "zigzag", dtype, "normal", seed, local=8) for dtype in ("float16", "float32") for seed in (1, 2)]
-    textbook = "ringcheck.testing.variant_textbook:textbook_varlen"
+    textbook = "ringcheck.catalogue.variant_textbook:textbook_varlen"
     results = {impl: run_on_ring(2, ring_results_task, impl, "zigzag", cases)
-               for impl in (textbook, "torch_cp", "ringcheck.testing.precision_mutants:narrow_dq_bfloat16",
-                            "ringcheck.testing.precision_mutants:narrow_lse_float16")}
+               for impl in (textbook, "torch_cp", "ringcheck.catalogue.precision_mutants:narrow_dq_bfloat16",
+                            "ringcheck.catalogue.precision_mutants:narrow_lse_float16")}
     for i, case in enumerate(cases):
         inputs = make_inputs(case.spec, seed=case.seed, distribution="normal", ring=case.ring)
         true = truth(case.spec, inputs)
@@ -155,7 +155,7 @@ def test_public_mutants_fail_and_the_textbook_and_torch_cp_rings_pass(run_on_rin
             assert verdict.passed, f"{impl}: {verdict.message()}"
         for name, tensor, narrow in (("narrow_dq_bfloat16", "dq", "bfloat16"),
                                      ("narrow_lse_float16", "lse", "float16")):
-            got = whole[f"ringcheck.testing.precision_mutants:{name}"]
+            got = whole[f"ringcheck.catalogue.precision_mutants:{name}"]
             assert torch.equal(got.get(tensor), _narrowed(whole[textbook], tensor, narrow).get(tensor))
             others = [t for t in TENSORS if t != tensor]
             assert all(torch.equal(got.get(t), whole[textbook].get(t)) for t in others), name
@@ -192,7 +192,7 @@ def test_the_textbook_and_torch_cp_rings_raise_no_false_alarm(run_on_ring, world
     the report's 5-seed sweep: <= 0.59)."""
     causal, layout = MODES[mode]
     cases = [_case(world, mode, dtype, dist, seed, local=8) for dtype in DTYPES for dist in DISTRIBUTIONS]
-    impls = ["ringcheck.testing.variant_textbook:textbook_varlen"] + (["torch_cp"] if layout != "striped" else [])
+    impls = ["ringcheck.catalogue.variant_textbook:textbook_varlen"] + (["torch_cp"] if layout != "striped" else [])
     worst = {}
     for impl in impls:
         parts = (_run_torch_cp(run_on_ring, world, layout, cases) if impl == "torch_cp"
@@ -210,7 +210,7 @@ def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(ring_proces
     """The issue's bug: dq rounded through bfloat16 for float16 inputs. validate's precision
     backward row fails it by >= 3x on dq alone; the forward row passes."""
     target = Target(seq_len=64, world_size=2, heads=4, kv_heads=2, head_dim=32, dtype="float16", causal=True,
-                    layout="zigzag", impl="ringcheck.testing.precision_mutants:narrow_dq_bfloat16",
+                    layout="zigzag", impl="ringcheck.catalogue.precision_mutants:narrow_dq_bfloat16",
                     local_lengths=(16,), sample_rows=4, distributions=("normal", "outlier"))
     rows = {r.check: r for r in validate(target, ring_processes)}
     forward = rows["precision forward  vs flash-style kernel (local 16)"]

@@ -2,7 +2,7 @@
 suite and shrunk to a small spec, while hand-picked benign cases miss them.
 
 Each bug is planted by swapping one piece of the real ring through its seam
-(`ringcheck.testing.planted`); the
+(`ringcheck.catalogue.planted`); the
 search is `hypothesis.find` over the same strategy and property as test_properties.py, with
 a fixed (derandomized) search so the test is deterministic.
 """
@@ -34,7 +34,7 @@ def _fails(check):
 
 # ---- (a) a merge that overflows when a block's lse is > 88 above the running one ------------
 # ---- (b) zig-zag half split that assumes a power-of-two number of tokens per rank ----------
-# (both in ringcheck.testing.planted)
+# (both in ringcheck.catalogue.planted)
 
 def _impl(name):
     return lambda case: simulated_impl(case, parts=PLANTED[name])

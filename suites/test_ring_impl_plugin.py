@@ -36,7 +36,7 @@ def pytest_configure(config):  # after the ringcheck plugin loaded the --profile
                               derandomize=True, database=None)
     settings.load_profile("tiny")
 """
-MUTANT = "ringcheck.testing.mutants:dkdv_not_home"  # wrong on every ring of 2 or more
+MUTANT = "ringcheck.catalogue.mutants:dkdv_not_home"  # wrong on every ring of 2 or more
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_forward_only_reports_every_backward_half_as_not_run(user_dir, torchrun_
     """Through `ringcheck test` (the command form, exit code pytest's), on the textbook ring."""
     if torchrun_world is not None:
         pytest.skip("starts its own local rings: run with plain pytest")
-    result = _run(user_dir, "-m", "ringcheck", "test", "--impl", "ringcheck.testing.mutants:textbook",
+    result = _run(user_dir, "-m", "ringcheck", "test", "--impl", "ringcheck.catalogue.mutants:textbook",
                   "--forward-only", "--world-sizes", "1,2", "--noconftest", "-p", "tinyprofile",
                   "-p", "no:cacheprovider", "-rs", "-v", "-k", "test_budget_against_float64 or causal_prefix or determinism")
     assert result.returncode == 0, _said(result)
@@ -138,9 +138,9 @@ def test_cases_an_adapter_refuses_are_drawn_again_or_the_property_skipped(user_d
 
 @pytest.mark.parametrize("spec, said", [
     ("not_a_module_xyz:ring_fn", "cannot import module 'not_a_module_xyz'"),
-    ("ringcheck.testing.mutants:no_such_fn", "has no attribute 'no_such_fn'"),
+    ("ringcheck.catalogue.mutants:no_such_fn", "has no attribute 'no_such_fn'"),
     ("my_ring", "neither a built-in adapter"),
-    ("ringcheck.testing.mutants:MUTANTS", "is not callable"),
+    ("ringcheck.catalogue.mutants:MUTANTS", "is not callable"),
 ])
 def test_a_bad_ring_impl_says_what_to_fix(spec, said):
     with pytest.raises((ValueError, TypeError), match=re.escape(said)):
@@ -158,7 +158,7 @@ def test_bad_ring_options_say_what_to_fix():
         impl_config("ringcheck", world_sizes="1,4", torchrun_size=2)
     with pytest.raises(ValueError, match=r"unknown dtype\(s\) \['float8'\]"):
         impl_config("ringcheck", dtypes="float8")
-    cfg = impl_config("ringcheck.testing.mutants:textbook")
+    cfg = impl_config("ringcheck.catalogue.mutants:textbook")
     assert cfg.layouts == ("zigzag",) and cfg.world_sizes == (1, 2, 3, 4) and not cfg.forward_only
 
 

@@ -55,7 +55,7 @@ def _failed(rows):
     return [r.check for r in rows if r.status == "fail"]
 
 
-@pytest.mark.parametrize("impl", ["ringcheck", "ringcheck.testing.mutants:textbook"])
+@pytest.mark.parametrize("impl", ["ringcheck", "ringcheck.catalogue.mutants:textbook"])
 def test_correct_rings_pass(ring_processes, impl):
     rows = _rows(ring_processes, impl=impl)
     assert not _failed(rows), "\n".join(f"{r.check}: {r.detail}" for r in rows if r.status == "fail")
@@ -67,10 +67,10 @@ def test_correct_rings_pass(ring_processes, impl):
 @pytest.mark.parametrize("changes", [dict(world_size=1), dict(head_dim_v=16, world_size=2)], ids=["ring of one",
                                                                                             "value head dim"])
 def test_the_textbook_ring_is_right_on_a_ring_of_one_and_with_a_value_head_dim_of_its_own(ring_processes, changes):
-    """Found by `ringcheck test --impl ringcheck.testing.mutants:textbook` at its default ring sizes
+    """Found by `ringcheck test --impl ringcheck.catalogue.mutants:textbook` at its default ring sizes
     1,2,3,4: on one rank its backward sent dK and dV to itself (gloo: "Pair is not connected"), and a
     v head dim other than q's broke its shapes. The control ring must be right wherever it runs."""
-    rows = _rows(ring_processes, impl="ringcheck.testing.mutants:textbook", distributions=("normal",),
+    rows = _rows(ring_processes, impl="ringcheck.catalogue.mutants:textbook", distributions=("normal",),
                  local_lengths=(2, 6), **changes)
     assert not _failed(rows), "\n".join(f"{r.check}: {r.detail}" for r in rows if r.status == "fail")
 
@@ -80,7 +80,7 @@ def test_every_mutant_fails(ring_processes, torchrun_world, mutant):
     ring = SPECIAL.get(mutant, {}).get("world_size", 4)
     if torchrun_world is not None and torchrun_world.size % ring:
         pytest.skip(f"{mutant} shows on a ring of {ring}: launch a multiple of {ring} ranks")
-    rows = _rows(ring_processes, impl=f"ringcheck.testing.mutants:{mutant}", **SPECIAL.get(mutant, {}))
+    rows = _rows(ring_processes, impl=f"ringcheck.catalogue.mutants:{mutant}", **SPECIAL.get(mutant, {}))
     failed = _failed(rows)
     assert failed, f"validate passed the mutant {mutant!r} ({MUTANTS[mutant]})"
     if mutant in ("block_lse_backward", "stale_kv_backward", "dkdv_not_home", "scale_twice_backward"):
@@ -97,7 +97,7 @@ def _table(rows, **options) -> str:
 def test_a_backward_mutant_says_which_tensors_failed_and_on_which_ranks(ring_processes):
     """dK/dV not returned home: out, lse and dq are right, dk and dv wrong; every row, the
     JSON document, the table and the Markdown say so per tensor, with the failing ranks."""
-    rows = _rows(ring_processes, impl="ringcheck.testing.mutants:dkdv_not_home", distributions=("normal",))
+    rows = _rows(ring_processes, impl="ringcheck.catalogue.mutants:dkdv_not_home", distributions=("normal",))
     forward = [r for r in rows if r.check.startswith("forward")]
     backward = [r for r in rows if r.check.startswith("backward")]
     assert len(forward) == len(backward) == 2  # scaled and full length
@@ -168,24 +168,24 @@ def test_layout_is_passed_only_to_implementations_that_accept_it(kind, expected)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_one_function_serves_every_layout_through_the_layout_keyword(ring_processes, layout):
     """layout_aware requires `layout` (TypeError without it) and is exact only with the right one."""
-    assert load_impl("ringcheck.testing.bad_impls:layout_aware", layout=layout).fn
-    rows = _rows(ring_processes, impl="ringcheck.testing.bad_impls:layout_aware", layout=layout,
+    assert load_impl("ringcheck.catalogue.bad_impls:layout_aware", layout=layout).fn
+    rows = _rows(ring_processes, impl="ringcheck.catalogue.bad_impls:layout_aware", layout=layout,
                  distributions=("normal",), local_lengths=(2, 6))
     assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
 
 
 def test_an_implementation_without_lse_is_checked_on_out_and_gradients(ring_processes):
-    rows = _rows(ring_processes, impl="ringcheck.testing.bad_impls:only_out", distributions=("normal",))
+    rows = _rows(ring_processes, impl="ringcheck.catalogue.bad_impls:only_out", distributions=("normal",))
     assert not _failed(rows)
     shape_row = next(r for r in rows if r.check == "output shape and dtype")
     assert "no lse returned" in shape_row.detail
 
 
 @pytest.mark.parametrize("impl, words", [
-    ("ringcheck.testing.bad_impls:wrong_shape", "returned out of shape"),
-    ("ringcheck.testing.bad_impls:wrong_dtype", "dtype torch.float64"),
-    ("ringcheck.testing.bad_impls:no_gradient_to_k", "no gradient flows to k"),
-    ("ringcheck.testing.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
+    ("ringcheck.catalogue.bad_impls:wrong_shape", "returned out of shape"),
+    ("ringcheck.catalogue.bad_impls:wrong_dtype", "dtype torch.float64"),
+    ("ringcheck.catalogue.bad_impls:no_gradient_to_k", "no gradient flows to k"),
+    ("ringcheck.catalogue.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
 ])
 def test_contract_breaches_are_reported_with_the_rank(ring_processes, impl, words):
     with pytest.raises(RingError) as info:
@@ -196,7 +196,7 @@ def test_contract_breaches_are_reported_with_the_rank(ring_processes, impl, word
 def test_an_implementation_that_never_returns_times_out_naming_the_rank(torchrun_world):
     if torchrun_world is not None:
         pytest.skip("a rank that never returns cannot be stopped in-process under torchrun")
-    target = Target(**{**SMALL, "impl": "ringcheck.testing.bad_impls:never_returns_on_rank_zero",
+    target = Target(**{**SMALL, "impl": "ringcheck.catalogue.bad_impls:never_returns_on_rank_zero",
                        "distributions": ("normal",), "local_lengths": (2,)})
     with LocalRings(timeout=2) as rings, pytest.raises(RingError) as info:
         validate(target, rings)
@@ -205,9 +205,9 @@ def test_an_implementation_that_never_returns_times_out_naming_the_rank(torchrun
 
 @pytest.mark.parametrize("argv, words", [
     (["--impl", "no_such_module:fn"], "cannot import module 'no_such_module'"),
-    (["--impl", "ringcheck.testing.bad_impls:NOT_CALLABLE"], "is not callable"),
-    (["--impl", "ringcheck.testing.bad_impls:wrong_signature"], "the contract is fn(q, k, v, *, causal, softmax_scale, group)"),
-    (["--impl", "ringcheck.testing.bad_impls:missing"], "has no attribute 'missing'"),
+    (["--impl", "ringcheck.catalogue.bad_impls:NOT_CALLABLE"], "is not callable"),
+    (["--impl", "ringcheck.catalogue.bad_impls:wrong_signature"], "the contract is fn(q, k, v, *, causal, softmax_scale, group)"),
+    (["--impl", "ringcheck.catalogue.bad_impls:missing"], "has no attribute 'missing'"),
     (["--impl", "torch_cp", "--layout", "striped"], "runs the layouts"),
     (["--impl", "torch_cp", "--head-dim-v", "32"], "needs q, k and v of one head size"),
     (["--seq-len", "1001"], "seq_len=1001 is not divisible by 2 x world_size=8"),
@@ -278,7 +278,7 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert (tmp_path / "validate.html").read_text().count("data:image/png;base64,") == 1
 
     failing = tmp_path / "failing"
-    done = _cli(*small, "--distributions", "normal", "--impl", "ringcheck.testing.mutants:diagonal_off_by_one",
+    done = _cli(*small, "--distributions", "normal", "--impl", "ringcheck.catalogue.mutants:diagonal_off_by_one",
                 "--report", str(failing))  # one distribution: the mutant is off on every one
     assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
     assert "FAIL" in done.stdout and "forward" in done.stdout and "validate.html" in done.stdout
@@ -287,7 +287,7 @@ def test_cli_exit_codes_and_report(tmp_path):
     assert all(escape(c["check"]) in page for c in report["checks"])
     assert any(c["status"] == "fail" and tensor_words(c["tensors"]).split("  ")[0] in page for c in report["checks"])
 
-    done = _cli(*small, "--distributions", "normal", "--impl", "ringcheck.testing.bad_impls:wrong_shape",
+    done = _cli(*small, "--distributions", "normal", "--impl", "ringcheck.catalogue.bad_impls:wrong_shape",
                 "--timeout", "20")
     assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
     assert "returned out of shape" in done.stderr and "Traceback" not in done.stderr

@@ -60,7 +60,7 @@ def test_a_ring_that_drops_a_variant_fails(ring_processes, impl, tensor):
 
 
 def test_an_implementation_without_the_keyword_is_refused_before_any_rank_starts(capsys):
-    rc = main(["validate", "--impl", "ringcheck.testing.mutants:textbook", "--seq-len", "64", "--world-size", "2",
+    rc = main(["validate", "--impl", "ringcheck.catalogue.mutants:textbook", "--seq-len", "64", "--world-size", "2",
                "--documents", "random:3", "--window", "8,0", "--quick", "-q"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -114,12 +114,12 @@ def _mutant_target(name: str) -> Target:
     flags = {}
     for keyword in VARIANT_MUTANTS[name][1] if name in VARIANT_MUTANTS else ():
         flags.update(_FLAGS[keyword])
-    return Target(**MUTANT_TARGET, **flags, impl=f"ringcheck.testing.variant_mutants:{name}")
+    return Target(**MUTANT_TARGET, **flags, impl=f"ringcheck.catalogue.variant_mutants:{name}")
 
 
 def test_the_textbook_varlen_ring_passes_validate_with_every_variant(ring_processes):
     t = Target(**MUTANT_TARGET, **{k: v for f in _FLAGS.values() for k, v in f.items()},
-               impl="ringcheck.testing.variant_mutants:textbook_varlen")
+               impl="ringcheck.catalogue.variant_mutants:textbook_varlen")
     rows = validate(t, ring_processes)
     assert all(r.passed for r in rows), [(r.check, r.detail) for r in rows if not r.passed]
 

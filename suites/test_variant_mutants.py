@@ -1,4 +1,4 @@
-"""The variant mutant catalogue (ringcheck.testing.variant_mutants) on real rings: the budget
+"""The variant mutant catalogue (ringcheck.catalogue.variant_mutants) on real rings: the budget
 rule passes `textbook_varlen`, a plain correct ring with documents, padding, windows, softcap,
 sinks and MLA head dims, on every configuration here (no false alarm), and fails every mutant on
 the configurations that expose its defect (placed where rings break: boundaries on rank and

@@ -1,4 +1,4 @@
-"""Example custom layouts (`--layout ringcheck.testing.custom_layouts:NAME`), and broken ones.
+"""Example custom layouts (`--layout ringcheck.catalogue.custom_layouts:NAME`), and broken ones.
 
 A custom layout is `FN(rank, world_size, seq_len, cu_seqlens=None) -> LongTensor`: the global
 positions `rank` holds, in its local order. The correct ones here are what suites and users

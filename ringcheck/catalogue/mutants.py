@@ -1,7 +1,7 @@
 """A catalogue of deliberately broken ring attentions, written against the `--impl` contract.
 
 Each public function here is an implementation a user could hand to
-``ringcheck validate --impl ringcheck.testing.mutants:<name>``:
+``ringcheck validate --impl ringcheck.catalogue.mutants:<name>``:
 
     fn(q, k, v, *, causal, softmax_scale, group) -> (out, lse)
 

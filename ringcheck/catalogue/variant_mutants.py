@@ -6,7 +6,7 @@ Every public function takes the `--impl` contract with the variant keywords:
     fn(q, k, v, *, causal, softmax_scale, group=None, layout="zigzag", cu_seqlens=None,
        window=None, softcap=None, sinks=None) -> (out, lse)
 
-`textbook_varlen` (ringcheck.testing.variant_textbook) is a plain correct ring; every other
+`textbook_varlen` (ringcheck.catalogue.variant_textbook) is a plain correct ring; every other
 function is that ring with exactly one defect switched on. `VARIANT_MUTANTS` maps each name to
 (function, the variant keywords a configuration needs to expose the defect, one line).
 suites/test_variant_mutants.py runs them on local gloo rings and asserts that the budget rule

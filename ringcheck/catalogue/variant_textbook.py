@@ -13,7 +13,7 @@ that every rank holds the whole sequence's.
 
 It stands for somebody else's code: it does not use ringcheck's ring (loops, merge, backends),
 only `positions()` of the layout. `varlen_ring(..., bugs=)` is the same ring with named defects
-switched on; `ringcheck.testing.variant_mutants` names them.
+switched on; `ringcheck.catalogue.variant_mutants` names them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ringcheck.ring.layouts import positions
 
 NEG_INF = float("-inf")
 
-# the defects `varlen_ring` can switch on (ringcheck.testing.variant_mutants documents each)
+# the defects `varlen_ring` can switch on (ringcheck.catalogue.variant_mutants documents each)
 BUGS = frozenset({
     "window_ignored", "window_off_by_one", "docs_rank_local", "odd_doc_drops_last", "padding_attended",
     "padding_rank_nan", "empty_block_lse_posinf", "merge_nan", "sinks_dropped", "sink_per_step",
