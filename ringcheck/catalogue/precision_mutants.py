@@ -5,7 +5,7 @@ Each public function keeps the `--impl` contract with the variant keywords,
     fn(q, k, v, *, causal, softmax_scale, group=None, layout="zigzag", cu_seqlens=None,
        window=None, softcap=None, sinks=None) -> (out, lse)
 
-and is the plain correct ring `textbook_varlen` (ringcheck.testing.variant_textbook: float32
+and is the plain correct ring `textbook_varlen` (ringcheck.catalogue.variant_textbook: float32
 accumulation, one rounding at the end) with exactly one tensor rounded through a narrower
 dtype on its way out: `narrow_<tensor>_<dtype>` rounds `<tensor>` (out, lse, dq, dk or dv)
 through `<dtype>` (bfloat16 or float16) and back, and leaves every other tensor alone (the
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ringcheck.adapters import load_impl
+from ringcheck.flash_stand_in import install as install_stand_in
 from ringcheck.judge.check import Case, Results
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.ring.layouts import shard, unshard
@@ -111,10 +112,14 @@ for _tensor in TENSORS:
 
 # ------------------------------------------------------------------------ sweeps on a ring
 
-def ring_results_task(member, impl_name: str, layout: str, cases: list[Case]) -> list[dict[str, Any]]:
+def ring_results_task(member, impl_name: str, layout: str, cases: list[Case],
+                      stand_in: bool = False) -> list[dict[str, Any]]:
     """On every rank of a ring (`ringcheck.launch` task): `--impl impl_name` forward and
     backward on each case (inputs from `make_inputs`, sharded for `layout`); returns this
-    rank's shards per case (out, lse, dq, dk, dv and dsinks, on the CPU)."""
+    rank's shards per case (out, lse, dq, dk, dv and dsinks, on the CPU). `stand_in`: install
+    the CPU flash-attn stand-in first (`--flash-attn-stand-in`), for rings built on flash-attn."""
+    if stand_in:
+        install_stand_in()
     impl = load_impl(impl_name, layout=layout)
     rank, world = dist.get_rank(member.group), dist.get_world_size(member.group)
     results = []
