@@ -4,7 +4,7 @@ to sum float32 copies and round the result once). llama3 reduce-scatters dk and 
 dtype, so every partial sum is rounded: the precision class's backward row fails as shipped
 and passes patched.
 
-    python reports/peers/llama3_reduce_scatter_float32.py      (from the repository root)
+    python benchmarks/peers/llama3_reduce_scatter_float32.py      (from the repository root)
 """
 import torch.distributed as dist
 

@@ -5,7 +5,7 @@ targets (a CLI run starts its own ring each time: the same checks, minutes slowe
 report per target (`<adapter>_<dtype>_P<n>.json`, its "command" re-runs it with the CLI) and
 `summary.json` (adapter, dtype, P, verdict, failing rows, or why it did not run).
 
-    python reports/peers/run.py [ADAPTER ...]        (from the repository root; default: all)
+    python benchmarks/peers/run.py [ADAPTER ...]        (from the repository root; default: all)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ringcheck.documents import meta, save
 from ringcheck.flash_stand_in import install
 from ringcheck.launch import LocalRings, RingError
 
-HERE = Path(__file__).parent
+REPORTS = Path(__file__).resolve().parents[2] / "reports" / "peers"  # where the reports go
 ADAPTERS = ("ringcheck", "ring_attention_pytorch", "torch_cp", "ring_flash_attn:zigzag", "ring_flash_attn:basic",
             "ring_flash_attn:stripe", "ring_flash_attn:llama3", "yunchang:ulysses", "yunchang:usp",
             "yunchang:ring:basic", "yunchang:ring:zigzag", "yunchang:ring:stripe")
@@ -57,13 +57,13 @@ def one(rings, impl: str, dtype: str, p: int) -> dict:
     report = report_dict(target, checks, meta=meta(command, elapsed_s=time.perf_counter() - start),
                          where=placement(target, None, loaded.world_only))
     report["command"] = command
-    save(report, HERE / f"{impl.replace(':', '_')}_{dtype}_P{p}.json")
+    save(report, REPORTS / f"{impl.replace(':', '_')}_{dtype}_P{p}.json")
     failing = [f"{c.check}: {c.detail}" for c in checks if not c.passed]
     return {**row, "verdict": "pass" if report["passed"] else "fail", "failing": failing}
 
 
 def main(adapters) -> None:
-    summary_path = HERE / "summary.json"
+    summary_path = REPORTS / "summary.json"
     done = {}
     if summary_path.exists():
         done = {(r["impl"], r["dtype"], r["P"]): r for r in json.loads(summary_path.read_text())}
