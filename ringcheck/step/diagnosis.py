@@ -157,7 +157,9 @@ def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict]
             continue
         used = {n: p for n, p in params.items() if p.requires_grad}
         grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
-        out[name] = {"loss": float(loss.detach()), "grads": {n: None if g is None else g.detach() for n, g in zip(used, grads)}}
+        changed = sum(int((t != shift_labels(mb["labels"])).sum()) for t, mb in zip(targets, batches))
+        out[name] = {"loss": float(loss.detach()), "changed": changed,
+                     "grads": {n: None if g is None else g.detach() for n, g in zip(used, grads)}}
     return out
 
 
@@ -186,6 +188,8 @@ def match(ranks: list[dict], ref: dict, cands: dict[str, Any], *, P: int, loss_b
             grad_err = max((relative(user["grads"][n], g) if user["grads"].get(n) is not None else float("inf"))
                            for n, g in c["grads"].items() if g is not None)
         rows.append(_row(name, loss_err, grad_err, loss_budget, grad_budget))
+        if c.get("changed"):
+            rows[-1]["words"] += f" ({c['changed']} targets at shard boundaries lost or wrong in this case)"
     if not evaluate and P > 1:
         summed = _sum_over_cp(ranks)
         grad_err = max(relative(summed[n], g) if summed.get(n) is not None else float("inf")
