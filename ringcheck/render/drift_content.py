@@ -233,16 +233,9 @@ def separation_rows(doc: dict) -> list[list[str]]:
     return rows
 
 
-def blocks(doc: dict) -> list[tuple]:
-    """The content of the Markdown and HTML reports, as blocks: ("h1" | "h2" | "h3" | "p" |
-    "code", text), ("list", items), ("table", headers, rows), ("details", title, blocks: a
-    section folded away in the HTML), ("plots", "error" | "detail": the figures of
-    `ringcheck.render.plots.error_plots` or `detail_plots`, in the HTML only). In order: the
-    command, the sweep, the verdict, the error against ring size, how to read it, the tables,
-    the other figures, the run."""
+def _head_blocks(doc: dict, accs: list[str], sizes: list[int]) -> list[tuple]:
+    """The title, the command that repeats the run, and what the sweep covered."""
     spec, meta = doc["spec"], doc.get("meta", {})
-    accs = accumulations(doc)
-    sizes = ring_sizes(doc)
     b: list[tuple] = [("h1", "ringcheck drift report")]
     if meta.get("command"):
         b.append(("p", ("Produced by this command: pasted anywhere it runs again from the directory it names, with "
@@ -259,32 +252,39 @@ def blocks(doc: dict) -> list[tuple]:
                    f"dtypes {', '.join(spec['dtypes'])}; ring sizes {', '.join(map(str, sizes))}; distributions "
                    f"{', '.join(spec['distributions'])}; modes {', '.join(spec['modes'])}; accumulations "
                    f"{', '.join(ACC_LABEL.get(a, a) for a in accs)}; {spec['seeds']} seeds; {shape}.")))
-    b.append(("h2", "Verdict"))
-    b.append(("list", [text for _, text in verdict_lines(doc)]))
-    b.append(("plots", "error"))  # the picture of error against ring size, right under the verdict
+    return b
+
+
+def _verdict_blocks(doc: dict) -> list[tuple]:
+    """The verdict, its figure right under it, and how to read it (folded)."""
     r = doc["rules"]
-    b.append(("details", "How to read it", [("list", [
-                       f"Model: {r['fit']}.", f"Expected: {r['expected']}.", f"Diagnosis: {r['diagnosis']}.",
-                       f"Slope {r['slope']}.", f"Budget {r['budget']}.", f"Bias {r['bias']}.",
-                       f"Non-finite {r['nonfinite']}.", f"Projected P: {r['projected']}.",
-                       ("The float32 merge is the ring under test (the exit code follows it); the per-hop "
-                       "round trip rounds the running output to the input dtype after every merge and is "
-                       "the control that shows what the flags see. For float32 inputs the round trip "
-                       "goes through float32 itself and costs no more than the accumulation, so the two "
-                       "coincide there up to float32 rounding."),
-                       f"Metrics {r['metrics']}."])]))
-    if len(accs) > 1:  # an --impl has no control to separate it from
-        b.append(("h2", "Separation per setting"))
-        b.append(("p", ("Tensors flagged in each setting, per accumulation; separated = the default ring has no "
-                        "flag and the control has at least one. Then the fitted slope of `out` per accumulation "
-                        "and the ring size where its error is projected to reach the budget: where the flags do "
-                        "not separate the two, the slopes may (flat against sqrt-like).")))
-        b.append(("table", separation_headers(doc), separation_rows(doc)))
-    b.append(("h2", "Slopes of error against ring size"))
-    b.append(("p", ("Slope of ln(normwise relative error) on ln(P), P >= 2, ± its standard error; diagnosis; "
-                   "its one-sided 99% bounds against the threshold of the output precision and what they "
-                   "decide; largest error / budget over P; the projected P where error reaches the budget; "
-                   "flags.")))
+    return [("h2", "Verdict"), ("list", [text for _, text in verdict_lines(doc)]), ("plots", "error"),
+            ("details", "How to read it", [("list", [
+                f"Model: {r['fit']}.", f"Expected: {r['expected']}.", f"Diagnosis: {r['diagnosis']}.",
+                f"Slope {r['slope']}.", f"Budget {r['budget']}.", f"Bias {r['bias']}.",
+                f"Non-finite {r['nonfinite']}.", f"Projected P: {r['projected']}.",
+                ("The float32 merge is the ring under test (the exit code follows it); the per-hop "
+                 "round trip rounds the running output to the input dtype after every merge and is "
+                 "the control that shows what the flags see. For float32 inputs the round trip "
+                 "goes through float32 itself and costs no more than the accumulation, so the two "
+                 "coincide there up to float32 rounding."),
+                f"Metrics {r['metrics']}."])])]
+
+
+def _separation_blocks(doc: dict, accs: list[str]) -> list[tuple]:
+    """Per setting, whether the flags separate the ring from its control (none for an --impl)."""
+    if len(accs) <= 1:  # an --impl has no control to separate it from
+        return []
+    return [("h2", "Separation per setting"),
+            ("p", ("Tensors flagged in each setting, per accumulation; separated = the default ring has no "
+                   "flag and the control has at least one. Then the fitted slope of `out` per accumulation "
+                   "and the ring size where its error is projected to reach the budget: where the flags do "
+                   "not separate the two, the slopes may (flat against sqrt-like).")),
+            ("table", separation_headers(doc), separation_rows(doc))]
+
+
+def _slope_blocks(doc: dict, accs: list[str]) -> list[tuple]:
+    """The fitted slope of every (setting, tensor, accumulation), with its bounds and flags."""
     headers = ["mode", "dtype", "distribution", "tensor"]
     for a in accs:
         s = ACC_SHORT.get(a, a)
@@ -302,13 +302,19 @@ def blocks(doc: dict) -> list[tuple]:
             rows.append(row)
         for t, why in doc["summary"].get("not_run", {}).items():
             rows.append([mode, dtype, dist, t] + [why, "", "", "", ""] * len(accs))
-    b.append(("table", headers, rows))
-    b.append(("h2", "Worst cases"))
-    b.append(("p", "By error / budget (worst seed), over every case and tensor."))
-    b.append(("table", WORST_HEADERS, [worst_row(*w) for w in worst_cases(doc, 15)]))
-    b.append(("h2", "Error against ring size"))
-    b.append(("p", ("out: normwise relative error in units of u of the dtype (geometric mean over seeds); "
-                   "then the largest error / budget over the five tensors (worst seed).")))
+    return [("h2", "Slopes of error against ring size"),
+            ("p", ("Slope of ln(normwise relative error) on ln(P), P >= 2, ± its standard error; diagnosis; "
+                   "its one-sided 99% bounds against the threshold of the output precision and what they "
+                   "decide; largest error / budget over P; the projected P where error reaches the budget; "
+                   "flags.")),
+            ("table", headers, rows),
+            ("h2", "Worst cases"),
+            ("p", "By error / budget (worst seed), over every case and tensor."),
+            ("table", WORST_HEADERS, [worst_row(*w) for w in worst_cases(doc, 15)])]
+
+
+def _ring_size_blocks(doc: dict, accs: list[str], sizes: list[int]) -> list[tuple]:
+    """out's error and every tensor's worst error / budget at each ring size."""
     p_head = [f"P={p}" for p in sizes]
     rel_rows, ratio_rows = [], []
     for backend, mode, dtype, dist in _settings(doc):
@@ -319,29 +325,46 @@ def blocks(doc: dict) -> list[tuple]:
                                      for c in cases])
             ratio_rows.append(label + [_f(max(m["budget_ratio"] for m in c["tensors"].values())) if c else ""
                                        for c in cases])
-    b.append(("h3", "out: relative error / u"))
-    b.append(("table", ["mode", "dtype", "distribution", "accumulation"] + p_head, rel_rows))
-    b.append(("h3", "all tensors: max error / budget"))
-    b.append(("table", ["mode", "dtype", "distribution", "accumulation"] + p_head, ratio_rows))
-    pmax = sizes[-1]
-    if any("steps" in c for c in doc["cases"].values()):
-        b.append(("h2", f"Per-step drift at P={pmax}"))
-        b.append(("p", ("The running float32 partial output of every rank after ring step s (s shards seen) "
-                       "against the float64 attention over the keys seen so far: normwise relative error "
-                       "in units of u of the dtype, over all ranks (geometric mean over seeds). The float32 "
-                       "merge stays far below one rounding until the final cast; the round trip adds one "
-                       "rounding per hop.")))
-        steps = sorted({1, 2, pmax} | {2 ** i for i in range(pmax.bit_length()) if 2 ** i <= pmax})
-        rows = []
-        for backend, mode, dtype, dist in _settings(doc):
-            for a in accs:
-                c = case_of(doc, backend, mode, dtype, dist, a, pmax)
-                if c and "steps" in c:
-                    rows.append([mode, dtype, dist, ACC_SHORT.get(a, a)]
-                                + [_e(c["steps"]["out_rel_norm"][s - 1] / unit_roundoff(dtype)) for s in steps])
-        b.append(("table", ["mode", "dtype", "distribution", "accumulation"] + [f"s={s}" for s in steps], rows))
-    b.append(("plots", "detail"))
+    label = ["mode", "dtype", "distribution", "accumulation"]
+    return [("h2", "Error against ring size"),
+            ("p", ("out: normwise relative error in units of u of the dtype (geometric mean over seeds); "
+                   "then the largest error / budget over the five tensors (worst seed).")),
+            ("h3", "out: relative error / u"), ("table", label + p_head, rel_rows),
+            ("h3", "all tensors: max error / budget"), ("table", label + p_head, ratio_rows)]
+
+
+def _step_blocks(doc: dict, accs: list[str], pmax: int) -> list[tuple]:
+    """The running partial output's error after each ring step at the largest P (when recorded)."""
+    if not any("steps" in c for c in doc["cases"].values()):
+        return []
+    steps = sorted({1, 2, pmax} | {2 ** i for i in range(pmax.bit_length()) if 2 ** i <= pmax})
+    rows = []
+    for backend, mode, dtype, dist in _settings(doc):
+        for a in accs:
+            c = case_of(doc, backend, mode, dtype, dist, a, pmax)
+            if c and "steps" in c:
+                rows.append([mode, dtype, dist, ACC_SHORT.get(a, a)]
+                            + [_e(c["steps"]["out_rel_norm"][s - 1] / unit_roundoff(dtype)) for s in steps])
+    return [("h2", f"Per-step drift at P={pmax}"),
+            ("p", ("The running float32 partial output of every rank after ring step s (s shards seen) "
+                   "against the float64 attention over the keys seen so far: normwise relative error "
+                   "in units of u of the dtype, over all ranks (geometric mean over seeds). The float32 "
+                   "merge stays far below one rounding until the final cast; the round trip adds one "
+                   "rounding per hop.")),
+            ("table", ["mode", "dtype", "distribution", "accumulation"] + [f"s={s}" for s in steps], rows)]
+
+
+def blocks(doc: dict) -> list[tuple]:
+    """The content of the Markdown and HTML reports, as blocks: ("h1" | "h2" | "h3" | "p" |
+    "code", text), ("list", items), ("table", headers, rows), ("details", title, blocks: a
+    section folded away in the HTML), ("plots", "error" | "detail": the figures of
+    `ringcheck.render.plots.error_plots` or `detail_plots`, in the HTML only). In order: the
+    command, the sweep, the verdict, the error against ring size, how to read it, the tables,
+    the other figures, the run."""
+    accs, sizes, meta = accumulations(doc), ring_sizes(doc), doc.get("meta", {})
+    b = [*_head_blocks(doc, accs, sizes), *_verdict_blocks(doc), *_separation_blocks(doc, accs),
+         *_slope_blocks(doc, accs), *_ring_size_blocks(doc, accs, sizes), *_step_blocks(doc, accs, sizes[-1]),
+         ("plots", "detail")]
     if meta:
-        b.append(("h2", "Run"))
-        b.append(("list", [f"{k}: {v}" for k, v in meta.items() if k != "command"]))
+        b += [("h2", "Run"), ("list", [f"{k}: {v}" for k, v in meta.items() if k != "command"])]
     return b
