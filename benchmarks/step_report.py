@@ -97,10 +97,10 @@ def markdown(correct: list[dict], mutants: list[dict]) -> str:
     for r in mutants:
         if "expected" not in r:
             continue
-        first = r["first_out"]
+        first = "-" if r["first_out"] is None else f"{r['first_out']['name']} x{r['first_out']['factor']:.3g}"
         ok = "" if r["diagnosis"] == r["expected"] else f" (expected {r['expected']})"
         out.append(f"| {r['mutant']} | {r['class']} | {r['reports']} | {r['case']} | {_g(r['loss_error'])} | "
-                   f"{_g(r['gradient_error'])} | {'-' if first is None else first['name'] + ' x' + format(first['factor'], '.3g')} "
+                   f"{_g(r['gradient_error'])} | {first} "
                    f"| {r['diagnosis']}{ok} | {_g(r['matched_loss'])}, {_g(r['matched_gradient'])} |")
     out += ["", "Named outside the per-case gate:", ""]
     for r in mutants:

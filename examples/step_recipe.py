@@ -11,7 +11,6 @@ from the repository root to see it named.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,4 +48,3 @@ class Recipe:
 
 
 recipe = Recipe()
-__all__ = ["Recipe", "recipe", "torch"]

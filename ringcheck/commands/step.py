@@ -58,11 +58,12 @@ def check_before_start(config: StepConfig) -> None:
                          f"{impl.dtypes[0]} (the budget follows it)")
     for name in config.cases:
         if CASES[name].packed and not takes_documents(impl):
-            raise ValueError(f"--cases {name}: --impl {impl.name} takes no cu_seqlens, so it cannot attend within packed "
-                             f"documents; drop the case")
+            raise ValueError(f"--cases {name}: --impl {impl.name} takes no cu_seqlens, so it cannot attend within "
+                             f"packed documents; drop the case")
         if CASES[name].checkpoint is not None and CASES[name].checkpoint not in recipe.checkpointing:
             raise ValueError(f"--cases {name}: --recipe {config.recipe} offers no {CASES[name].checkpoint} "
-                             f"activation checkpointing (its checkpointing: {list(recipe.checkpointing)}); drop the case")
+                             f"activation checkpointing (its checkpointing: {list(recipe.checkpointing)}); drop the "
+                             f"case")
         if CASES[name].evaluate and recipe.evaluate is None:
             raise ValueError(f"--cases {name}: --recipe {config.recipe} has no evaluate(model, micro_batches, cp); "
                              f"drop the case or add the hook")
@@ -116,8 +117,8 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         row["diagnosis"] = found[0] if found and found[0]["matches"] else None
     conv = None
     if f"{conv_case}@1" in cands:
-        conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"],
-                          loss_budget=budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype, attn)[0],
+        conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype, attn)[0]
+        conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"], loss_budget=conv_budget,
                           relative=relative)
         conv["case"] = conv_case
     data = data_row(ring)
@@ -154,7 +155,8 @@ def rule_words(config: StepConfig, loss_dtype: str, attention: str | None = None
     return {"k_cond": K_COND, "unit_roundoff": unit_roundoff(config.dtype), "loss_dtype": loss_dtype,
             "attention_dtype": attention or config.dtype,
             "attention": ("" if attention is None else f"--impl {config.impl} is not known to compute {config.dtype} "
-                          f"throughout: its attention is taken as {attention}, which floors both budgets at 2 n u of it"),
+                          f"throughout: its attention is taken as {attention}, which floors both budgets at 2 n u of "
+                          f"it"),
             "loss": "|L_P - L_1| <= 2 n max(u_loss, K_COND u) |L_1|, n the case's target positions",
             "gradients": "per parameter, every rank: ||g_P - g_1|| <= 2 n K_COND u ||g_1||",
             "diagnosis": "the transformation whose loss and every gradient the CP=P run equals within the budgets "
@@ -168,6 +170,7 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
     return {**header(STEP_SCHEMA), "verdict": judged["verdict"], "passed": judged["verdict"] == "pass",
             "why": judged["why"], "command": command, "config": {**config.__dict__, "cases": list(config.cases)},
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
-            "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype")), "convention": judged["convention"],
+            "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype")),
+            "convention": judged["convention"],
             "data": judged["data"], "has_logits": judged["has_logits"], "cases": cases,
             "meta": meta or {}}

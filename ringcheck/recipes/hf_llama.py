@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from ..step.contract import CHECKPOINTING, IGNORE, CP, shift_labels
+from ..step.contract import CHECKPOINTING, CP
 from .plain import PlainRecipe
 
 ATTENTION = "ringcheck_ring"
@@ -76,4 +76,3 @@ class HFLlamaRecipe(PlainRecipe):
 
 
 recipe = HFLlamaRecipe()
-__all__ = ["ATTENTION", "CONFIG", "HFLlamaRecipe", "IGNORE", "recipe", "ring_attention", "shift_labels"]

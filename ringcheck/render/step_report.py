@@ -35,7 +35,8 @@ def diagnosis_lines(doc: dict) -> list[str]:
             continue
         d = c.get("diagnosis")
         if d is not None:
-            fig = ", ".join(f"{k} to {d[k + '_error']:.1g}" for k in ("loss", "gradient") if d[k + "_error"] is not None)
+            fig = ", ".join(f"{k} to {d[k + '_error']:.1g}" for k in ("loss", "gradient")
+                            if d[k + "_error"] is not None)
             lines.append(f"{c['case']}: your step equals a correct step with {d['name']} ({fig}): [{d['class']}] "
                          f"{d['words']} (as in {d['reports']})")
         else:

@@ -56,8 +56,10 @@ class CP:
     """What a recipe's step learns about its place: its rank and the size of its CP group, the
     group, the layout of the shards, the data-parallel replica it is in (`dp_rank` of `dp_size`,
     `dp_group`: the ranks at its cp index in every replica), and the attention under test
-    (`attention`: the ring of `--impl` on `group`). At CP=1 `group` is a real process group of
-    one rank, so the recipe's own collectives run unchanged. `checkpoint`: the activation
+    (`attention`: the ring of `--impl` on `group`), and the device of this rank (the model and the
+    micro-batches are there already: CUDA under torchrun where the ranks have GPUs). At CP=1
+    `group` is a real process group of one rank, so the recipe's own collectives run unchanged.
+    `checkpoint`: the activation
     checkpointing the case asks for (None, or one of `CHECKPOINTING`)."""
 
     rank: int
@@ -71,6 +73,7 @@ class CP:
     checkpoint: str | None = None
     timeout: float = 60.0
     global_rank: int = 0
+    device: str = "cpu"
 
     @property
     def multiple(self) -> int:

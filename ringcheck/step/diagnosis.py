@@ -83,7 +83,7 @@ def _weights(name: str, batches: list[dict], layouts: list[Layout], P: int, dp: 
     M = len(batches)
     out = []
     for v, where, mb in zip(valid, layouts, batches):
-        w = torch.zeros(v.shape, dtype=torch.float64)
+        w = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
         if name in ("token_mean", "labels_shifted_in_shards", "local_positions", "local_attention"):
             w[v] = 1.0 / max(total, 1)
         elif name == "micro_batches_weighed_equally":
@@ -92,7 +92,7 @@ def _weights(name: str, batches: list[dict], layouts: list[Layout], P: int, dp: 
             w[v] = 1.0 / sum(b["input_ids"].shape[0] * lay.padded for b, lay in zip(batches, layouts))
         elif name == "mean_of_rank_means":
             rows = v.shape[0] // dp
-            owner = where.owner[:v.shape[1]]
+            owner = where.owner[:v.shape[1]].to(v.device)
             for d in range(dp):
                 for r in range(P):
                     cell = v[d * rows:(d + 1) * rows] & (owner == r)
@@ -111,15 +111,15 @@ def _logits(recipe, model, mb: dict, cp: CP, name: str, where: Layout) -> torch.
     if name == "local_positions":
         if cu is not None:
             return None
-        return recipe.logits(model, {"input_ids": ids, "position_ids": where.local[:n].expand_as(pos).clone(),
-                                     "cu_seqlens": None}, cp)
+        local = where.local[:n].to(pos.device).expand_as(pos).clone()
+        return recipe.logits(model, {"input_ids": ids, "position_ids": local, "cu_seqlens": None}, cp)
     if name == "local_attention":
         if cu is not None:
             return None
         parts = []
         z = None
         for held in where.held:
-            idx = held[held < n]
+            idx = held[held < n].to(ids.device)
             if len(idx) == 0:
                 continue
             part = recipe.logits(model, {"input_ids": ids[:, idx], "position_ids": pos[:, idx], "cu_seqlens": None}, cp)
@@ -145,7 +145,7 @@ def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict]
         else:
             targets = [shift_labels(mb["labels"]) for mb in batches]
         weights = _weights(name, batches, layouts, P, dp, targets)
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=cp.device)
         for mb, lay, t, w in zip(batches, layouts, targets, weights):
             z = _logits(recipe, model, mb, cp, name, lay)
             if z is None:
@@ -157,6 +157,7 @@ def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict]
             continue
         used = {n: p for n, p in params.items() if p.requires_grad}
         grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
+        grads = [None if g is None else g.cpu() for g in grads]
         changed = sum(int((t != shift_labels(mb["labels"])).sum()) for t, mb in zip(targets, batches))
         out[name] = {"loss": float(loss.detach()), "changed": changed,
                      "grads": {n: None if g is None else g.detach() for n, g in zip(used, grads)}}
@@ -178,8 +179,8 @@ def match(ranks: list[dict], ref: dict, cands: dict[str, Any], *, P: int, loss_b
     user = ranks[0]
     pool = {n: c for n, c in cands.items() if n != "token_mean"}
     if not evaluate:
-        pool["grads_times_p"] = {"loss": None, "grads": {n: None if g is None else g * P for n, g in ref["grads"].items()}}
-        pool["grads_over_p"] = {"loss": None, "grads": {n: None if g is None else g / P for n, g in ref["grads"].items()}}
+        for name, f in (("grads_times_p", P), ("grads_over_p", 1 / P)):
+            pool[name] = {"loss": None, "grads": {n: None if g is None else g * f for n, g in ref["grads"].items()}}
     rows = []
     for name, c in pool.items():
         loss_err = None if c["loss"] is None else relative(user["loss"], c["loss"])

@@ -72,7 +72,8 @@ class StepConfig:
     def flags(self) -> list[str]:
         out = ["--recipe", self.recipe, "--impl", self.impl, "--world-size", str(self.world_size)]
         out += ["--mesh", self.mesh] if self.mesh is not None else []
-        out += ["--layout", self.layout, "--dtype", self.dtype, "--seed", str(self.seed), "--cases", ",".join(self.cases)]
+        out += ["--layout", self.layout, "--dtype", self.dtype, "--seed", str(self.seed)]
+        out += ["--cases", ",".join(self.cases)]
         return out + (["--backend", self.backend] if self.backend != "torch" else [])
 
 
@@ -100,6 +101,10 @@ def ring_positions(config: StepConfig) -> torch.Tensor:
     return positions(layout=config.layout, rank=0, world_size=config.world_size, seq_len=64)
 
 
+def on_device(batches: list[dict], device) -> list[dict]:
+    return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in batches]
+
+
 def _full(grad: torch.Tensor) -> torch.Tensor:
     """A DTensor gradient gathered to the full tensor; a plain one as it is."""
     full = getattr(grad, "full_tensor", None)
@@ -121,9 +126,9 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
     case = CASES[case_name]
     dtype = REFERENCE_DTYPES[config.dtype]
     with default_dtype(dtype):
-        model = build_model(recipe, dtype, config.seed)
-        batches = micro_batches(case, vocab=recipe.vocab_size, seed=config.seed, dp=cp.dp_size,
-                                rank0_positions=positions0)
+        model = build_model(recipe, dtype, config.seed).to(cp.device)
+        batches = on_device(micro_batches(case, vocab=recipe.vocab_size, seed=config.seed, dp=cp.dp_size,
+                                          rank0_positions=positions0), cp.device)
         try:
             if case.evaluate:
                 if recipe.evaluate is None:
@@ -135,7 +140,7 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
         except Exception as exc:
             raise RuntimeError(f"--recipe {recipe.name}, case {case_name} ({case.words}) at CP={cp.size}: "
                                f"{type(exc).__name__}: {exc}") from exc
-    grads = {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else _full(p.grad).cpu() for n, p in model.named_parameters()}
     return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
 
 
@@ -148,7 +153,8 @@ def step_task(member, config: StepConfig, names: tuple[str, ...], positions0: to
         cp = CP(rank=member.rank, size=member.world_size, group=member.group, layout=config.layout, impl=impl,
                 dp_rank=member.group_index, dp_size=dist.get_world_size(member.groups[REPLICAS]),
                 dp_group=member.groups[REPLICAS],
-                checkpoint=CASES[name].checkpoint, timeout=member.timeout, global_rank=member.global_rank)
+                checkpoint=CASES[name].checkpoint, timeout=member.timeout, global_rank=member.global_rank,
+                device=member.device)
         cases[name] = run_case(recipe, name, cp, config, positions0)
     data = None
     if recipe.loader is not None and member.world_size > 1:
@@ -176,14 +182,14 @@ def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, t
     if recipe.logits is None:
         return {}
     cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.impl_options),
-            dp_group=member.group, timeout=member.timeout)
+            dp_group=member.group, timeout=member.timeout, global_rank=member.global_rank, device=member.device)
     dtype = REFERENCE_DTYPES[config.dtype]
     dp = config.mesh_spec.rings
     out = {}
     with default_dtype(dtype):
         for case_name, P, names in requests:
-            batches = micro_batches(CASES[case_name], vocab=recipe.vocab_size, seed=config.seed, dp=dp,
-                                    rank0_positions=positions0)
-            out[f"{case_name}@{P}"] = candidates(recipe, lambda: build_model(recipe, dtype, config.seed), batches, cp,
-                                                 P=P, layout=config.layout, dp=dp, names=names)
+            batches = on_device(micro_batches(CASES[case_name], vocab=recipe.vocab_size, seed=config.seed, dp=dp,
+                                              rank0_positions=positions0), cp.device)
+            out[f"{case_name}@{P}"] = candidates(recipe, lambda: build_model(recipe, dtype, config.seed).to(cp.device),
+                                                 batches, cp, P=P, layout=config.layout, dp=dp, names=names)
     return out
