@@ -78,7 +78,7 @@ def test_a_recipe_that_breaks_the_contract_is_named_before_any_rank_starts(capsy
     assert "no_such_case" in capsys.readouterr().err
     assert main(["step", "--recipe", "plain", "--dtype", "float32", "--world-size", "3", "--layout", "contig"]) == 2
     assert "contig" in capsys.readouterr().err
-    ring = "ringcheck.testing.mutants:textbook"  # a ring that takes no cu_seqlens: no packed case for it
+    ring = "ringcheck.catalogue.mutants:textbook"  # a ring that takes no cu_seqlens: no packed case for it
     assert main(["step", "--impl", ring, "--cases", "packed", "-q"]) == EXIT_USAGE
     assert "takes no cu_seqlens" in capsys.readouterr().err
 
@@ -243,3 +243,14 @@ def test_a_reference_that_is_not_finite_gives_no_verdict():
     bad = judge_case("one_sequence", [{**ranks[0], "grads": {"w": torch.full((3,), float("nan"))}}],
                      {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None, False)
     assert good["verdict"] == "pass" and bad["verdict"] == "fail" and bad["first_out"]["name"] == "w"
+
+
+def test_pytorch_context_parallel_inside_the_step(ring_processes):
+    """--impl torch_cp: not known to compute float64 throughout, so its attention is taken as
+    float32 (the report says so); the plain step passes, a mutant still fails with its diagnosis."""
+    judged = _step(ring_processes, impl="torch_cp", cases=("one_sequence", "checkpoint_reentrant"))
+    assert judged["verdict"] == "pass", judged["why"]
+    assert judged["attention_dtype"] == "float32"
+    assert all(0 < r["worst_gradient"] < r["gradient_budget"] for r in judged["cases"])
+    bad = _step(ring_processes, impl="torch_cp", recipe=f"{MUTANTS}:labels_shifted_in_shards", cases=("one_sequence",))
+    assert bad["cases"][0]["diagnosis"]["name"] == "labels_shifted_in_shards"
