@@ -66,7 +66,15 @@ RULES = [
      "documents are written below the commands that fill them"),
     (("ringcheck.spec",), ("ringcheck.ring", "ringcheck.judge", "ringcheck.commands", "ringcheck.testing",
                            "ringcheck.render", "ringcheck.launch", "reference"), "the spec is the root"),
+    (("ringcheck.launch", "ringcheck.harness"), ("ringcheck.entry", "ringcheck.cli", "ringcheck.commands",
+                                                 "ringcheck.testing"),
+     "process groups and the harness run below the commands (a worker's start is launch.start's)"),
+    (("ringcheck",), ("ringcheck.entry",), "only the console script's own modules import the entry"),
+    (("ringcheck.judge.results",), ("ringcheck.judge.check", "ringcheck.judge.conventions",
+                                    "ringcheck.judge.scores", "ringcheck.judge.precision"),
+     "what every judge shares sits below them all"),
 ]
+ENTRY_IMPORTERS = ("ringcheck.__main__",)  # `python -m ringcheck` is the entry too
 PRESENTATION = ("rich", "matplotlib", "PIL")
 
 
@@ -74,7 +82,8 @@ def _broken_rules(me: str, imports) -> list[str]:
     broken = []
     for line, module, _ in imports:
         for who, banned, why in RULES:
-            if _under(me, *who) and _under(module, *banned):
+            if _under(me, *who) and _under(module, *banned) and not (module == "ringcheck.entry" and
+                                                                     (me in ENTRY_IMPORTERS or me == module)):
                 broken.append(f"{me}:{line} imports {module}: {why}")
         if _under(module, *PRESENTATION) and not _under(me, "ringcheck.render"):
             broken.append(f"{me}:{line} imports {module}: only render/ presents")
@@ -159,3 +168,56 @@ def test_the_plugin_is_registered_under_pytest11():
     # runs from another project
     assert not (ROOT / "conftest.py").exists()
     assert "-p ringcheck.testing.plugin -p ringcheck.testing.suite_defaults" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_no_module_imports_upward_into_the_commands_or_the_entry():
+    """A launcher module that takes its workers' start context from the command's entry (it once
+    did: one circle of 24 files), and the entry imported by anything but `python -m ringcheck`,
+    are named; the judges' shared results sit below them."""
+    assert _broken_rules("ringcheck.launch.local", [(1, "ringcheck.entry", False)])
+    assert _broken_rules("ringcheck.cli", [(1, "ringcheck.entry", False)])
+    assert _broken_rules("ringcheck.judge.results", [(1, "ringcheck.judge.check", False)])
+    assert not _broken_rules("ringcheck.__main__", [(1, "ringcheck.entry", False)])
+    assert not _broken_rules("ringcheck.entry", [(1, "ringcheck.launch.start", False)])
+
+
+def _circles() -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (every import,
+    function-level ones too: a lazy import is still an arrow), found with Tarjan's algorithm."""
+    names = {_name(p): p for p in _modules()}
+    edges = {me: sorted({m for _, m, _ in _imports(p) if m in names and m != me}) for me, p in names.items()}
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(names):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_circle_of_imports():
+    """No two modules import each other, directly or around a loop (issue 37: a 24-file circle
+    through cli/, commands/, entry.py, harness/ and launch/, and check <-> conventions <-> scores)."""
+    circles = _circles()
+    assert not circles, "import circles (move what both need to a module below them): " + "; ".join(
+        " <-> ".join(c) for c in circles)

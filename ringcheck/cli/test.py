@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-from ..entry import ROOT
+from ..launch.start import ROOT
 from .common import UsageError
 
 # our flag -> the plugin's pytest option (the flags mean what validate's mean)

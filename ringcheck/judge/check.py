@@ -16,7 +16,9 @@ from reference import dense_grads, peer_attention
 from ..ring import simulate_ring
 from ..ring.layouts import positions
 from ..spec import AttentionSpec, Budget, RingSpec
+from .conventions import convention_truths
 from .inputs import Inputs, make_inputs
+from .results import Results, reference_kwargs
 from .sinks import judge_sinks
 from .verdict import TENSORS, Verdict, float32_floors, judge
 
@@ -58,25 +60,6 @@ class Case:
 
 
 
-@dataclass(frozen=True)
-class Results:
-    """Whole-sequence results of one implementation (or reference) for one case."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
-    dsinks: torch.Tensor | None = None  # (heads,), when the case has sinks
-    # a ring's own: each rank's sinks gradient as it returned it, and the convention declared
-    # for them (`ringcheck.judge.sinks`): dsinks is their combination under it
-    dsinks_parts: tuple[torch.Tensor, ...] | None = None
-    sinks_grad: str = "partial"
-
-    def get(self, tensor: str) -> torch.Tensor:
-        return getattr(self, tensor)
-
-
 def run_whole(impl: WholeImpl, inputs: Inputs) -> Results:
     """Run `impl` forward and backward (with the case's random dout) on detached copies; with
     sinks in the inputs, `impl` takes them as a fourth argument and dsinks is judged too."""
@@ -89,12 +72,6 @@ def run_whole(impl: WholeImpl, inputs: Inputs) -> Results:
     out, lse = impl(q, k, v, sinks)
     dq, dk, dv, dsinks = torch.autograd.grad(out, (q, k, v, sinks), inputs.dout)
     return Results(out.detach(), lse.detach(), dq, dk, dv, dsinks)
-
-
-def reference_kwargs(spec: AttentionSpec, inputs: Inputs) -> dict:
-    """The keyword arguments of every reference call for `spec` (scale, mask, variants, sinks)."""
-    extra = {} if inputs.sinks is None else {"sinks": inputs.sinks}
-    return {"causal": spec.causal, "softmax_scale": spec.scale, **spec.variant_kwargs(), **extra}
 
 
 def spec_floors(spec: AttentionSpec, inputs: Inputs, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -193,7 +170,6 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     verdict = Verdict(case.describe(), [judged(name) for name in tensors])
     over = [tv.tensor for tv in verdict.tensors if not tv.passed and tv.stats.nonfinite == 0]
     if over and inputs is not None and use_float32_floors:
-        from .conventions import convention_truths  # it builds on this module
 
         others = convention_truths(case.spec, inputs, true, got.out, owner, over)
         verdict.tensors = [judged(tv.tensor, others[tv.tensor]) if others.get(tv.tensor) else tv

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import AttentionSpec
-from .check import Results
+from .results import Results
 from .inputs import Inputs
 from .scores import Scores, scores
 

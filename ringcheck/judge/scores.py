@@ -12,7 +12,7 @@ import torch
 from reference import attention_mask
 
 from ..spec import AttentionSpec
-from .check import reference_kwargs
+from .results import reference_kwargs
 from .inputs import Inputs
 
 

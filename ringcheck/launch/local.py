@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..entry import worker_context
+from .start import worker_context
 from ..spec import DEFAULT_TIMEOUT, check_timeout
 from .common import (
     GRACE,
@@ -117,7 +117,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
 
 
 def _context():
-    """The workers' start method (`ringcheck.entry.worker_context`: forkserver where there is
+    """The workers' start method (`ringcheck.launch.start.worker_context`: forkserver where there is
     one, with the package pinned on the PYTHONPATH they inherit)."""
     return worker_context()
 

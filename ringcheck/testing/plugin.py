@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from ..entry import start_fork_server_here
+from ..launch.start import start_fork_server_here
 # torch-free at load (start-up time: every pytest run where ringcheck is installed loads this
 # plugin); the judge and the launchers are imported where a test asks for them
 from ..launch.environment import from_torchrun_env, launched_rank

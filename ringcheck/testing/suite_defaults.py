@@ -10,7 +10,7 @@ keep their threads and seeds).
   (`_calls_in_a_grid_skip_repatching`): the interpreter scans the whole language module with
   `inspect.getmembers` on every such call, a third of the Triton suites' time.
 - Local rings' workers start with what the suites' rings import on first use in every worker
-  (`ringcheck.entry.preload_in_workers`): PyTorch's context parallel (with torch._dynamo, which
+  (`ringcheck.launch.start.preload_in_workers`): PyTorch's context parallel (with torch._dynamo, which
   its backward imports: about 1.3 s a worker) and our Triton kernels; the fork server imports
   them once per session.
 - One torch thread per test module, and one seed per test (from its id, the same on every rank).
@@ -36,7 +36,7 @@ import zlib
 import pytest
 import torch
 
-from ..entry import preload_in_workers
+from ..launch.start import preload_in_workers
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
