@@ -7,13 +7,14 @@ passes every property, a public mutant fails with a command that replays its shr
 (which fails again), --ring-forward-only reports each backward half as skipped "not run",
 and a bad --ring-impl is a usage error before anything runs.
 
-``--noconftest``: this checkout's root conftest.py sits above the package (an editable
-install), and a conftest above the run's root may not name plugins; an installed package has
-none there.
+``--noconftest`` in most of them, as in a plain install's run; one runs without it, where this
+checkout's root conftest.py (above the package, so an editable install's run from another
+project finds it) must leave that run alone.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -93,6 +94,23 @@ def test_a_mutant_fails_with_a_command_that_replays_its_shrunk_case(user_dir, to
     assert "check_budget(Case(" in command[-1] and "layout='zigzag'" in command[-1], command
     replay = _run(user_dir, *command[1:])
     assert replay.returncode == 1 and "FAILED check_budget against --impl " + MUTANT in replay.stdout, _said(replay)
+
+
+def test_ringcheck_test_from_another_project_passes_beside_the_root_conftest(user_dir, torchrun_world, repo_root):
+    """With the editable install, pytest finds this checkout's root conftest.py above the
+    in-package suite when another project runs `ringcheck test` (no --noconftest): it names no
+    plugin and defines no hook (either would break or change that run), and the run passes."""
+    if torchrun_world is not None:
+        pytest.skip("starts its own local rings: run with plain pytest")
+    tree = ast.parse((repo_root / "conftest.py").read_text())
+    names = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    hooks = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("pytest_")]
+    assert "pytest_plugins" not in names and not hooks, (names, hooks)
+    result = _run(user_dir, "-m", "ringcheck", "test", "--impl", "ringcheck.catalogue.mutants:textbook",
+                  "--forward-only", "--world-sizes", "1,2", "-p", "tinyprofile", "-p", "no:cacheprovider", "-q",
+                  "-k", "test_budget_against_float64 or determinism")
+    assert result.returncode == 0, _said(result)
+    assert re.search(r"\b2 passed", result.stdout), _said(result)
 
 
 def test_forward_only_reports_every_backward_half_as_not_run(user_dir, torchrun_world):
