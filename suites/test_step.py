@@ -83,6 +83,15 @@ def test_a_recipe_that_breaks_the_contract_is_named_before_any_rank_starts(capsy
     assert "takes no cu_seqlens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mutant, words", [("model_not_a_module", "not a torch.nn.Module"),
+                                            ("loss_not_a_scalar", "the contract is the loss the user would log")])
+def test_a_step_that_breaks_the_contract_gets_no_verdict(ring_processes, mutant, words):
+    from ringcheck.launch import RingError
+
+    with pytest.raises(RingError, match=words):
+        _step(ring_processes, recipe=f"{MUTANTS}:{mutant}", cases=("one_sequence",))
+
+
 # ---- the verdict: correct recipes pass, every mutant fails with its diagnosis --------------------
 
 MUTANTS = "ringcheck.catalogue.step_mutants"

@@ -140,6 +140,21 @@ class NoPadding(PlainRecipe):
         return super().step(model, micro_batches, cp, backward=backward)
 
 
+class ModelNotAModule(PlainRecipe):
+    """Breaks the contract: model() returns the parameters, not a torch.nn.Module (no verdict)."""
+
+    def model(self):
+        return dict(super().model().named_parameters())
+
+
+class LossNotAScalar(PlainRecipe):
+    """Breaks the contract: step returns every token's loss, not the loss one would log (no verdict)."""
+
+    def step(self, model, micro_batches, cp: CP, *, backward: bool = True):
+        super().step(model, micro_batches, cp, backward=backward)
+        return torch.zeros(3)
+
+
 labels_shifted_in_shards = LabelsShiftedInShards()
 mean_of_rank_means = MeanOfRankMeans()
 pad_tokens_counted = PadTokensCounted()
@@ -150,6 +165,8 @@ cp_bypassed = CPBypassed()
 local_positions = LocalPositions()
 micro_batches_weighed_equally = MicroBatchesWeighedEqually()
 no_padding = NoPadding()
+model_not_a_module = ModelNotAModule()
+loss_not_a_scalar = LossNotAScalar()
 sampler_seeded_by_global_rank = SamplerSeededByGlobalRank()
 
 # mutant -> (a case where it fails, the diagnosis named)
