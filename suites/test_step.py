@@ -184,6 +184,17 @@ def test_the_how_to_example_is_named_as_the_page_says(ring_processes):
     assert row["worst_gradient"] > 0.1 and row["loss"]["error"] < 1e-3  # gradients far out, the loss barely
 
 
+def test_a_ring_with_a_wrong_backward_fails_inside_the_step(ring_processes):
+    """ring-attention-pytorch's dK/dV bug (docs/findings/peers.md) seen from the plain step: the
+    loss agrees (its forward is right), the gradients do not, and no step bug is named. Its
+    reference is our ring on one rank (it cannot run on a group of one itself)."""
+    pytest.importorskip("ring_attention_pytorch", reason="the peer ring is the optional extra peers")
+    judged = _step(ring_processes, impl="ring_attention_pytorch", layout="contiguous", cases=("one_sequence",))
+    (row,) = judged["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"] is None
+    assert row["loss"]["ratio"] <= 1 and row["worst_gradient"] > 0.05
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 def test_the_command_passes_plain_and_writes_its_report(tmp_path, capsys):

@@ -89,7 +89,7 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     names = config.cases
     kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
     ring = processes.run_groups(mesh.plan(first, families=True), step_task, config, names, pos0, **kw)
-    ref = processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, names, pos0, **kw)
+    ref = processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, names, pos0, True, **kw)
     rows = []
     for name in names:
         n = _targets(name, mesh.rings)

@@ -44,8 +44,11 @@ def diagnosis_lines(doc: dict) -> list[str]:
                              for r in c.get("candidates", [])[:3])
             hook = "" if doc.get("has_logits", True) else (" (without a logits hook only the gradient-scale "
                                                             "candidates are tried: add logits(model, batch, cp))")
+            ring = ("; the loss agrees and the gradients do not: a bug in the ring's backward or in the step's "
+                    "gradient path (ringcheck validate --impl judges the ring alone)"
+                    if c["loss"]["ratio"] <= 1 and c["gradients"] else "")
             lines.append(f"{c['case']}: matches no known transformation" + (f"; nearest: {near}" if near else "")
-                         + hook)
+                         + hook + ring)
     if doc.get("rule", {}).get("attention"):
         lines.append(doc["rule"]["attention"])
     if doc.get("data") is not None:

@@ -1,6 +1,7 @@
 """The runs of `ringcheck step`: the recipe's step on every rank of a mesh, once at CP=P and once
 at CP=1 (the reference: the same data-parallel dims, a real process group of one rank per CP
-group), every case in turn; and, for a failure, the diagnosis's candidates on one rank.
+group, the attention our ring on that group of one: the dense float64 attention), every case in
+turn; and, for a failure, the diagnosis's candidates on one rank.
 
 `StepConfig` holds the settings, checked at construction (the value received and the fix).
 """
@@ -68,6 +69,12 @@ class StepConfig:
     @property
     def impl_options(self) -> ImplOptions:
         return ImplOptions(self.impl, self.layout, self.backend)
+
+    @property
+    def reference_options(self) -> ImplOptions:
+        """The reference's attention: our ring on a group of one, the dense float64 attention (a
+        ring under test need not run on one rank, and one wrong there too is then caught)."""
+        return ImplOptions("ringcheck", self.layout, "torch")
 
     def flags(self) -> list[str]:
         out = ["--recipe", self.recipe, "--impl", self.impl, "--world-size", str(self.world_size)]
@@ -144,10 +151,12 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
     return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
 
 
-def step_task(member, config: StepConfig, names: tuple[str, ...], positions0: torch.Tensor) -> dict[str, Any]:
-    """One rank of a run (`ringcheck.launch` task): every case of `names` in turn."""
+def step_task(member, config: StepConfig, names: tuple[str, ...], positions0: torch.Tensor,
+              reference: bool = False) -> dict[str, Any]:
+    """One rank of a run (`ringcheck.launch` task): every case of `names` in turn, the attention
+    through the ring under test (the reference's: `StepConfig.reference_options`)."""
     recipe = load_recipe(config.recipe)
-    impl = loaded(config.impl_options)
+    impl = loaded(config.reference_options if reference else config.impl_options)
     cases = {}
     for name in names:
         cp = CP(rank=member.rank, size=member.world_size, group=member.group, layout=config.layout, impl=impl,
@@ -181,7 +190,7 @@ def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, t
     recipe = load_recipe(config.recipe)
     if recipe.logits is None:
         return {}
-    cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.impl_options),
+    cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.reference_options),
             dp_group=member.group, timeout=member.timeout, global_rank=member.global_rank, device=member.device)
     dtype = REFERENCE_DTYPES[config.dtype]
     dp = config.mesh_spec.rings
