@@ -189,7 +189,9 @@ def test_a_ring_with_a_wrong_backward_fails_inside_the_step(ring_processes):
     loss agrees (its forward is right), the gradients do not, and no step bug is named. Its
     reference is our ring on one rank (it cannot run on a group of one itself)."""
     pytest.importorskip("ring_attention_pytorch", reason="the peer ring is the optional extra peers")
-    judged = _step(ring_processes, impl="ring_attention_pytorch", layout="contiguous", cases=("one_sequence",))
+    world = ring_processes.size or 2  # it rings over the default group: under torchrun, the whole world
+    judged = _step(ring_processes, impl="ring_attention_pytorch", layout="contiguous", world_size=world,
+                   cases=("one_sequence",))
     (row,) = judged["cases"]
     assert row["verdict"] == "fail" and row["diagnosis"] is None
     assert row["loss"]["ratio"] <= 1 and row["worst_gradient"] > 0.05

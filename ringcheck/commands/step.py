@@ -84,6 +84,10 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     every rank calls this in step), judged and, where a case failed, diagnosed."""
     recipe = load_recipe(config.recipe)
     mesh, ref_mesh = config.mesh_spec, config.reference_mesh
+    world_only = config.impl_options.load().world_only
+    if world_only is not None and (mesh.rings > 1 or processes.size not in (None, mesh.size)):
+        raise ValueError(f"--impl {config.impl}: {world_only}, so its ring must be the whole world: drop --mesh and "
+                         f"pass --world-size {processes.size or mesh.cp}")
     first = 0 if processes.size is None else processes.size - mesh.size
     pos0 = ring_positions(config)
     names = config.cases
