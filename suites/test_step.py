@@ -276,3 +276,25 @@ def test_pytorch_context_parallel_inside_the_step(ring_processes):
     assert all(0 < r["worst_gradient"] < r["gradient_budget"] for r in judged["cases"])
     bad = _step(ring_processes, impl="torch_cp", recipe=f"{MUTANTS}:labels_shifted_in_shards", cases=("one_sequence",))
     assert bad["cases"][0]["diagnosis"]["name"] == "labels_shifted_in_shards"
+
+
+def test_under_torchrun_the_command_runs_on_the_world_and_rank_0_reports(torchrun_world, tmp_path):
+    """torchrun -m ringcheck step: the ranks are the world's (a mesh dp=1,cp=2 of 2 ranks), every
+    rank judges, rank 0 alone prints and writes the report; a failing step exits non-zero."""
+    if torchrun_world is not None:
+        pytest.skip("starts its own torchrun world: plain pytest")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ringcheck.documents import STEP_SCHEMA, load
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    argv = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ringcheck",
+            "step", "--recipe", f"{MUTANTS}:grads_averaged", "--cases", "one_sequence", "--report", str(tmp_path), "-q"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert done.stdout.count("report written to") == 1 and "grads_over_p" in done.stdout, done.stdout
+    doc = load(tmp_path / "step.json", schema=STEP_SCHEMA)
+    assert doc["verdict"] == "fail" and doc["command"].startswith(("cd ", "torchrun")) and "torchrun" in doc["command"]
