@@ -31,8 +31,9 @@ validate: $(STAMP)
 # on pytest-xdist workers, one per core (the suites' local rings are processes of their own);
 # with byte-code caches even where the environment turns them off (PYTHONDONTWRITEBYTECODE): the
 # suites start about a hundred Python processes, each importing ringcheck (and pytest rewriting
-# the test modules in each worker)
+# the test modules in each worker). First the lint: ruff, with the rules in pyproject.toml
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto
 
 clean:

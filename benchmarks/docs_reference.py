@@ -111,7 +111,7 @@ class _RecordingParser:
     def __init__(self):
         self.groups: dict[str, tuple[str, list[tuple[tuple[str, ...], dict]]]] = {}
 
-    def getgroup(self, name: str, description: str = "") -> "_RecordingGroup":
+    def getgroup(self, name: str, description: str = "") -> _RecordingGroup:
         known = self.groups.setdefault(name, (description, []))
         if description and not known[0]:
             self.groups[name] = (description, known[1])

@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
+from ringcheck.catalogue.precision_mutants import NARROWER, ring_results_task, whole_results
 from ringcheck.judge.check import Case, Results, truth
 from ringcheck.judge.distributions import DISTRIBUTIONS
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.precision import CLASS_K, judge_precision
 from ringcheck.launch import LocalRings
 from ringcheck.spec import DTYPES, AttentionSpec, RingSpec
-from ringcheck.catalogue.precision_mutants import NARROWER, ring_results_task, whole_results
 
 # (name, causal, layout)
 LAYOUTS = [("bidirectional", False, "contiguous"), ("causal", True, "contiguous"), ("zigzag", True, "zigzag"),

@@ -67,7 +67,7 @@ def mutant_rows(rings) -> list[dict]:
                      "matched_loss": None if d is None else d["loss_error"],
                      "matched_gradient": None if d is None else d["gradient_error"]})
         print(rows[-1], flush=True)
-    for spec, case, mesh in ((f"ringcheck.catalogue.step_mutants:micro_batches_weighed_equally", "two_micro_batches",
+    for spec, case, mesh in (("ringcheck.catalogue.step_mutants:micro_batches_weighed_equally", "two_micro_batches",
                               None), ("ringcheck.catalogue.step_mutants:sampler_seeded_by_global_rank", "one_sequence",
                                       "dp=2,cp=2")):
         judged = run_step(StepConfig(recipe=spec, world_size=2 if mesh else 4, mesh=mesh, cases=(case,)), rings)

@@ -91,7 +91,7 @@ def _cases() -> list[tuple[str, str, dict]]:
     add("mutants", "sinks_all_reduced --sinks (partial)", impl=f"{EMB}:sinks_all_reduced", sinks=True)
     for name in FORWARD_MUTANTS:
         add("forward", f"{name} (forward)", impl=f"{MUT}:{name}")
-    for name, (_, tensor, narrow, _) in PRECISION_MUTANTS.items():
+    for name, (_, _tensor, narrow, _) in PRECISION_MUTANTS.items():
         for dtype, narrower in NARROWER.items():
             if narrow in narrower:
                 add("precision", f"{name} {dtype}", impl=f"{PREC}:{name}", dtype=dtype)

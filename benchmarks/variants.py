@@ -29,11 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ringcheck import simulate_ring
-from ringcheck.ring.layouts import work_counts
-from ringcheck.ring.loops import RankShard, RingConfig, forward_loop
 from ringcheck.ring.backends import get_backend
 from ringcheck.ring.drivers import NoCommDriver
-from ringcheck.ring.layouts import shard
+from ringcheck.ring.layouts import shard, work_counts
+from ringcheck.ring.loops import RankShard, RingConfig, forward_loop
 
 
 def _inputs(n: int, heads: int, d: int, seed: int = 0):

@@ -302,7 +302,7 @@ class _RowBlock:
             bnd, bnd_d = self._bounds(p)
             bound[p]["dv"] = _log2add(bound[p]["dv"], bnd.total(4 * N * inp.domax))
             bound[p]["dk"] = _log2add(bound[p]["dk"], bnd_d.total(12 * N * abs(inp.scale) * inp.qmax * inp.vmax * self.do_l1))
-        for t, (j0, j1) in enumerate(self.tiles):
+        for t, (j0, _j1) in enumerate(self.tiles):
             g = self._g(t)
             for p in self.precisions:
                 e, e2 = self._exp(t, p)

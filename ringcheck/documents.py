@@ -161,7 +161,7 @@ def meta(command: str, *, elapsed_s: float, threads: int | None = None, **extra:
         raise ValueError(f"meta: {clash} are common keys; a command adds only its own")
     return {
         "command": command,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "ringcheck": __version__,
         "threads": torch.get_num_threads() if threads is None else threads,

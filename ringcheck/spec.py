@@ -246,7 +246,7 @@ class Variant:
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
 
     @staticmethod
-    def of(*, cu_seqlens=None, window=None, softcap=None, seq_len: int) -> "Variant":
+    def of(*, cu_seqlens=None, window=None, softcap=None, seq_len: int) -> Variant:
         """The validated variant of a call's keyword arguments."""
         return Variant(check_cu_seqlens(cu_seqlens, seq_len), check_window(window), check_softcap(softcap))
 
@@ -388,7 +388,7 @@ class AttentionSpec:
         """Query heads per K/V head (1 for multi-head attention)."""
         return self.heads // self.kv_heads
 
-    def replace(self, **changes) -> "AttentionSpec":
+    def replace(self, **changes) -> AttentionSpec:
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
         fields.update(changes)
         return AttentionSpec(**fields)

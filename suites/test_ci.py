@@ -46,3 +46,11 @@ def test_ci_runs_the_precision_suites_on_a_second_cpu_kernel():
     assert suites and {"suites/test_precision_class.py", "suites/test_budget_rule.py"} <= set(suites.group(1).split())
     assert all((ROOT / name).is_file() for name in suites.group(1).split())
     assert re.search(r'ATEN_CPU_CAPABILITY=default [^\n]*pytest "\$\{CAPABILITY_SUITES\[@\]\}"', script), script
+
+
+def test_make_test_lints_with_a_pinned_ruff():
+    """make test runs ruff check before the suites, with the version the test extra pins."""
+    makefile = (ROOT / "Makefile").read_text()
+    target = makefile[makefile.index("\ntest: "):]
+    assert "ruff check ." in target.split("\n\n")[0], target
+    assert re.search(r'"ruff==[0-9.]+"', (ROOT / "pyproject.toml").read_text())

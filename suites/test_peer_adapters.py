@@ -24,11 +24,11 @@ from ringcheck import flash_stand_in
 from ringcheck.adapters import flash, load_impl
 from ringcheck.adapters import ring_flash_attn as rfa_adapter
 from ringcheck.commands.validate import Target, check_variant_keywords
+from ringcheck.harness import ImplOptions, impl_task, whole_results
 from ringcheck.judge.check import Case, judge_results, peer, truth
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.launch import LocalRings
 from ringcheck.spec import AttentionSpec, RingSpec, Variant
-from ringcheck.harness import ImplOptions, impl_task, whole_results
 
 HAS_RFA = importlib.util.find_spec("ring_flash_attn") is not None
 HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
@@ -107,7 +107,7 @@ def patched_basic_ring_task(member, impl, case, inputs):
     if "dq.to(torch.bfloat16)" not in source:
         raise RuntimeError("the suspect line is not in this ring-flash-attn version")
     namespace: dict = {}
-    exec(compile(source.replace("dq.to(torch.bfloat16)", "dq.to(q.dtype)"), "<patched copy>", "exec"),  # noqa: S102
+    exec(compile(source.replace("dq.to(torch.bfloat16)", "dq.to(q.dtype)"), "<patched copy>", "exec"),
          module.__dict__, namespace)
     module.ring_flash_attn_backward = namespace["ring_flash_attn_backward"]
     try:

@@ -7,9 +7,9 @@ can fail.
 
 import pytest
 
+from ringcheck.catalogue.planted import PLANTED
 from ringcheck.judge.check import run_case, simulated_impl
 from ringcheck.testing.cases import PLANTED_CASES
-from ringcheck.catalogue.planted import PLANTED
 
 
 def test_the_unbroken_ring_passes_these_cases():

@@ -21,13 +21,6 @@ import pytest
 import torch
 
 from ringcheck.adapters import load_impl
-from ringcheck.commands.validate import Target, validate
-from ringcheck.judge.check import Case, Results, run_whole, simulated_impl, truth
-from ringcheck.judge.distributions import DISTRIBUTIONS
-from ringcheck.judge.inputs import make_inputs
-from ringcheck.judge.precision import CLASS_K, class_reference, flash_class, judge_class, judge_precision
-from ringcheck.launch import RingError
-from ringcheck.spec import DTYPES, AttentionSpec, RingSpec, Variant
 from ringcheck.catalogue.mutants import CATALOGUES
 from ringcheck.catalogue.precision_mutants import (
     NARROWER,
@@ -36,6 +29,13 @@ from ringcheck.catalogue.precision_mutants import (
     ring_results_task,
     whole_results,
 )
+from ringcheck.commands.validate import Target, validate
+from ringcheck.judge.check import Case, Results, run_whole, simulated_impl, truth
+from ringcheck.judge.distributions import DISTRIBUTIONS
+from ringcheck.judge.inputs import make_inputs
+from ringcheck.judge.precision import CLASS_K, class_reference, flash_class, judge_class, judge_precision
+from ringcheck.launch import RingError
+from ringcheck.spec import DTYPES, AttentionSpec, RingSpec, Variant
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 MODES = {"bidirectional": (False, "contiguous"), "causal": (True, "contiguous"), "zigzag": (True, "zigzag"),

@@ -10,9 +10,9 @@ a fixed (derandomized) search so the test is deterministic.
 import pytest
 from hypothesis import HealthCheck, find, settings
 
+from ringcheck.catalogue.planted import PLANTED
 from ringcheck.judge.check import run_case, simulated_impl
 from ringcheck.testing.cases import SEARCH_BENIGN_CASES
-from ringcheck.catalogue.planted import PLANTED
 from ringcheck.testing.properties import budget_cases, check_budget
 from ringcheck.testing.strategies import Bounds, tokens_per_rank
 

@@ -13,7 +13,6 @@ import torch
 import ringcheck
 from reference import dense_attention
 
-
 # ---- the ring in float64 ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout, variant", [

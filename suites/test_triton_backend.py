@@ -34,6 +34,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from ringcheck.catalogue.planted import with_backend
 from ringcheck.judge.check import Case, run_case, simulated_impl
 from ringcheck.judge.verdict import judge
 from ringcheck.ring import simulate_ring
@@ -42,7 +43,6 @@ from ringcheck.ring.backends.torch_backend import TorchBackend
 from ringcheck.ring.backends.triton_backend import TritonBackend
 from ringcheck.ring.loops import REAL_PARTS
 from ringcheck.testing.cases import TRITON_CASES, TRITON_GPU_CASES, TRITON_PLANTED_CASES
-from ringcheck.catalogue.planted import with_backend
 
 BACKEND = TritonBackend()
 if BACKEND.interpreted:

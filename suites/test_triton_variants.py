@@ -39,8 +39,8 @@ pytest.importorskip("triton")
 
 from ringcheck.judge.check import run_case
 from ringcheck.ring.backends.triton_backend import TritonBackend, mask_flags
-from ringcheck.testing.variant_cases import variant_case
 from ringcheck.ring.backends.triton_fwd import attention_forward
+from ringcheck.testing.variant_cases import variant_case
 
 # DOT_FP32 on: every tl.dot multiplies in IEEE float32, on the GPU too (where bf16 would
 # otherwise take the tensor cores and round P to bf16), so one budget holds everywhere

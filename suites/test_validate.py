@@ -17,8 +17,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from ringcheck.adapters import Impl, load_impl
+from ringcheck.catalogue.mutants import MUTANTS
+from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from ringcheck.commands.validate import CheckRow, Target, report_dict, validate
 from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, meta
 from ringcheck.judge.check import token_owners
@@ -29,7 +30,6 @@ from ringcheck.render.html import validate_html
 from ringcheck.render.markdown import tensor_words, validate_markdown
 from ringcheck.render.terminal import print_check_rows
 from ringcheck.spec import RingSpec
-from ringcheck.catalogue.mutants import MUTANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from ringcheck.cli import EXIT_USAGE, main
-from ringcheck.cli.validate import read_config
 from ringcheck.cli.common import UsageError
+from ringcheck.cli.validate import read_config
 from ringcheck.commands.validate import Target
 
 QUIET = ["--world-size", "0"]  # a flag error after the config is read: the run never starts

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from ringcheck import ring_attention
+from ringcheck.catalogue.variant_mutants import VARIANT_MUTANTS
 from ringcheck.cli import main
 from ringcheck.cli.validate import rerun_command
 from ringcheck.commands.validate import Target, scaled_cases, validate
 from ringcheck.launch import RingError
-from ringcheck.catalogue.variant_mutants import VARIANT_MUTANTS
 
 VARIANT_TARGET = dict(seq_len=128, world_size=4, layout="zigzag_docs", documents="random:4", pad=16,
                       window=(24, 0), softcap=20.0, sinks=True, head_dim_v=16, head_dim=32,

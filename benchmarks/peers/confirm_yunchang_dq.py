@@ -15,7 +15,7 @@ def patch_task(member):
     if "dq.to(torch.bfloat16)" not in src:
         raise RuntimeError("the suspect line is not in this yunchang version")
     ns = {}
-    exec(compile(src.replace("dq.to(torch.bfloat16)", "dq.to(q.dtype)"), "<patched copy>", "exec"), m.__dict__, ns)  # noqa: S102
+    exec(compile(src.replace("dq.to(torch.bfloat16)", "dq.to(q.dtype)"), "<patched copy>", "exec"), m.__dict__, ns)
     m.ring_flash_attn_backward = ns["ring_flash_attn_backward"]
     return "patched"
 

@@ -7,7 +7,6 @@ and passes patched.
     python benchmarks/peers/llama3_reduce_scatter_float32.py      (from the repository root)
 """
 import torch.distributed as dist
-
 from patched_runs import as_shipped_and_patched
 
 from ringcheck.cli.validate import QUICK_LENGTHS

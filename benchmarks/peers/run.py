@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from ringcheck.cli.validate import QUICK_LENGTHS, rerun_command, short_failures
 from ringcheck.adapters import load_impl
+from ringcheck.cli.validate import QUICK_LENGTHS, rerun_command, short_failures
 from ringcheck.commands.validate import Target, check_variant_keywords, placement, report_dict, validate
 from ringcheck.documents import meta, save
 from ringcheck.flash_stand_in import install

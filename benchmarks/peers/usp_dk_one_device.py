@@ -4,12 +4,12 @@ import torch
 
 from ringcheck.flash_stand_in import install
 
-install()
-from flash_attn import flash_attn_func
+install()  # before flash_attn is imported: it must resolve to the stand-in
+from flash_attn import flash_attn_func  # noqa: E402
 
-from ringcheck.judge.check import Case, Results, judge_results, peer, truth
-from ringcheck.judge.inputs import make_inputs
-from ringcheck.spec import AttentionSpec, RingSpec
+from ringcheck.judge.check import Case, Results, judge_results, peer, truth  # noqa: E402
+from ringcheck.judge.inputs import make_inputs  # noqa: E402
+from ringcheck.spec import AttentionSpec, RingSpec  # noqa: E402
 
 spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_len=8, head_dim=64, dtype="bfloat16", causal=True)
 case = Case(spec, RingSpec(4, "contiguous"), seed=6, distribution="outlier")

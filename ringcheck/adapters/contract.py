@@ -25,8 +25,9 @@ A breach of the contract is a `ContractError` naming it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

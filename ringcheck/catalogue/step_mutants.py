@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..recipes.plain import PlainRecipe
-from ..step.contract import IGNORE, CP, shift_labels
+from ..step.contract import CP, IGNORE, shift_labels
 
 
 class LabelsShiftedInShards(PlainRecipe):

@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
-from ..launch.start import environ_as_started
 from ..launch import launched_rank
+from ..launch.start import environ_as_started
 from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError, where_to_rerun
 from .drift import _add_drift, _add_report

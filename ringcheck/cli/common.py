@@ -92,8 +92,8 @@ def list_of(kind):
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
         try:
             return tuple(kind(x) for x in items)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from exc
     return parse
 
 

@@ -212,7 +212,9 @@ def _cmd_report_render(args: argparse.Namespace) -> int:
 
 
 def _add_drift(sub) -> None:
-    join = lambda xs: ",".join(map(str, xs))
+    def join(xs) -> str:
+        return ",".join(map(str, xs))
+
     p = sub.add_parser(
         "drift", help="sweep dtypes x ring sizes x distributions x modes: error against ring size",
         description="Precision drift: error of every tensor against ring size, per dtype, logit distribution, "

@@ -7,15 +7,23 @@ import os
 import shlex
 import time
 
-from ..commands.train import EXIT_OF, check_impl, impl_options, placement, report_dict, run_train, run_steps_total
+from ..commands.train import EXIT_OF, check_impl, impl_options, placement, report_dict, run_steps_total, run_train
 from ..harness import Mesh
 from ..launch import RingError, open_ring
 from ..render.files import write_train_reports
 from ..render.terminal import make_console, progress
 from ..render.train_terminal import print_train_summary
 from ..train.config import PRESETS, TrainConfig
-from .common import (UsageError, add_log_dir, add_quiet, add_variant_flags, command_meta, present, shows_progress,
-                     timeout_of)
+from .common import (
+    UsageError,
+    add_log_dir,
+    add_quiet,
+    add_variant_flags,
+    command_meta,
+    present,
+    shows_progress,
+    timeout_of,
+)
 from .validate import incomplete_run, where_to_rerun
 
 DEFAULT_TIMEOUT_S = 60.0

@@ -33,8 +33,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -254,7 +255,7 @@ def run_balance(spec: BenchSpec, progress: Callable[[str], None] = lambda s: Non
                 per_rank = []
                 for r in range(p):
                     qs, ks, vs = (shard(t, layout=layout, rank=r, world_size=p, dim=1).contiguous() for t in (q, k, v))
-                    run = lambda: NoCommDriver(r, p).run([forward_loop(config, RankShard(r, p), qs, ks, vs, backend)])  # noqa: E731,B023
+                    run = lambda: NoCommDriver(r, p).run([forward_loop(config, RankShard(r, p), qs, ks, vs, backend)])  # noqa: E731
                     with torch.no_grad():
                         per_rank.append(statistics.median(times_of(run, spec.warmup, spec.repeats)[0]))
                 rows.append({"ring_size": p, "layout": layout, "tokens": n, "dtype": dtype, "work": counts,

@@ -10,8 +10,9 @@ import gc
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,14 +48,14 @@ _PREFERRED = {"bidirectional": ("contiguous", "zigzag", "striped"), "causal": ("
 
 # ---------------------------------------------------------------------------------- inputs
 
-def case_inputs(case: "BenchCase") -> tuple[Inputs, torch.Tensor]:
+def case_inputs(case: BenchCase) -> tuple[Inputs, torch.Tensor]:
     """The case's seeded inputs (normal distribution; the same on every rank) with dout zero
     except on `case.sample_rows` sampled rows, and those rows."""
     rows = sample_rows(case.tokens, case.sample_rows, case.seed)
     return with_sampled_rows(make_inputs(case.spec(), seed=case.seed, distribution="normal"), rows), rows
 
 
-def case_reference(case: "BenchCase", inputs: Inputs, rows: torch.Tensor) -> Results:
+def case_reference(case: BenchCase, inputs: Inputs, rows: torch.Tensor) -> Results:
     """float64 out, dq on `rows`; dk, dv on every key (exact: dout is zero elsewhere)."""
     return row_results(case.spec(), inputs, rows)
 

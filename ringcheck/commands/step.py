@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..adapters import accepted_keywords
 from ..documents import STEP_SCHEMA, header
 from ..launch import GroupPlan
-from ..adapters import accepted_keywords
 from ..step.cases import CASES, case_names
 from ..step.contract import load_recipe
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match

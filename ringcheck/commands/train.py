@@ -17,7 +17,8 @@ step) on process groups of `ringcheck.launch`:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..adapters import Impl, require_variant_keywords
 from ..documents import TRAIN_SCHEMA, header

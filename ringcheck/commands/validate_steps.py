@@ -15,8 +15,8 @@ mesh but not alone is run alone from then on (the mesh row fails and says why).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -180,7 +180,7 @@ class Target:
             *self.variants.flags()])
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any], *, source: str = "config") -> "Target":
+    def from_mapping(cls, values: dict[str, Any], *, source: str = "config") -> Target:
         """A target from keys named like its fields (a TOML config, flags): an unknown key gets
         a "did you mean", a value of the wrong type names its key (`check_types`)."""
         normalised = {key.replace("-", "_"): value for key, value in values.items()}

@@ -51,7 +51,7 @@ class Mesh:
                              f"name it cp, e.g. --mesh dp=2,cp=4 or --mesh cp=4,tp=2")
 
     @classmethod
-    def parse(cls, text: str) -> "Mesh":
+    def parse(cls, text: str) -> Mesh:
         """`DIM=N,DIM=N,...` (e.g. "dp=2,cp=4"); ValueError naming the value and the fix."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"--mesh expects DIM=N,DIM=N,... with one dim named cp (e.g. dp=2,cp=4), got {text!r}")
@@ -68,12 +68,12 @@ class Mesh:
         return cls(tuple(dims))
 
     @classmethod
-    def ring(cls, world_size: int) -> "Mesh":
+    def ring(cls, world_size: int) -> Mesh:
         """One ring that is the whole world: cp=P."""
         return cls(((CP, world_size),))
 
     @classmethod
-    def embedded(cls, world_size: int) -> "Mesh":
+    def embedded(cls, world_size: int) -> Mesh:
         """The default embedding: two interleaved rings, cp=P,tp=2 (strided CP groups)."""
         return cls(((CP, world_size), (REPLICA, 2)))
 
@@ -102,7 +102,7 @@ class Mesh:
         """How many CP groups run side by side."""
         return self.size // self.cp
 
-    def with_cp(self, world_size: int) -> "Mesh":
+    def with_cp(self, world_size: int) -> Mesh:
         """The same mesh with a ring of `world_size` (the other dims as they are)."""
         return Mesh(tuple((n, world_size if n == CP else s) for n, s in self.dims))
 

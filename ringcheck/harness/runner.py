@@ -16,8 +16,9 @@ through the CP group the implementation was given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from ..adapters import Impl, load_impl
 from ..judge.check import Case, Results

@@ -6,8 +6,8 @@ so a failure message is also a reproduction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 
 from ..spec import AttentionSpec
-from .results import Results
 from .inputs import Inputs
+from .results import Results
 from .scores import Scores, scores
 
 

@@ -28,7 +28,7 @@ and ``late-max`` do leave the range where exp overflows float16 (logit > 11.1) a
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

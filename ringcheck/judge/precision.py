@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from reference import attention_mask
+
 from ..spec import AttentionSpec, Budget
 from .check import Case, Results, judge_results, peer, reference_kwargs, seq_dim, token_owners, truth
 from .conventions import convention_truths
@@ -47,8 +49,6 @@ from .inputs import Inputs
 from .metrics import abs_error, unit_roundoff
 from .scores import scores
 from .verdict import FLOAT32_FLOOR_C, TENSORS, Verdict, float32_floors
-
-from reference import attention_mask
 
 # k of the rule e <= k e_c + f, per input dtype (reports/precision_class/ measures both sides).
 # bfloat16 / float16: one rounding through bfloat16 costs ~8x the class in the 2-norm (2^-8 /

@@ -12,8 +12,8 @@ import torch
 from reference import attention_mask
 
 from ..spec import AttentionSpec
-from .results import reference_kwargs
 from .inputs import Inputs
+from .results import reference_kwargs
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ class VariantOptions:
             doc["head_dim_v"] = self.head_dim_v
         return doc
 
-    def scaled(self, seq_len: int, full_len: int, ring: RingSpec) -> "VariantOptions":
+    def scaled(self, seq_len: int, full_len: int, ring: RingSpec) -> VariantOptions:
         """The options at a scaled-down length of a `full_len` target (validate's small cases):
         documents become ``random:K`` (K as many as asked for, as many as fit), so every scale
         meets the placements ``random`` makes; --pad and the window's sides scale with the

@@ -18,8 +18,8 @@ the peer's max error is already about that high, so the floor changes nothing th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

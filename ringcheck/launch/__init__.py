@@ -29,7 +29,8 @@ workers `grace` seconds after the first failure.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .environment import CLAIMED_BY, TorchrunEnv, from_torchrun_env, launched_rank
 

@@ -10,7 +10,7 @@ import contextlib
 import os
 import tempfile
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 class ProgressFile:

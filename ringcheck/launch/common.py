@@ -6,8 +6,9 @@ import datetime
 import re
 import sys
 import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -69,7 +70,7 @@ class GroupPlan:
             raise ValueError(f"a group plan needs disjoint, non-empty rings of ranks >= 0, got {groups}")
 
     @classmethod
-    def ring(cls, world_size: int, ring_size: int) -> "GroupPlan":
+    def ring(cls, world_size: int, ring_size: int) -> GroupPlan:
         """One ring of the world's last `ring_size` ranks (ring ranks differ from global ones)."""
         return cls((tuple(range(world_size - ring_size, world_size)),))
 
@@ -204,7 +205,7 @@ class Submitted:
         if self._outcome is None:
             try:
                 self._outcome = (True, self._finish())
-            except BaseException as exc:  # noqa: BLE001 - kept for result(), which raises it
+            except BaseException as exc:
                 self._outcome = (False, exc)
 
     def result(self) -> Any:

@@ -4,8 +4,8 @@ so the pytest plugin and the command ask it without importing torch."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .start import worker_context
 from ..spec import DEFAULT_TIMEOUT, check_timeout
+from . import wire
 from .common import (
     GRACE,
     START_TIMEOUT,
@@ -35,8 +35,8 @@ from .common import (
     raised_text,
     ring_error,
 )
-from . import wire
 from .rank_task import STOP_PREFIX, StopFlag, log_path, rank_task
+from .start import worker_context
 
 # -------------------------------------------------------------------------------- local rings
 
@@ -287,7 +287,7 @@ class LocalRingPool:
         __tracebackhide__ = True
         return self.submit_groups(plan, task, *args, deadline=deadline).result()
 
-    def submit_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> "Submitted":
+    def submit_groups(self, plan: GroupPlan, task: Task, *args: Any, deadline: float | None = None) -> Submitted:
         """`run_groups` without waiting: the task is sent to every worker, and `result()` of what
         this returns collects it (this process meanwhile is free: a command judges the last
         task's results while the workers compute the next). One task at a time per pool: a
@@ -301,7 +301,7 @@ class LocalRingPool:
             self._in_flight.settle()
         limit = 10 * self.timeout if deadline is None else check_timeout(deadline)
         message = wire.dumps(("task", plan, task, args))
-        for r, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 conn.send_bytes(message)
             except (OSError, ValueError):
@@ -429,7 +429,7 @@ class LocalRings:
         self._pools = []
         self._used = {}
 
-    def __enter__(self) -> "LocalRings":
+    def __enter__(self) -> LocalRings:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -48,7 +48,7 @@ class StopFlag:
         try:
             if self.store.check([self.key]):
                 return self.store.get(self.key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - a store that went away is no reason to stop
+        except Exception:
             return None
         return None
 
@@ -153,7 +153,7 @@ class StuckWatchdog:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ringcheck-stuck-watchdog", daemon=True)
 
-    def __enter__(self) -> "StuckWatchdog":
+    def __enter__(self) -> StuckWatchdog:
         self._thread.start()
         return self
 

@@ -107,7 +107,7 @@ def _fork_exec_passfds(path, args, passfds):
         code = 0
     except SystemExit as exc:  # the server's way out: every client (the parent) is gone
         code = exc.code if isinstance(exc.code, int) else 0
-    except BaseException:  # noqa: BLE001 - said on stderr, then this process ends
+    except BaseException:
         import traceback  # only in a fork server that failed
 
         traceback.print_exc()

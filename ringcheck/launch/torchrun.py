@@ -149,7 +149,7 @@ class TorchrunWorld:
         if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
 
-    def __enter__(self) -> "TorchrunWorld":
+    def __enter__(self) -> TorchrunWorld:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..step.contract import CHECKPOINTING, IGNORE, CP, shift_labels
+from ..step.contract import CHECKPOINTING, CP, IGNORE, shift_labels
 from ..train.config import TrainConfig
 from ..train.model import decoder, init_parameters, parameter_shapes, rms_norm
 

@@ -99,7 +99,7 @@ class _Waiter:
             work, seconds, done, failed = self.jobs.get()
             try:
                 work.wait(datetime.timedelta(seconds=seconds))
-            except Exception as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            except Exception as exc:
                 failed.append(exc)
             done.set()
 

@@ -21,8 +21,9 @@ bug in an otherwise correct ring (see `ringcheck.catalogue.planted`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator
+from typing import Any
 
 import torch
 
@@ -81,7 +82,7 @@ class RingParts:
     backward_loop: Callable[..., Any] | None = None  # None: `backward_loop` below
     backend: BlockBackend | None = None              # None: the backend `RingConfig.backend` names
 
-    def replace(self, **changes) -> "RingParts":
+    def replace(self, **changes) -> RingParts:
         return replace(self, **changes)
 
     @property

@@ -12,14 +12,15 @@ them, for the report's convention line (transformers #34191).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..ring.layouts import positions
 from ..spec import RingSpec
-from .contract import IGNORE, CP, shift_labels
+from .contract import CP, IGNORE, shift_labels
 
 # name -> (class, what it means, a report where it happened)
 WORDS = {
@@ -82,7 +83,7 @@ def _weights(name: str, batches: list[dict], layouts: list[Layout], P: int, dp: 
     total = sum(int(v.sum()) for v in valid)
     M = len(batches)
     out = []
-    for v, where, mb in zip(valid, layouts, batches):
+    for v, where, _mb in zip(valid, layouts, batches):
         w = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
         if name in ("token_mean", "labels_shifted_in_shards", "local_positions", "local_attention"):
             w[v] = 1.0 / max(total, 1)

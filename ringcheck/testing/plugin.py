@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from ..launch.start import start_fork_server_here
 # torch-free at load (start-up time: every pytest run where ringcheck is installed loads this
 # plugin); the judge and the launchers are imported where a test asks for them
 from ..launch.environment import from_torchrun_env, launched_rank
+from ..launch.start import start_fork_server_here
 from . import recipe_plugin
 from .profiles import PROFILES
 

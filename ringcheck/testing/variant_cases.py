@@ -15,7 +15,7 @@ multiple of 2P tokens).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..judge.check import Case
 from ..spec import AttentionSpec, RingSpec, Variant

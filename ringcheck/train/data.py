@@ -65,7 +65,7 @@ class Batch:
     counted: torch.Tensor  # (sequences, seq_len) bool
     rope: torch.Tensor     # (seq_len,) int64
 
-    def part(self, index: torch.Tensor, rows: slice) -> "Batch":
+    def part(self, index: torch.Tensor, rows: slice) -> Batch:
         """The sequences `rows` at the positions `index` (a rank's shard)."""
         return Batch(self.tokens[rows][:, index], self.labels[rows][:, index], self.counted[rows][:, index],
                      self.rope[index])

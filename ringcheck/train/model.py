@@ -20,7 +20,7 @@ global batch, exactly in exact arithmetic.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
