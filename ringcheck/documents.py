@@ -84,9 +84,11 @@ losses, spread, envelope, band, gap, gradient norms), meta (`ringcheck.train.ver
 `ringcheck.step`, version 1 (`ringcheck.commands.step.report_dict`): verdict, passed, why, command, config,
 mesh, reference_mesh, rule, convention, `cases` (errors, budgets, first out, candidates, diagnosis), meta.
 
-`meta` (every kind, `meta`): command (the command line run), created (UTC, ISO 8601), host,
-platform, python, torch, ringcheck (versions), threads (torch CPU threads of the command's
-process), elapsed_s; then the keys a command adds.
+`ringcheck.plan`, version 1 (`ringcheck.plan.plan_document`): verdict ("fits" or "does not fit"), fits, why,
+settings, model, hardware (with sources), memory (bytes per GPU), smallest_cp, ring, step, conventions, notes, meta.
+
+`meta` (every kind, `meta`): command (the command line run), created (UTC, ISO 8601), host, platform,
+python, torch, ringcheck (versions), threads (the process's torch CPU threads), elapsed_s; then a command's own.
 
 No rich or plotting here; `ringcheck.render` presents the documents and diffs.
 """
@@ -110,6 +112,7 @@ VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 1
 BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 1
 TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION = "ringcheck.train", 1
 STEP_SCHEMA, STEP_SCHEMA_VERSION = "ringcheck.step", 1
+PLAN_SCHEMA, PLAN_SCHEMA_VERSION = "ringcheck.plan", 1
 
 
 @dataclass(frozen=True)
@@ -124,21 +127,19 @@ class Kind:
 
 
 KINDS = {kind.schema: kind for kind in (
-    Kind(DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION, "drift",
-         {"spec": dict, "cases": dict, "fits": dict, "summary": dict},
+    Kind(DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION, "drift", {"spec": dict, "cases": dict, "fits": dict, "summary": dict},
          ("rules", "cases", "fits", "summary", "meta")),
-    Kind(VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION, "validate",
-         {"passed": bool, "target": dict, "checks": list},
+    Kind(VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION, "validate", {"passed": bool, "target": dict, "checks": list},
          ("target", "checks", "meta")),
-    Kind(BENCH_SCHEMA, BENCH_SCHEMA_VERSION, "bench",
-         {"spec": dict},
+    Kind(BENCH_SCHEMA, BENCH_SCHEMA_VERSION, "bench", {"spec": dict},
          ("spec", "speed", "overlap", "balance", "memory", "harness", "meta")),
     Kind(TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION, "train",
          {"verdict": str, "config": dict, "summary": dict, "gradients": list, "steps": list},
          ("config", "rule", "summary", "gradients", "steps", "meta")),
-    Kind(STEP_SCHEMA, STEP_SCHEMA_VERSION, "step",
-         {"verdict": str, "config": dict, "cases": list},
+    Kind(STEP_SCHEMA, STEP_SCHEMA_VERSION, "step", {"verdict": str, "config": dict, "cases": list},
          ("config", "rule", "cases", "meta")),
+    Kind(PLAN_SCHEMA, PLAN_SCHEMA_VERSION, "plan", {"verdict": str, "settings": dict, "memory": dict},
+         ("settings", "memory", "ring", "conventions", "meta")),
 )}
 
 META_KEYS = ("command", "created", "host", "platform", "python", "torch", "ringcheck", "threads", "elapsed_s")
@@ -272,8 +273,7 @@ def loads(text: str, *, source: str = "<text>", schema: str | None = None) -> di
 
 def save(doc: dict, path: str | Path) -> Path:
     """Write `dumps(doc)` to `path` (creating its folder); returns the path."""
-    path = Path(path)
-    text = dumps(doc)
+    path, text = Path(path), dumps(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path

@@ -70,6 +70,10 @@ RULES = [
                                                  "ringcheck.testing"),
      "process groups and the harness run below the commands (a worker's start is launch.start's)"),
     (("ringcheck",), ("ringcheck.entry",), "only the console script's own modules import the entry"),
+    (("ringcheck.plan",), ("torch", "ringcheck.spec", "ringcheck.ring", "ringcheck.judge", "ringcheck.commands",
+                           "ringcheck.testing", "ringcheck.render", "ringcheck.documents", "ringcheck.cli",
+                           "ringcheck.launch", "ringcheck.harness", "ringcheck.adapters", "ringcheck.measure"),
+     "the plan's arithmetic is pure: no torch, nothing of the rest of ringcheck"),
     (("ringcheck.judge.results",), ("ringcheck.judge.check", "ringcheck.judge.conventions",
                                     "ringcheck.judge.scores", "ringcheck.judge.precision"),
      "what every judge shares sits below them all"),
@@ -109,6 +113,8 @@ def test_the_rules_catch_a_planted_upstream_import(tmp_path):
         "only render/ presents"]
     assert _broken_rules("reference.dense", [(1, "ringcheck.ring.api", False)])
     assert not _broken_rules("reference.dense", [(1, "ringcheck.spec", False)])
+    assert _broken_rules("ringcheck.plan.ring", [(1, "torch", False)])  # the plan's arithmetic needs no torch
+    assert not _broken_rules("ringcheck.plan.ring", [(1, "ringcheck.plan.hardware", False)])
 
 
 def test_no_module_over_the_size_limit():

@@ -16,6 +16,7 @@ from ..launch.start import environ_as_started
 from .bench import _add_bench, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError, where_to_rerun
 from .drift import _add_drift, _add_report
+from .plan import _add_plan
 from .step import _add_step
 from .test import _add_test
 from .train import _add_train
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_test(sub)
     _add_train(sub)
     _add_step(sub)
+    _add_plan(sub)
     return parser
 
 
