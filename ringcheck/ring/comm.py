@@ -101,6 +101,7 @@ class _Waiter:
                 work.wait(datetime.timedelta(seconds=seconds))
             except Exception as exc:
                 failed.append(exc)
+            del work  # a send's work holds its buffer: keep none alive until the next job comes
             done.set()
 
 

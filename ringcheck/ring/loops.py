@@ -246,6 +246,7 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
                 lse[:, :, block.q].contiguous(), delta[:, :, block.q].contiguous(), **_kernel_args(config, block))
             dq[:, block.q] += dq_b
             contributions.append((block.kv, dk_b, dv_b))
+            del dq_b, dk_b, dv_b  # no block's outputs outlive their use into the next block's kernel call
         if step > 0:
             # the accumulators of `src` were posted by the previous rank a step ago: their
             # transfer overlapped this step's compute, and only now are they needed
@@ -258,6 +259,7 @@ def backward_loop(config: RingConfig, shard: RankShard, q: torch.Tensor, k: torc
         for rows, dk_b, dv_b in contributions:
             dk_acc[:, rows] += dk_b
             dv_acc[:, rows] += dv_b
+        contributions = dk_b = dv_b = None  # nor into the next step's
         # the accumulators move on with their K/V; after the last step they go home
         yield Post("grad", (dk_acc, dv_acc, tag))
         if not last:
