@@ -38,21 +38,22 @@ class Block:
         return self.q_rows * self.kv_rows * self.work
 
 
-def step_blocks(layout: str, causal: bool, world_size: int, n: int) -> list[list[Block]]:
-    """Per ring step, the blocks a rank computes, one list entry per kind of rank (the busiest
-    first); the table `ringcheck.ring.layouts.block_plan` follows for ringcheck's layouts."""
+def blocks_at(layout: str, causal: bool, n: int, step: int) -> list[Block]:
+    """The blocks a rank computes at ring `step`, one entry per kind of rank (the busiest first);
+    the table `ringcheck.ring.layouts.block_plan` follows for ringcheck's layouts."""
     full, diagonal = Block(n, n, 1.0), Block(n, n, CAUSAL_DIAGONAL)
-    steps = [[diagonal if causal else full]]
-    for _ in range(1, world_size):
-        if not causal:
-            steps.append([full])
-        elif layout == "zigzag":  # the earlier rank's K/V first half, or this rank's second half of queries
-            steps.append([Block(n, n // 2, 1.0), Block(n // 2, n, 1.0)])
-        elif layout == "striped":  # every rank: a square block under a causal mask (diagonal 0 or -1)
-            steps.append([diagonal])
-        else:  # contiguous: a full block on the ranks after the source, nothing on those before it
-            steps.append([full, Block(0, 0, 0.0)])
-    return steps
+    if step == 0 or not causal:
+        return [diagonal if causal else full]
+    if layout == "zigzag":  # the earlier rank's K/V first half, or this rank's second half of queries
+        return [Block(n, n // 2, 1.0), Block(n // 2, n, 1.0)]
+    if layout == "striped":  # every rank: a square block under a causal mask (diagonal 0 or -1)
+        return [diagonal]
+    return [full, Block(0, 0, 0.0)]  # contiguous: a full block on the ranks after the source, none before it
+
+
+def step_blocks(layout: str, causal: bool, world_size: int, n: int) -> list[list[Block]]:
+    """`blocks_at` for every step of a ring of `world_size`."""
+    return [blocks_at(layout, causal, n, step) for step in range(world_size)]
 
 
 def busiest_pairs(layout: str, causal: bool, world_size: int, n: int) -> list[float]:
@@ -129,7 +130,8 @@ def call_peak(shape: Shape, *, layout: str, causal: bool, world_size: int, kerne
     last = world_size - 1
     returned = shape.q(size=shape.e) if shape.e != shape.w else 0
     best: dict[str, int] = {"bytes": -1}
-    for step, blocks in enumerate(step_blocks(layout, causal, world_size, shape.n)):
+    for step in sorted({0, min(1, last), last}):  # the first, a steady and the last step: the others repeat it
+        blocks = blocks_at(layout, causal, shape.n, step)
         kv = (shape.kv_block() if step else 0) + (2 * shape.kv_block() if step < last else 0)
         for backward in (False, True):
             if backward:

@@ -40,7 +40,10 @@ def memory_rows(doc: dict) -> list[tuple[str, str, str]]:
     rows = [("weights", _size(mem["weights"]), f"zero {s['zero']}"),
             ("gradients", _size(mem["gradients"]), ""),
             ("optimizer state", _size(mem["optimizer"]), s["optimizer"]),
-            ("activations kept", _size(acts["kept"]), f"{s['checkpointing']} checkpointing over {layers} layers"),
+            ("activations kept", _size(acts["kept"]), (f"every layer's, {layers} layers (no checkpointing)"
+                                                       if s["checkpointing"] == "none" else
+                                                       f"segment inputs, {layers} layers ({s['checkpointing']} "
+                                                       f"checkpointing)")),
             ("  attention per layer", _size(acts["attention_per_layer"]), "the ring's q, k, v, float32 out, lse"),
             ("  rest per layer", _size(acts["rest_per_layer"]), "norms, projections' inputs, SwiGLU"),
             ("  one layer's input", _size(acts["layer_input"]), "what a checkpoint keeps"),
