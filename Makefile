@@ -1,12 +1,13 @@
 # Two entry points; each sets itself up (idempotently) in .venv.
 #   make validate   run `ringcheck validate` on its built-in default
-#   make test       run the test suites
+#   make test       run the test suites (all but the end-to-end command tests)
+#   make test-cli   run the end-to-end command tests (those that start ringcheck or pytest in a subprocess)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ringcheck-installed
 
-.PHONY: validate test install clean
+.PHONY: validate test test-cli install clean
 
 install: $(STAMP)
 
@@ -31,10 +32,15 @@ validate: $(STAMP)
 # on pytest-xdist workers, one per core (the suites' local rings are processes of their own);
 # with byte-code caches even where the environment turns them off (PYTHONDONTWRITEBYTECODE): the
 # suites start about a hundred Python processes, each importing ringcheck (and pytest rewriting
-# the test modules in each worker). First the lint: ruff, with the rules in pyproject.toml
+# the test modules in each worker). First the lint: ruff, with the rules in pyproject.toml.
+# The end-to-end command tests (marker cli: each starts ringcheck or pytest as a user would, in a
+# process of its own, importing torch again) are test-cli's; .ci/run runs both targets
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "not cli"
+
+test-cli: $(STAMP)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m cli
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

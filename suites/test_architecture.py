@@ -69,6 +69,9 @@ RULES = [
     (("ringcheck.launch", "ringcheck.harness"), ("ringcheck.entry", "ringcheck.cli", "ringcheck.commands",
                                                  "ringcheck.testing"),
      "process groups and the harness run below the commands (a worker's start is launch.start's)"),
+    (("ringcheck.measure",), ("ringcheck.commands", "ringcheck.cli", "ringcheck.render", "ringcheck.testing",
+                              "ringcheck.documents"),
+     "measurements sit below the commands, the test kit and the reports that use them"),
     (("ringcheck",), ("ringcheck.entry",), "only the console script's own modules import the entry"),
     (("ringcheck.plan",), ("torch", "ringcheck.spec", "ringcheck.ring", "ringcheck.judge", "ringcheck.commands",
                            "ringcheck.testing", "ringcheck.render", "ringcheck.documents", "ringcheck.cli",
@@ -185,6 +188,7 @@ def test_no_module_imports_upward_into_the_commands_or_the_entry():
     assert _broken_rules("ringcheck.launch.local", [(1, "ringcheck.entry", False)])
     assert _broken_rules("ringcheck.cli", [(1, "ringcheck.entry", False)])
     assert _broken_rules("ringcheck.judge.results", [(1, "ringcheck.judge.check", False)])
+    assert _broken_rules("ringcheck.measure.memory", [(1, "ringcheck.commands.validate", False)])
     assert not _broken_rules("ringcheck.__main__", [(1, "ringcheck.entry", False)])
     assert not _broken_rules("ringcheck.entry", [(1, "ringcheck.launch.start", False)])
 

@@ -54,3 +54,85 @@ def test_make_test_lints_with_a_pinned_ruff():
     target = makefile[makefile.index("\ntest: "):]
     assert "ruff check ." in target.split("\n\n")[0], target
     assert re.search(r'"ruff==[0-9.]+"', (ROOT / "pyproject.toml").read_text())
+
+
+# ---------------------------------------------------------------- the end-to-end command tests (issue 37, item 7)
+
+# tests that start a process which is not a ringcheck command or pytest: they stay in make test
+NOT_A_COMMAND = {
+    "test_a_subprocess_of_a_rank_is_not_a_rank": "python -c: what a rank's subprocess inherits",
+    "test_the_site_builds_strictly": "mkdocs build",
+    "test_cpu_tensors_with_compiled_kernels_raise_with_the_fix": "python -c: a Triton kernel without the interpreter",
+    "test_kernels_compile_for_an_h100_without_one": "python -c: Triton compiles for sm_90",
+    "test_variant_kernels_compile_for_an_h100_without_one": "python -c: Triton compiles for sm_90",
+}
+
+
+def _process_starters(tree) -> set[str]:
+    """Module-level functions (tests, fixtures, helpers) that start a process, directly or through
+    another such function or a fixture of that name."""
+    import ast
+
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    def called(node) -> set[str]:
+        names = set()
+        for x in ast.walk(node):
+            if isinstance(x, ast.Call) and isinstance(x.func, ast.Attribute) and isinstance(x.func.value, ast.Name):
+                names.add(f"{x.func.value.id}.{x.func.attr}")
+            elif isinstance(x, ast.Call) and isinstance(x.func, ast.Name):
+                names.add(x.func.id)
+        return names
+
+    starters: set[str] = set()
+    while True:
+        more = {name for name, node in defs.items() if name not in starters and (
+            any(c.startswith("subprocess.") for c in called(node)) or called(node) & starters
+            or {a.arg for a in node.args.args} & starters)}
+        if not more:
+            return starters
+        starters |= more
+
+
+def _marked_cli(node) -> bool:
+    import ast
+
+    return any(ast.unparse(d) == "pytest.mark.cli" for d in node.decorator_list)
+
+
+def test_every_test_that_starts_a_command_is_marked_cli():
+    """make test leaves out the tests that start ringcheck or pytest in a process of their own
+    (marker cli) and make test-cli runs them: a new one left unmarked would slow the default run;
+    a marked test that starts nothing would be left out of it for no reason."""
+    import ast
+
+    unmarked, needless, seen = [], [], set()
+    for path in sorted((ROOT / "suites").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        starters = _process_starters(tree)
+        seen |= starters & set(NOT_A_COMMAND)
+        for node in tree.body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test")):
+                continue
+            starts = node.name in starters and node.name not in NOT_A_COMMAND
+            if starts and not _marked_cli(node):
+                unmarked.append(f"{path.name}::{node.name}")
+            if _marked_cli(node) and not starts:
+                needless.append(f"{path.name}::{node.name}")
+    assert not unmarked, f"mark these @pytest.mark.cli (they start a process: make test-cli runs them): {unmarked}"
+    assert not needless, f"these are marked cli but start no command: {needless}"
+    assert seen == set(NOT_A_COMMAND), f"NOT_A_COMMAND names tests that start no process: {set(NOT_A_COMMAND) - seen}"
+
+
+def test_each_command_test_runs_once_in_ci():
+    """make test deselects the cli tests, make test-cli selects them, .ci/run runs both targets and
+    deselects them under torchrun (where they start their own worlds and would skip or repeat)."""
+    makefile = (ROOT / "Makefile").read_text()
+    test = makefile[makefile.index("\ntest: "):].split("\n\n")[0]
+    test_cli = makefile[makefile.index("\ntest-cli: "):].split("\n\n")[0]
+    assert '-m "not cli"' in test and re.search(r"pytest suites .*-m cli\b", test_cli), (test, test_cli)
+    script = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", script, re.M) and re.search(r"^make test-cli$", script, re.M), script
+    for line in script.splitlines():
+        if "torchrun" in line and "-m pytest" in line and "planted" not in line and "test_distributed" not in line:
+            assert '-m "not cli"' in line, line

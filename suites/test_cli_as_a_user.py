@@ -60,6 +60,7 @@ def _run(cmd, cwd, *, timeout=300, pythonpath="."):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("how", ["console script", "python -m"])
 def test_validate_from_a_directory_holding_a_folder_named_ringcheck(request, how):
     if how == "console script":
@@ -71,6 +72,7 @@ def test_validate_from_a_directory_holding_a_folder_named_ringcheck(request, how
     assert "PASSED" in done.stdout and "Traceback" not in done.stderr
 
 
+@pytest.mark.cli
 def test_bench_from_a_directory_holding_a_folder_named_ringcheck(beside_a_clone):
     done = _run([str(BIN / "ringcheck"), "bench", "--quick", "--sections", "speed", "--impl", "ringcheck,sdpa",
                  "--tokens", "64", "--heads", "1", "--head-dim", "8", "--repeats", "1", "--warmup", "0"],
@@ -118,6 +120,7 @@ def test_the_echoed_command_reproduces_the_run(tmp_path, capsys):
     assert [(c["check"], c["status"]) for c in redo["checks"]] == [(c["check"], c["status"]) for c in doc["checks"]]
 
 
+@pytest.mark.cli
 def test_the_stored_command_reproduces_the_run_from_the_directory_it_names(console_script_run, tmp_path):
     """A user's ring imported through PYTHONPATH=. in the user's folder: the command stored in the
     report carries the folder and that PYTHONPATH (made absolute), so pasting it anywhere, with
@@ -157,6 +160,7 @@ def test_a_bad_config_key_exits_2_with_one_line(tmp_path, capsys, key, value, me
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.cli
 def test_under_torchrun_a_bad_impl_is_said_once(tmp_path):
     done = _run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=3", "-m", "ringcheck", "validate",
                  "--impl", "nosuch:fn"], tmp_path, timeout=200, pythonpath="")
@@ -169,6 +173,7 @@ def test_under_torchrun_a_bad_impl_is_said_once(tmp_path):
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("layout, causal", [("zigzag", "--causal"), ("contiguous", "--no-causal"),
                                             ("contiguous", "--causal")])
 def test_the_readme_example_ring_passes_validate_on_every_layout_it_knows(tmp_path, layout, causal):

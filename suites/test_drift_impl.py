@@ -113,6 +113,7 @@ def test_drift_impl_refuses_what_it_cannot_run_before_any_rank_starts(argv, matc
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.cli
 def test_under_torchrun_the_simulated_sweep_is_run_and_written_once(torchrun_world, tmp_path):
     """The simulated ring needs no ranks: under torchrun rank 0 runs and writes it, the other
     ranks leave at once (they used to repeat the whole sweep and overwrite the report)."""

@@ -110,6 +110,7 @@ def _torchrun_validate(impl: str, tmp_path: Path, timeout_s: float):
     return done, time.monotonic() - start
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("impl, says", [
     ("raises_on_rank_one_in_our_ring", "raised: 1; stopped after the failure: 0, 2"),
     ("raises_on_rank_one", "this rank was still blocked in the implementation 5 s later"),

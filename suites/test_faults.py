@@ -174,6 +174,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.cli
 def test_a_killed_parent_leaves_no_worker_behind(tmp_path, torchrun_world):
     """The parent SIGKILLed (no chance to clean up): its idle workers see their pipe close
     and leave."""
@@ -222,6 +223,7 @@ SMALL_VALIDATE = ["--quick", "--seq-len", "16", "--world-size", "2", "--heads", 
                   "--distributions", "normal", "--sample-rows", "2"]
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is forked on Linux only")
 @pytest.mark.parametrize("argv, parent", [
     (["-m", "ringcheck", "validate", "--impl", "recording:fn", *SMALL_VALIDATE], "-m ringcheck validate --impl recording:fn"),

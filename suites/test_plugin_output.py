@@ -58,6 +58,7 @@ def invariance_failure(tmp_path_factory, torchrun_world) -> subprocess.Completed
                 "-x", cwd=tmp_path_factory.mktemp("user"))
 
 
+@pytest.mark.cli
 def test_a_failure_shows_the_shrunk_case_and_its_replay_and_nothing_for_our_developers(invariance_failure):
     result, out = invariance_failure, invariance_failure.stdout
     assert result.returncode == 1 and "1 failed" in out, _said(result)
@@ -69,6 +70,7 @@ def test_a_failure_shows_the_shrunk_case_and_its_replay_and_nothing_for_our_deve
         assert noise not in out + result.stderr, _said(result)
 
 
+@pytest.mark.cli
 def test_a_ring_invariance_failure_names_both_rings_and_the_one_off_from_float64(invariance_failure):
     out = invariance_failure.stdout
     both = re.search(r"check_ring_invariance failed for P=(\d) zigzag vs P=(\d) zigzag, (?:bidirectional|causal) ", out)
@@ -106,6 +108,7 @@ def _collected(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stdout.splitlines() if "::test_" in line]
 
 
+@pytest.mark.cli
 def test_test_ids_have_a_file_part_outside_the_rootdir(tmp_path):
     result = _run("-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "--collect-only", "-q",
                   "--ring-impl", "ringcheck.catalogue.mutants:textbook", cwd=tmp_path)  # rootdir: the empty directory
@@ -117,6 +120,7 @@ def test_test_ids_have_a_file_part_outside_the_rootdir(tmp_path):
     assert SUITE_ID == IMPL_SUITE.resolve().relative_to(ROOT).as_posix()
 
 
+@pytest.mark.cli
 def test_ringcheck_test_starts_pytest_without_assert_rewrite_warnings(tmp_path):
     """`ringcheck test` used to call pytest.main in its own process, where ringcheck and reference
     were imported already: pytest warned it could not rewrite them. It now starts pytest afresh.
@@ -130,6 +134,7 @@ def test_ringcheck_test_starts_pytest_without_assert_rewrite_warnings(tmp_path):
         assert warned not in result.stdout + result.stderr, _said(result)
 
 
+@pytest.mark.cli
 def test_a_project_that_does_not_test_a_ring_pays_no_torch_import(tmp_path):
     """The plugin loads in every pytest run where ringcheck is installed: it imports no torch
     until a test asks for a ring, so another project's suite starts as fast as without it."""

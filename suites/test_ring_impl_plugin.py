@@ -64,6 +64,7 @@ def _said(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
 
 
+@pytest.mark.cli
 def test_our_ring_passes_every_property_of_the_in_package_suite(user_dir, torchrun_world):
     if torchrun_world is not None:
         pytest.skip("starts its own local rings: run with plain pytest")
@@ -80,6 +81,7 @@ def test_our_ring_passes_every_property_of_the_in_package_suite(user_dir, torchr
     assert " failed" not in result.stdout and " skipped" not in result.stdout, _said(result)
 
 
+@pytest.mark.cli
 def test_a_mutant_fails_with_a_command_that_replays_its_shrunk_case(user_dir, torchrun_world):
     if torchrun_world is not None:
         pytest.skip("starts its own local rings: run with plain pytest")
@@ -96,6 +98,7 @@ def test_a_mutant_fails_with_a_command_that_replays_its_shrunk_case(user_dir, to
     assert replay.returncode == 1 and "FAILED check_budget against --impl " + MUTANT in replay.stdout, _said(replay)
 
 
+@pytest.mark.cli
 def test_ringcheck_test_from_another_project_passes_beside_the_root_conftest(user_dir, torchrun_world, repo_root):
     """With the editable install, pytest finds this checkout's root conftest.py above the
     in-package suite when another project runs `ringcheck test` (no --noconftest): it names no
@@ -113,6 +116,7 @@ def test_ringcheck_test_from_another_project_passes_beside_the_root_conftest(use
     assert re.search(r"\b2 passed", result.stdout), _said(result)
 
 
+@pytest.mark.cli
 def test_forward_only_reports_every_backward_half_as_not_run(user_dir, torchrun_world):
     """Through `ringcheck test` (the command form, exit code pytest's), on the textbook ring."""
     if torchrun_world is not None:
@@ -130,6 +134,7 @@ def test_forward_only_reports_every_backward_half_as_not_run(user_dir, torchrun_
     assert "forward only (backward properties: not run)" in out, _said(result)
 
 
+@pytest.mark.cli
 @pytest.mark.skipif(importlib.util.find_spec("ring_flash_attn") is None,
                     reason="ring-flash-attn is not installed (pip install ring-flash-attn==0.1.8)")
 def test_cases_an_adapter_refuses_are_drawn_again_or_the_property_skipped(user_dir, torchrun_world):
@@ -180,6 +185,7 @@ def test_bad_ring_options_say_what_to_fix():
     assert cfg.layouts == ("zigzag",) and cfg.world_sizes == (1, 2, 3, 4) and not cfg.forward_only
 
 
+@pytest.mark.cli
 def test_a_bad_ring_impl_is_a_usage_error_of_pytest_and_of_ringcheck_test(user_dir):
     said = "--ring-impl: --impl not_a_module_xyz:ring_fn: cannot import module 'not_a_module_xyz'"
     result = _run(user_dir, "-m", "ringcheck", "test", "--impl", "not_a_module_xyz:ring_fn", "--noconftest")

@@ -231,6 +231,7 @@ def test_a_length_the_recipe_cannot_shard_gets_no_verdict_naming_the_case(capsys
 
 # ---- the pytest plugin: --ring-recipe ------------------------------------------------------------
 
+@pytest.mark.cli
 def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, torchrun_world):
     """One run of a mutant's cases as tests (a subprocess from an empty directory, without the
     launcher's variables): its one_sequence test fails at P=2 with the diagnosis, its loader test
@@ -277,6 +278,7 @@ def test_pytorch_context_parallel_inside_the_step(ring_processes):
     assert bad["cases"][0]["diagnosis"]["name"] == "labels_shifted_in_shards"
 
 
+@pytest.mark.cli
 def test_under_torchrun_the_command_runs_on_the_world_and_rank_0_reports(torchrun_world, tmp_path):
     """torchrun -m ringcheck step: the ranks are the world's (a mesh dp=1,cp=2 of 2 ranks), every
     rank judges, rank 0 alone prints and writes the report; a failing step exits non-zero."""

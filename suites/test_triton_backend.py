@@ -18,6 +18,7 @@ tables TRITON_CASES, TRITON_PLANTED_CASES and TRITON_GPU_CASES of `ringcheck.tes
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -33,6 +34,9 @@ if not torch.cuda.is_available():
 import pytest
 
 pytest.importorskip("triton")
+
+import triton
+import triton.language as tl
 
 from ringcheck.catalogue.planted import with_backend
 from ringcheck.judge.check import Case, run_case, simulated_impl
@@ -52,6 +56,7 @@ elif torch.cuda.is_available():
 else:
     pytest.skip("the Triton kernels were compiled (TRITON_INTERPRET unset at their import) and there is "
                 "no CUDA device; run with TRITON_INTERPRET=1", allow_module_level=True)
+SANITIZED_CASE = "p4_zigzag_bf16_h2kv1_triton"  # causal, zig-zag, 4 ranks
 on_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs the kernels compiled on a CUDA device")
 interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="the defect exists only under Triton's interpreter")
 
@@ -77,6 +82,39 @@ def verdict_of(case: Case, backend=None):
 def test_ring_with_triton_blocks_meets_budget(name):
     verdict = verdict_of(TRITON_CASES[name])
     assert verdict.passed, verdict.message()
+
+
+@interpreter_only
+def test_the_ring_passes_with_the_interpreters_overflow_sanitizer_asserting(triton_overflow_sanitizer):
+    """The suites run the interpreter without its int32 overflow sanitizer, which cannot fire
+    there (suite_defaults); this test keeps it on, with the asserts that let it fire: a zig-zag
+    causal ring of Triton blocks, forward and backward, overflows no int32 index."""
+    verdict = verdict_of(TRITON_CASES[SANITIZED_CASE])
+    assert verdict.passed, verdict.message()
+
+
+@triton.jit
+def _int32_product(X, a, b):
+    tl.store(X, a * b)
+
+
+@interpreter_only
+def test_the_overflow_sanitizer_fires_only_with_the_interpreters_asserts(triton_overflow_sanitizer):
+    """Why it may be off elsewhere: its check reaches an assert only where the interpreter's
+    debug option is on (the fixture); with debug off, as Triton builds the interpreter, an int32
+    overflow passes silently whether the sanitizer is on or not."""
+    from triton.runtime.interpreter import InterpreterError, interpreter_builder
+
+    x = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(InterpreterError, match="int32 overflow detected for operation mul"):
+        _int32_product[(1,)](x, 2 ** 20, 2 ** 20)
+    asserting = interpreter_builder.options
+    try:
+        interpreter_builder.options = dataclasses.replace(asserting, sanitize_overflow=True, debug=False)
+        _int32_product[(1,)](x, 2 ** 20, 2 ** 20)
+        assert int(x) == 0  # 2**40 wrapped: nothing said
+    finally:
+        interpreter_builder.options = asserting
 
 
 # --- exactness where the math guarantees it --------------------------------------------------

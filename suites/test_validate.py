@@ -259,6 +259,7 @@ def _cli(*argv, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.cli
 def test_cli_exit_codes_and_report(tmp_path):
     """End to end in a fresh process: a passing run writes its report; a mutant exits 1 and
     names the failing check; a contract breach at run time exits 2 without a traceback. (A small

@@ -9,6 +9,10 @@ keep their threads and seeds).
   skip the interpreter's re-patching of `triton.language` where the launch patched it already
   (`_calls_in_a_grid_skip_repatching`): the interpreter scans the whole language module with
   `inspect.getmembers` on every such call, a third of the Triton suites' time.
+  The interpreter's integer-overflow sanitizer is off: it computes a check for every int32 add,
+  sub and mul (a quarter of the Triton suites' time) and hands it to an assert that the
+  interpreter drops (its debug option is off), so it cannot fire; the `triton_overflow_sanitizer`
+  fixture turns it on with its asserts for a test (`_sanitizer_only_with_asserts`).
 - Local rings' workers start with what the suites' rings import on first use in every worker
   (`ringcheck.launch.start.preload_in_workers`): PyTorch's context parallel (with torch._dynamo, which
   its backward imports: about 1.3 s a worker) and our Triton kernels; the fork server imports
@@ -26,6 +30,8 @@ keep their threads and seeds).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
@@ -89,8 +95,36 @@ def _calls_in_a_grid_skip_repatching() -> None:
     interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__ = launch, call
 
 
+def _sanitizer_only_with_asserts() -> None:
+    """The interpreter's overflow sanitizer redoes every int32 add, sub and mul in int64 and hands
+    the range check to `device_assert`, which drops it unless the interpreter's options say debug;
+    Triton 3.9 builds those options once, debug off, so the checks are computed and never
+    asserted. Here the sanitizer is on only where its asserts are (debug on: the
+    `triton_overflow_sanitizer` fixture turns both on)."""
+    from triton.runtime import interpreter  # optional: only where triton is installed
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options,
+                                          sanitize_overflow=builder.options.sanitize_overflow and builder.options.debug)
+
+
+@pytest.fixture
+def triton_overflow_sanitizer():
+    """Triton's interpreter checks every int32 add, sub and mul of this process's launches during
+    the test, and asserts (debug on) that none overflowed."""
+    from triton.runtime import interpreter  # optional: only where triton is installed
+
+    builder = interpreter.interpreter_builder
+    before = builder.options
+    builder.options = dataclasses.replace(before, sanitize_overflow=True, debug=True)
+    yield
+    builder.options = before
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _calls_in_a_grid_skip_repatching()
+    with contextlib.suppress(ImportError):  # optional: only where triton is installed
+        _sanitizer_only_with_asserts()
 
 preload_in_workers("torch._dynamo", "torch.distributed.tensor.experimental._context_parallel._attention",
                    "ringcheck.ring.backends.triton_backend")
