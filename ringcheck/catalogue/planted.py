@@ -84,6 +84,26 @@ PLANTED: dict[str, RingParts] = {
 }
 
 
+def keeps_every_kv_block(config, shard, *args):
+    """A backward loop that keeps every K/V block it receives until it returns: exact values,
+    the memory of an all-gather (P blocks per rank instead of three); `ringcheck plan`'s
+    agreement with the measured peak must catch it (suites/test_plan_memory.py)."""
+    loop, kept = backward_loop(config, shard, *args), []
+    message = next(loop)
+    while True:
+        reply = yield message
+        if isinstance(message, Wait) and message.channel == "kv":
+            kept.append(reply)
+        try:
+            message = loop.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+
+# exact rings that hold more memory than they need: the exactness checks pass them, a memory check must not
+MEMORY_PLANTED: dict[str, RingParts] = {"keeps_every_kv_block": REAL_PARTS.replace(backward_loop=keeps_every_kv_block)}
+
+
 def with_backend(backend) -> RingParts:
     """The real ring with `backend` (a `BlockBackend` instance, e.g. a broken kernel) in place
     of the one its config names."""
