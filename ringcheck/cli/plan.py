@@ -96,50 +96,53 @@ def _add_plan(sub) -> None:
     m.add_argument("--hidden", metavar="H", help="hidden size (required)")
     m.add_argument("--heads", metavar="A", help="query heads (required)")
     m.add_argument("--kv-heads", dest="kv_heads", metavar="K", help="key/value heads, the GQA groups (required)")
-    m.add_argument("--head-dim", dest="head_dim", help="head dim (default hidden / heads)")
-    m.add_argument("--vocab", help=f"vocabulary (default {DEFAULT_VOCAB})")
-    m.add_argument("--ffn-hidden", dest="ffn_hidden",
+    m.add_argument("--head-dim", dest="head_dim", metavar="D", help="head dim (default hidden / heads)")
+    m.add_argument("--vocab", metavar="V", help=f"vocabulary (default {DEFAULT_VOCAB})")
+    m.add_argument("--ffn-hidden", dest="ffn_hidden", metavar="F",
                    help="feed-forward inner size (default Llama's: 8/3 hidden rounded up to a multiple of 256)")
     m.add_argument("--tied-embeddings", dest="tied_embeddings", action="store_true",
                    help="one matrix for the input embedding and the output head")
     r = p.add_argument_group("the run")
     r.add_argument("--seq-len", dest="seq_len", metavar="N", help="tokens of one sequence (required)")
     r.add_argument("--cp", metavar="P", help="GPUs in the ring, the context-parallel size (required)")
-    r.add_argument("--dp", help="data-parallel replicas of the ring (default 1)")
-    r.add_argument("--batch", help="sequences per micro-batch (default 1)")
-    r.add_argument("--micro-batches", dest="micro_batches",
+    r.add_argument("--dp", metavar="D", help="data-parallel replicas of the ring (default 1)")
+    r.add_argument("--batch", metavar="B", help="sequences per micro-batch (default 1)")
+    r.add_argument("--micro-batches", dest="micro_batches", metavar="M",
                    help="micro-batches per optimizer step, run one after another (default 1): the step's time, "
                         "not the peak")
-    r.add_argument("--dtype", default="bf16", help=f"the model's dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    r.add_argument("--dtype", default="bf16", metavar="bf16|fp16|fp32",
+                   help=f"the model's dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
     r.add_argument("--checkpointing", default="none", metavar="none|full|every-K",
                    help="activation checkpointing: none (default), full (every layer), every-K (segments of K layers)")
-    r.add_argument("--optimizer", default="adam-mixed",
+    r.add_argument("--optimizer", default="adam-mixed", metavar="adam-mixed|adam|sgd",
                    help="adam-mixed (default: weights and gradients in the model dtype, float32 master and two "
-                        "float32 moments, 16 bytes per parameter in bf16), adam (moments in the model dtype), sgd (no state)")
+                        "float32 moments, 16 bytes per parameter in bf16), adam (moments in the model dtype), "
+                        "sgd (no state)")
     r.add_argument("--zero", metavar="0|1|2|3",
                    help="shard over the dp x cp GPUs: 0 nothing (default), 1 optimizer state, 2 and gradients, "
                         "3 and weights (FSDP)")
-    r.add_argument("--layout", default="zigzag", help=f"the ring's sequence layout: {', '.join(LAYOUTS)} (default zigzag)")
+    r.add_argument("--layout", default="zigzag", metavar="zigzag|contiguous|striped",
+                   help=f"the ring's sequence layout: {', '.join(LAYOUTS)} (default zigzag)")
     r.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                    help="causal attention (default) or bidirectional (--no-causal)")
-    r.add_argument("--kernel", default="flash-attn2",
+    r.add_argument("--kernel", default="flash-attn2", metavar="flash-attn2|torch-cpu",
                    help=f"the block kernel whose tensors count: {', '.join(KERNELS)} (default flash-attn2; torch-cpu: "
                         "ringcheck's CPU backend)")
     r.add_argument("--loss-chunk", dest="loss_chunk", metavar="TOKENS",
                    help="the loss's logits exist for this many tokens at a time (a chunked or fused cross-entropy; "
                         "default: every token of the micro-batch at once)")
     h = p.add_argument_group("the hardware")
-    h.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)} (default h100)")
-    h.add_argument("--link",
+    h.add_argument("--device", default="h100", metavar="NAME", help=f"one of {', '.join(DEVICES)} (default h100)")
+    h.add_argument("--link", metavar="NAME|GB/s",
                    help=f"the link between ring neighbours: nvlink (the device's), {', '.join(LINKS)}, or GB/s per "
                         f"direction (default: the device's usual one)")
-    h.add_argument("--memory-gib", dest="memory_gib", help="override the device's memory (GiB)")
-    h.add_argument("--tflops", help="override the device's dense rate for the dtype (TFLOPS)")
-    h.add_argument("--reserve-gib", dest="reserve_gib",
+    h.add_argument("--memory-gib", dest="memory_gib", metavar="GIB", help="override the device's memory (GiB)")
+    h.add_argument("--tflops", metavar="TFLOPS", help="override the device's dense rate for the dtype (TFLOPS)")
+    h.add_argument("--reserve-gib", dest="reserve_gib", metavar="GIB",
                    help=f"memory no tensor gets: CUDA context, NCCL, fragmentation (default {DEFAULT_RESERVE_GIB:g})")
-    h.add_argument("--compute-efficiency", dest="compute_efficiency",
+    h.add_argument("--compute-efficiency", dest="compute_efficiency", metavar="SHARE",
                    help="share of the datasheet rate the kernels reach (default 1)")
-    h.add_argument("--link-efficiency", dest="link_efficiency",
+    h.add_argument("--link-efficiency", dest="link_efficiency", metavar="SHARE",
                    help="share of the datasheet bandwidth the transfers reach (default 1)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON (schema ringcheck.plan) to FILE")
     p.add_argument("--report", metavar="DIR", help="write plan.json and plan.md to DIR")

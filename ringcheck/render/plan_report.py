@@ -81,8 +81,9 @@ def text_lines(doc: dict) -> list[str]:
         lines.append(f"one layer's attention: {_ms(compute)} of compute on the busiest GPU, {_ms(exposed)} of transfer "
                      f"not hidden behind it")
     lines.append(f"optimizer step: {step['micro_batches']} micro-batch(es), {step['tokens_per_gpu']:,} tokens per GPU, "
-                 f"{step['compute_s']:.3g} s of compute at the rate used; gradient synchronisation {_size(step['sync_bytes'])}"
-                 f" in {step['sync_s']:.3g} s over the dp x cp GPUs")
+                 f"{step['compute_s']:.3g} s of compute at the rate used; gradient synchronisation over the dp x cp GPUs "
+                 f"{_size(step['sync_bytes'])} in {step['sync_s']:.3g} s"
+                 + (" (longer than the compute: it cannot hide behind it)" if step["sync_s"] > step["compute_s"] else ""))
     lines += [f"smallest ring: {doc['smallest_cp']['why']}"]
     lines += [f"note: {note}" for note in doc["notes"]]
     lines += [f"convention: {c}" for c in doc["conventions"]]
