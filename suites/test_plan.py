@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -216,3 +219,21 @@ def test_the_document_says_its_conventions_and_sources():
     words = " ".join(doc["conventions"])
     assert "float32 master copy and two float32 moments" in words and "segment of 2" in words
     assert sorted(KNOWN) == ["llama-2-70b", "llama-3.1-70b", "llama-3.1-8b", "tinyllama-1.1b"]
+
+
+@pytest.mark.cli
+def test_the_command_as_a_process_exits_by_its_verdict_with_one_line_errors(tmp_path):
+    """As a user starts it: a plan that does not fit exits 1 with its table; bad flags exit 2
+    with one line on stderr and no traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "ringcheck", "plan", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    done = run(*LLAMA_70B, "--seq-len", "131072", "--cp", "8")
+    assert done.returncode == 1 and "DOES NOT FIT" in done.stdout and not done.stderr, done.stdout + done.stderr
+    for argv in ([*SMALL, "--cp", "3"], [*SMALL, "--cp", "2", "--link", "warp-drive"], ["--layers", "2"]):
+        bad = run(*argv)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert bad.stderr.startswith("ringcheck plan: error: ") and "Traceback" not in bad.stderr
