@@ -102,7 +102,7 @@ def smallest_cp(s: Settings) -> dict:
                                                                  f"{found['total'] / 2 ** 30:.1f} GiB at P = {cp}"}
     largest = breakdown(s, candidates[-1])
     state = largest["weights"] + largest["gradients"] + largest["optimizer"]
+    fix = "shard them: --zero 1, 2 or 3" if s.zero < 3 else "more --dp shards them further"
     return {"cp": None, "total": largest["total"],
             "why": f"no ring fits: even at P = {candidates[-1]} the peak is {largest['total'] / 2 ** 30:.1f} GiB, "
-                   f"of which weights, gradients and optimizer state take {state / 2 ** 30:.1f} GiB (shard them: "
-                   f"--zero 1, 2 or 3, or more --dp)"}
+                   f"of which weights, gradients and optimizer state take {state / 2 ** 30:.1f} GiB ({fix})"}
