@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..adapters import Impl, accepted_keywords, unpack
+from ..harness.settings import default_dtype
 from ..ring.layouts import positions
 from ..spec import RingSpec
 from ..user_code import import_object
@@ -123,12 +124,14 @@ class CP:
         """The attention under test on this rank's shards (batch, local_seq, heads, head_dim):
         the ring of `--impl` on `group`, with the global document boundaries `cu_seqlens`. With
         `attention_dtype` (a ring narrower than the step: `--attention-dtype`) q, k, v are cast to
-        it on the way in and out is cast back on the way out (their gradients the same way)."""
+        it on the way in and out is cast back on the way out (their gradients the same way), and
+        the ring's forward runs with torch's default dtype float32, as in training."""
         cu_seqlens = self.cu_seqlens if cu_seqlens is None else cu_seqlens
         narrow = self.attention_dtype
         if narrow is not None and q.dtype != narrow:
-            out = self.attention(q.to(narrow), k.to(narrow), v.to(narrow), causal=causal, softmax_scale=softmax_scale,
-                                 cu_seqlens=cu_seqlens)
+            with default_dtype(torch.float32):  # as in the training it runs in (a ring may build its accumulators so)
+                out = self.attention(q.to(narrow), k.to(narrow), v.to(narrow), causal=causal,
+                                     softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
             return out.to(q.dtype)
         extra = {"layout": self.layout}
         if cu_seqlens is not None:
