@@ -81,8 +81,8 @@ DIR`): verdict ("pass", "fail", "no verdict"), passed, why, command, model, mesh
 per parameter: step-0 error, spread, floor, budget, ratio) and `steps` (one row per step: the
 losses, spread, envelope, band, gap, gradient norms), meta (`ringcheck.train.verdict`).
 
-`ringcheck.step`, version 1 (`ringcheck.commands.step.report_dict`): verdict, passed, why, command, config,
-mesh, reference_mesh, rule, convention, `cases` (errors, budgets, first out, candidates, diagnosis), meta.
+`ringcheck.step`, version 1 (`ringcheck.commands.step.report_dict`): verdict, passed, why, command, config, mesh,
+reference_mesh, rule, noise (a narrowed ring's: unit, k, rows; else null), convention, data, has_logits, cases, meta.
 
 `meta` (every kind, `meta`): command (the command line run), created (UTC, ISO 8601), host,
 platform, python, torch, ringcheck (versions), threads (torch CPU threads of the command's

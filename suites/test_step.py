@@ -335,26 +335,45 @@ def test_a_length_the_recipe_cannot_shard_gets_no_verdict_naming_the_case(capsys
 
 # ---- the pytest plugin: --ring-recipe ------------------------------------------------------------
 
-def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, torchrun_world):
-    """One run of a mutant's cases as tests (a subprocess from an empty directory, without the
-    launcher's variables): its one_sequence test fails at P=2 with the diagnosis, its loader test
-    passes, and the test ids name the suite in the package."""
-    if torchrun_world is not None:
-        pytest.skip("a subprocess pytest per rank: the local run covers it")
+def _pytest_elsewhere(tmp_path, *args: str):
+    """pytest in a subprocess from an empty directory, without the launcher's variables: its
+    return code and the end of what it said."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
-    argv = [sys.executable, "-m", "pytest", "--ring-recipe", f"{MUTANTS}:grads_averaged", "-p", "no:cacheprovider",
-            "-q", "-k", "P2 and (one_sequence or loader)", "--noconftest"]
+    argv = [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "-q", "--noconftest"]
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
-    said = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 1, said
+    return result.returncode, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@pytest.mark.cli
+def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, torchrun_world):
+    """One run of a mutant's cases as tests: its one_sequence test fails at P=2 with the
+    diagnosis, its loader test passes, and the test ids name the suite in the package."""
+    if torchrun_world is not None:
+        pytest.skip("a subprocess pytest per rank: the local run covers it")
+    code, said = _pytest_elsewhere(tmp_path, "--ring-recipe", f"{MUTANTS}:grads_averaged", "-k",
+                                   "P2 and (one_sequence or loader)")
+    assert code == 1, said
     assert "1 failed, 1 passed" in said
     assert "ringcheck/testing/recipe_suite.py::test_the_step_at_cp_p_equals_cp_1[P2-one_sequence]" in said
     assert "grads_over_p" in said and "averaged over the CP group instead of summed" in said
+
+
+@pytest.mark.cli
+def test_the_plugin_runs_a_recipe_through_a_bf16_ring_and_skips_what_it_cannot_run(tmp_path, torchrun_world):
+    """--ring-recipe-impl ring_flash_attn:zigzag on the stand-in: called in bf16 inside the float64
+    step (as ringcheck step does); the packed case, which its zigzag ring cannot run, is skipped."""
+    if torchrun_world is not None:
+        pytest.skip("a subprocess pytest per rank: the local run covers it")
+    _ring_flash_attn()
+    code, said = _pytest_elsewhere(tmp_path, "--ring-recipe", "plain", "--ring-recipe-impl", "ring_flash_attn:zigzag",
+                                   "--ring-flash-attn-stand-in", "-k", "P2 and (one_sequence or packed)", "-rs")
+    assert code == 0, said
+    assert "1 passed, 1 skipped" in said and "cannot run the packed case" in said
 
 
 def test_a_reference_that_is_not_finite_gives_no_verdict():
@@ -384,6 +403,7 @@ def test_pytorch_context_parallel_inside_the_step(ring_processes):
     assert bad["cases"][0]["diagnosis"]["name"] == "labels_shifted_in_shards"
 
 
+@pytest.mark.cli
 def test_under_torchrun_the_command_runs_on_the_world_and_rank_0_reports(torchrun_world, tmp_path):
     """torchrun -m ringcheck step: the ranks are the world's (a mesh dp=1,cp=2 of 2 ranks), every
     rank judges, rank 0 alone prints and writes the report; a failing step exits non-zero."""
