@@ -41,10 +41,10 @@ class Recipe:
         dist.all_reduce(loss, group=cp.group)
         return loss
 
-    def logits(self, model, batch, cp):
-        """Whole sequences at CP=1 (ringcheck's own loss and the diagnosis need them)."""
-        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                     ring_cp=cp, ring_cu_seqlens=batch.get("cu_seqlens")).logits
+    def logits(self, model, input_ids, position_ids):
+        """Whole sequences at CP=1 (ringcheck's own loss and the diagnosis need them); the ring
+        finds ringcheck's CP group of one by itself (`ringcheck.step.active_cp()`)."""
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
 
 recipe = Recipe()

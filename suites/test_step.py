@@ -7,6 +7,8 @@ the command end to end.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -196,6 +198,108 @@ def test_a_ring_with_a_wrong_backward_fails_inside_the_step(ring_processes):
     assert row["loss"]["ratio"] <= 1 and row["worst_gradient"] > 0.05
 
 
+# ---- a ring that runs only narrower dtypes: flash-attn's, through the stand-in --------------------
+
+def _ring_flash_attn():
+    """Skip without ring-flash-attn (the extra peers); it imports only over the flash-attn stand-in."""
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        pytest.skip("the peer ring is the optional extra peers (pip install ringcheck[peers])")
+
+
+def test_a_flash_attn_ring_is_called_narrower_and_judged_within_the_measured_noise(ring_processes):
+    """ring-flash-attn runs bf16 / fp16 only: the step stays float64, the ring is called in bf16
+    (q, k, v cast in, out cast back), the reference's attention the same way, and the budget is
+    K_NOISE x the noise runs' largest change (reports/step/noise.md: correct peers at most 1.35
+    units of it). The correct step passes with room; a mean of rank means is still named."""
+    _ring_flash_attn()
+    from ringcheck.step.noise import K_NOISE
+
+    settings = dict(impl="ring_flash_attn:zigzag", flash_attn_stand_in=True, attention_dtype="bfloat16")
+    judged = _step(ring_processes, cases=("uneven",), **settings)
+    assert judged["verdict"] == "pass", judged["why"]
+    noise, (row,) = judged["noise"], judged["cases"]
+    assert {r["run"] for r in noise["rows"]} == {"unrounded", "naive"} and noise["gradient"] > 1e-4
+    assert row["gradient_budget"] == K_NOISE * noise["gradient"] and row["worst_gradient"] > 1e-4  # really bf16
+    assert max(row["loss"]["ratio"], max(g["ratio"] for g in row["gradients"])) < 0.5
+    bad = _step(ring_processes, recipe=f"{MUTANTS}:mean_of_rank_means", cases=("uneven",), **settings)
+    (row,) = bad["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"]["name"] == "mean_of_rank_means", row.get("candidates")
+    assert row["loss"]["ratio"] > 100
+
+
+def test_the_command_narrows_a_ring_that_cannot_run_float64_and_says_so():
+    _ring_flash_attn()
+    from ringcheck.cli import build_parser
+    from ringcheck.cli.step import step_config
+
+    config = step_config(build_parser().parse_args(["step", "--impl", "ring_flash_attn:zigzag",
+                                                    "--flash-attn-stand-in"]))
+    assert config.attention_dtype == "bfloat16" and config.dtype == "float64"
+    assert "packed" not in config.cases  # its varlen ring balances each document (--layout zigzag_docs)
+    assert "--attention-dtype bfloat16 --flash-attn-stand-in" in " ".join(config.flags())
+    contiguous = step_config(build_parser().parse_args(["step", "--impl", "ring_flash_attn:llama3", "--layout",
+                                                        "contiguous", "--flash-attn-stand-in"]))
+    assert "packed" in contiguous.cases
+
+
+# ---- the logits hook: the contract's form and the older one -------------------------------------
+
+def test_the_logits_hook_is_called_in_the_form_it_is_written_in():
+    from ringcheck.step.contract import CP, active_cp, logits_form, logits_hook
+
+    seen = []
+
+    def contract(model, input_ids, position_ids):
+        seen.append(("ids", input_ids.shape, active_cp().cu_seqlens))
+        return input_ids
+
+    def with_cp(model, input_ids, position_ids, *, cp=None):
+        seen.append(("cp", cp.cu_seqlens, cp is active_cp()))
+        return input_ids
+
+    def older(model, batch, cp):
+        seen.append(("batch", sorted(batch), cp.cu_seqlens))
+        return batch["input_ids"]
+
+    class Recipe:
+        def logits(self, model, batch, cp):
+            return older(model, batch, cp)
+
+    assert [logits_form(f) for f in (contract, with_cp, older, Recipe().logits, lambda m, ids, pos: ids)] == [
+        "ids", "ids", "batch", "batch", "ids"]
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.zeros(1, 8, dtype=torch.long),
+             "labels": None, "cu_seqlens": (0, 3, 8)}
+    cp = CP(rank=0, size=1, group=None, layout="zigzag", impl=None)
+    for fn in (contract, with_cp, Recipe().logits):
+        assert logits_hook(fn)(None, batch, cp) is batch["input_ids"]
+    assert seen == [("ids", (1, 8), (0, 3, 8)), ("cp", (0, 3, 8), True),
+                    ("batch", ["cu_seqlens", "input_ids", "labels", "position_ids"], (0, 3, 8))]
+    assert active_cp() is None  # only while ringcheck calls a hook
+
+
+def test_a_recipe_with_the_older_logits_form_is_still_diagnosed(ring_processes):
+    judged = _step(ring_processes, recipe=f"{MUTANTS}:labels_shifted_older_logits", cases=("one_sequence",))
+    (row,) = judged["cases"]
+    assert row["diagnosis"]["name"] == "labels_shifted_in_shards", row.get("candidates")
+
+
+# ---- DTensor parameters: FSDP2 over the CP group ------------------------------------------------
+
+@pytest.mark.parametrize("recipe, mesh, diagnosis", [("fsdp_over_cp", "dp=2,cp=2", None),
+                                                     ("fsdp_averaged_over_cp", None, "grads_over_p")])
+def test_dtensor_gradients_are_gathered_to_full_and_judged(ring_processes, recipe, mesh, diagnosis):
+    """Every parameter a Shard(0) DTensor over the CP ranks (fully_shard on gloo): ringcheck
+    gathers each gradient to the full tensor; the correct step equals CP=1 to float64, FSDP's
+    default average over the CP group is named."""
+    judged = _step(ring_processes, recipe=f"ringcheck.catalogue.step_fsdp:{recipe}", mesh=mesh,
+                   cases=("two_micro_batches",))
+    (row,) = judged["cases"]
+    if diagnosis is None:
+        assert judged["verdict"] == "pass" and row["worst_gradient"] < 1e-14, judged["why"]
+    else:
+        assert row["diagnosis"]["name"] == diagnosis and abs(row["first_out"]["factor"] - 0.5) < 1e-12
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 def test_the_command_passes_plain_and_writes_its_report(tmp_path, capsys):
@@ -231,27 +335,45 @@ def test_a_length_the_recipe_cannot_shard_gets_no_verdict_naming_the_case(capsys
 
 # ---- the pytest plugin: --ring-recipe ------------------------------------------------------------
 
-@pytest.mark.cli
-def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, torchrun_world):
-    """One run of a mutant's cases as tests (a subprocess from an empty directory, without the
-    launcher's variables): its one_sequence test fails at P=2 with the diagnosis, its loader test
-    passes, and the test ids name the suite in the package."""
-    if torchrun_world is not None:
-        pytest.skip("a subprocess pytest per rank: the local run covers it")
+def _pytest_elsewhere(tmp_path, *args: str):
+    """pytest in a subprocess from an empty directory, without the launcher's variables: its
+    return code and the end of what it said."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT") and not k.startswith("TORCHELASTIC_")}
-    argv = [sys.executable, "-m", "pytest", "--ring-recipe", f"{MUTANTS}:grads_averaged", "-p", "no:cacheprovider",
-            "-q", "-k", "P2 and (one_sequence or loader)", "--noconftest"]
+    argv = [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "-q", "--noconftest"]
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
-    said = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 1, said
+    return result.returncode, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@pytest.mark.cli
+def test_the_plugin_runs_the_cases_on_a_recipe_and_names_a_failure(tmp_path, torchrun_world):
+    """One run of a mutant's cases as tests: its one_sequence test fails at P=2 with the
+    diagnosis, its loader test passes, and the test ids name the suite in the package."""
+    if torchrun_world is not None:
+        pytest.skip("a subprocess pytest per rank: the local run covers it")
+    code, said = _pytest_elsewhere(tmp_path, "--ring-recipe", f"{MUTANTS}:grads_averaged", "-k",
+                                   "P2 and (one_sequence or loader)")
+    assert code == 1, said
     assert "1 failed, 1 passed" in said
     assert "ringcheck/testing/recipe_suite.py::test_the_step_at_cp_p_equals_cp_1[P2-one_sequence]" in said
     assert "grads_over_p" in said and "averaged over the CP group instead of summed" in said
+
+
+@pytest.mark.cli
+def test_the_plugin_runs_a_recipe_through_a_bf16_ring_and_skips_what_it_cannot_run(tmp_path, torchrun_world):
+    """--ring-recipe-impl ring_flash_attn:zigzag on the stand-in: called in bf16 inside the float64
+    step (as ringcheck step does); the packed case, which its zigzag ring cannot run, is skipped."""
+    if torchrun_world is not None:
+        pytest.skip("a subprocess pytest per rank: the local run covers it")
+    _ring_flash_attn()
+    code, said = _pytest_elsewhere(tmp_path, "--ring-recipe", "plain", "--ring-recipe-impl", "ring_flash_attn:zigzag",
+                                   "--ring-flash-attn-stand-in", "-k", "P2 and (one_sequence or packed)", "-rs")
+    assert code == 0, said
+    assert "1 passed, 1 skipped" in said and "cannot run the packed case" in said
 
 
 def test_a_reference_that_is_not_finite_gives_no_verdict():
@@ -265,6 +387,9 @@ def test_a_reference_that_is_not_finite_gives_no_verdict():
     bad = judge_case("one_sequence", [{**ranks[0], "grads": {"w": torch.full((3,), float("nan"))}}],
                      {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None, False)
     assert good["verdict"] == "pass" and bad["verdict"] == "fail" and bad["first_out"]["name"] == "w"
+    blind = judge_case("one_sequence", ranks, {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None,
+                       False, floor=(float("nan"), 1e-3))  # a noise run that was not finite: no budget
+    assert blind["verdict"] == "no verdict" and "noise run" in blind["why"]
 
 
 def test_pytorch_context_parallel_inside_the_step(ring_processes):

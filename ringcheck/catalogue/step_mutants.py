@@ -38,6 +38,16 @@ class LabelsShiftedInShards(PlainRecipe):
         return total
 
 
+class LabelsShiftedOlderLogits(LabelsShiftedInShards):
+    """The same bug in a recipe written to the older form of the logits hook,
+    `logits(model, batch, cp)` (ringcheck tells the forms apart by the parameters' names)."""
+
+    def logits(self, model, batch, cp: CP) -> torch.Tensor:
+        n, cu = batch["input_ids"].shape[1], batch.get("cu_seqlens")
+        out = model(cp.pad(batch["input_ids"], 0), cp.pad(batch["position_ids"], 0), self.attend(cp, cu))
+        return out[:, :n]
+
+
 class MeanOfRankMeans(PlainRecipe):
     """Each rank's loss the mean over its own counted tokens, then averaged over the ranks:
     verl #6564, #5993; Megatron-LM #673, #1124; ms-swift #10185."""
@@ -156,6 +166,7 @@ class LossNotAScalar(PlainRecipe):
 
 
 labels_shifted_in_shards = LabelsShiftedInShards()
+labels_shifted_older_logits = LabelsShiftedOlderLogits()
 mean_of_rank_means = MeanOfRankMeans()
 pad_tokens_counted = PadTokensCounted()
 grads_averaged = GradsAveraged()

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..documents import meta
 from ..judge.variant_options import VariantOptions, parse_documents, parse_window
+from ..launch import open_ring
+from ..render.terminal import make_console
 from ..spec import check_timeout
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -68,6 +73,98 @@ def add_log_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", dest="log_dir", metavar="DIR", default=None,
                         help="write each rank's full output, traceback and ring-step trace (step, source rank, "
                              "bytes sent and received, time per step) to DIR/rank<G>.log, G its global rank")
+
+
+def add_world_size(parser: argparse.ArgumentParser) -> None:
+    """--world-size of the commands whose ring is the cp dim of a mesh (train, step)."""
+    parser.add_argument("--world-size", dest="world_size", type=int, default=None,
+                        help="ranks of the ring, the mesh's cp dim (default 4; under torchrun without --mesh: the world)")
+
+
+def add_run_flags(parser: argparse.ArgumentParser, report: str, default_timeout: float) -> None:
+    """The flags every command that runs rings ends with: --report (`report`: what it writes),
+    --timeout, --log-dir, -q."""
+    parser.add_argument("--report", metavar="DIR", help=report)
+    parser.add_argument("--timeout", type=float, default=None,
+                        help=f"seconds any rank may wait on another (default {default_timeout:g})")
+    add_log_dir(parser)
+    add_quiet(parser)
+
+
+def torchrun_ring(world: int, ring: int | None) -> tuple[int, str | None]:
+    """Under torchrun without --mesh: the ring (--world-size `ring`, default the whole `world`)
+    and the mesh of a world of k rings, dp=k,cp=P (None for one ring)."""
+    ring = ring or world
+    if world % ring:
+        k = max(world // ring, 1)
+        raise UsageError(f"the torchrun world has {world} ranks, not a multiple of --world-size {ring}: pass --mesh "
+                         f"(e.g. --mesh dp={k},cp={ring} on {k * ring} ranks)")
+    return ring, (f"dp={world // ring},cp={ring}" if world != ring else None)
+
+
+def rerun_line(command: str, flags: list[str], timeout: float, *, torchrun: bool, ranks: int, prefix: str = "") -> str:
+    """The command that repeats a run exactly: every setting as a flag and the timeout; under
+    torchrun, its launch on `ranks` ranks."""
+    head = f"torchrun --nproc-per-node={ranks} -m ringcheck {command}" if torchrun else f"ringcheck {command}"
+    return prefix + head + " " + shlex.join([*flags, "--timeout", f"{timeout:g}"])
+
+
+def judged_on(run, incomplete):
+    """`run()`'s verdict, its failures as the user's: a run that did not complete on every rank
+    (a `RingError`) as `incomplete(error)`, a setting it refused as a `UsageError`."""
+    # start-up time: the launchers import torch, and only a command that runs rings gets here
+    from ..launch import RingError
+
+    try:
+        return run()
+    except RingError as exc:
+        raise incomplete(exc) from exc
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+@dataclass
+class RingRun:
+    """A command's run on rings (`ring_command`): the re-run prefix, the timeout, the console,
+    when the work began, the rings (local or the torchrun world) and the settled config."""
+
+    prefix: str
+    timeout: float
+    console: Any
+    start: float
+    ring: Any
+    config: Any
+
+
+@contextlib.contextmanager
+def ring_command(args: argparse.Namespace, default_timeout: float, exit_of: dict[str, int], settle):
+    """The frame of a command that runs rings (train, step): the re-run prefix (read before the
+    launcher pins its package on the PYTHONPATH), --timeout, the config `settle(None)` makes and
+    checks before any rank starts, the rings opened, under torchrun the config settled again
+    for the world (`settle(size)`), and the rings closed after the block (also on an error)."""
+    prefix = where_to_rerun(os.environ)
+    timeout = timeout_of(args, default_timeout)
+    config = settle(None)
+    console = make_console()
+    start = time.perf_counter()
+    ring = open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=exit_of["no verdict"])
+    try:
+        if ring.is_torchrun:
+            config = settle(ring.size)
+        yield RingRun(prefix, timeout, console, start, ring, config)
+    finally:
+        ring.close()
+
+
+def conclude(args: argparse.Namespace, run: RingRun, judged: dict, report_of, summary, write,
+             exit_of: dict[str, int]) -> int:
+    """The end of a command on rings: a rank other than rank 0 returns its exit code alone; rank
+    0 makes the document (`report_of(meta)`), prints its summary, writes its report files."""
+    if not run.ring.is_main:
+        return exit_of[judged["verdict"]]
+    report = report_of(command_meta(args, run.start))
+    present(report, run.console, args.report, summary, write)
+    return exit_of[report["verdict"]]
 
 
 def log_files_note(log_dir: str | None, error: Exception | None = None) -> str:

@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
-import time
 
 from ..commands.train import EXIT_OF, check_impl, impl_options, placement, report_dict, run_steps_total, run_train
 from ..harness import Mesh
-from ..launch import RingError, open_ring
 from ..render.files import write_train_reports
-from ..render.terminal import make_console, progress
+from ..render.terminal import progress
 from ..render.train_terminal import print_train_summary
 from ..train.config import PRESETS, TrainConfig
 from .common import (
     UsageError,
-    add_log_dir,
-    add_quiet,
+    add_run_flags,
     add_variant_flags,
-    command_meta,
-    present,
+    add_world_size,
+    conclude,
+    judged_on,
+    rerun_line,
+    ring_command,
     shows_progress,
-    timeout_of,
+    torchrun_ring,
 )
-from .validate import incomplete_run, where_to_rerun
+from .validate import incomplete_run
 
 DEFAULT_TIMEOUT_S = 60.0
 # the flags that name a field of `TrainConfig` (argparse dest = field name)
@@ -48,13 +46,9 @@ def train_config(args: argparse.Namespace, world: int | None = None) -> TrainCon
         if values.get("mesh") is not None and "world_size" not in values:  # the mesh's cp dim is the ring
             values["world_size"] = Mesh.parse(values["mesh"]).cp
         if world is not None and values.get("mesh") is None:
-            ring = values.setdefault("world_size", world)
-            if world != ring:
-                if world % ring:
-                    raise UsageError(f"the torchrun world has {world} ranks, not a multiple of --world-size {ring}: "
-                                     f"pass --mesh (e.g. --mesh dp={max(world // ring, 1)},cp={ring} on "
-                                     f"{max(world // ring, 1) * ring} ranks)")
-                values["mesh"] = f"dp={world // ring},cp={ring}"
+            values["world_size"], mesh = torchrun_ring(world, values.get("world_size"))
+            if mesh is not None:
+                values["mesh"] = mesh
         return TrainConfig(**values)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
@@ -64,9 +58,8 @@ def rerun_command(config: TrainConfig, timeout: float, *, torchrun: bool = False
                   prefix: str = "") -> str:
     """The command that repeats this run exactly: every setting as a flag (the preset's shape
     spelled out) and the timeout; under torchrun, its launch on `world` ranks."""
-    head = (f"torchrun --nproc-per-node={world or config.mesh_spec.size} -m ringcheck train" if torchrun
-            else "ringcheck train")
-    return prefix + head + " " + shlex.join([*config.flags(), "--timeout", f"{timeout:g}"])
+    return rerun_line("train", config.flags(), timeout, torchrun=torchrun, ranks=world or config.mesh_spec.size,
+                      prefix=prefix)
 
 
 def _check_before_start(config: TrainConfig) -> None:
@@ -85,42 +78,32 @@ def _check_before_start(config: TrainConfig) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    prefix = where_to_rerun(os.environ)  # before the launcher pins its package on the PYTHONPATH
-    timeout = timeout_of(args, DEFAULT_TIMEOUT_S)
-    config = train_config(args)
+def _settled(args: argparse.Namespace, world: int | None) -> TrainConfig:
+    """The config, checked before any rank starts; under torchrun (`world`) the world's."""
+    config = train_config(args, world)
     _check_before_start(config)
-    console = make_console()
-    start = time.perf_counter()
-    ring = open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_OF["no verdict"])
-    try:
-        if ring.is_torchrun:
-            config = train_config(args, ring.size)
-            _check_before_start(config)
-            try:
-                placement(config, ring.size, None)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from exc
+    if world is not None:
+        try:
+            placement(config, world, None)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    return config
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    with ring_command(args, DEFAULT_TIMEOUT_S, EXIT_OF, lambda world: _settled(args, world)) as run:
+        config, ring, console = run.config, run.ring, run.console
         main = ring.is_main
-        command = rerun_command(config, timeout, torchrun=ring.is_torchrun, world=ring.size, prefix=prefix)
+        command = rerun_command(config, run.timeout, torchrun=ring.is_torchrun, world=ring.size, prefix=run.prefix)
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
             console.print(f"{config.describe()}; {config.mesh_spec.describe()}", markup=False, highlight=False)
         shows = main and shows_progress(args, console)
         with progress(run_steps_total(config), console, enabled=shows, label="training", announce=False) as advance:
-            try:
-                judged = run_train(config, ring, progress=advance if shows else None)
-            except RingError as exc:
-                raise incomplete_run(exc, args.log_dir) from exc
-            except (ValueError, TypeError) as exc:
-                raise UsageError(str(exc)) from exc
-    finally:
-        ring.close()
-    if not main:
-        return EXIT_OF[judged["verdict"]]
-    report = report_dict(config, judged, command, meta=command_meta(args, start))
-    present(report, console, args.report, print_train_summary, write_train_reports)
-    return EXIT_OF[report["verdict"]]
+            judged = judged_on(lambda: run_train(config, ring, progress=advance if shows else None),
+                               lambda exc: incomplete_run(exc, args.log_dir))
+    return conclude(args, run, judged, lambda meta: report_dict(config, judged, command, meta=meta),
+                    print_train_summary, write_train_reports, EXIT_OF)
 
 
 def _add_train(sub) -> None:
@@ -133,8 +116,7 @@ def _add_train(sub) -> None:
                                   "ring_flash_attn:zigzag|basic|stripe|llama3, yunchang:..., or package.module:function")
     p.add_argument("--layout", metavar="LAYOUT", help="sequence layout: contiguous, zigzag (default), striped, "
                                                       "zigzag_docs (needs --documents), or a custom package.module:FN")
-    p.add_argument("--world-size", dest="world_size", type=int,
-                   help="ranks of the ring, the mesh's cp dim (default 4; under torchrun without --mesh: the world)")
+    add_world_size(p)
     p.add_argument("--mesh", metavar="DIM=N,...",
                    help="the device mesh, outermost dim first, one dim named cp (the ring), e.g. dp=2,cp=4 or cp=4,tp=2: "
                         "every CP group trains on its own sequences of the global batch and every gradient is summed "
@@ -160,9 +142,5 @@ def _add_train(sub) -> None:
     p.add_argument("--flash-attn-stand-in", dest="flash_attn_stand_in", action="store_true", default=None,
                    help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in on "
                         "every rank (for ring_flash_attn:* and yunchang:* on CPU)")
-    p.add_argument("--report", metavar="DIR", help="write train.json, train.md and train.html (with plots) to DIR")
-    p.add_argument("--timeout", type=float, default=None,
-                   help=f"seconds any rank may wait on another (default {DEFAULT_TIMEOUT_S:g})")
-    add_log_dir(p)
-    add_quiet(p)
+    add_run_flags(p, "write train.json, train.md and train.html (with plots) to DIR", DEFAULT_TIMEOUT_S)
     p.set_defaults(func=_cmd_train)

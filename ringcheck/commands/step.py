@@ -14,16 +14,20 @@ step) on process groups of `ringcheck.launch`:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from ..adapters import accepted_keywords
 from ..documents import STEP_SCHEMA, header
+from ..harness.runner import loaded
 from ..launch import GroupPlan
-from ..step.cases import CASES, case_names
+from ..step.cases import CASES, DOCUMENTS, SEQ_LEN, case_names
 from ..step.contract import load_recipe
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
+from ..step.noise import NOISE_RUNS, narrowed_words, noise_cases, noise_unit
 from ..step.run import StepConfig, diagnosis_task, ring_positions, step_task
 from ..step.verdict import K_COND, budgets, data_row, judge_case, relative, unit_roundoff
+from .validate_target import Target
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
 # rings known to compute float64 inputs in float64 throughout (ours on its torch backends)
@@ -34,32 +38,61 @@ def attention_dtype(config: StepConfig) -> str | None:
     """The dtype the ring under test is taken to compute in: the step's for `EXACT_FLOAT64`,
     float32 for every other ring in a float64 step."""
     exact = (config.impl, config.backend) in EXACT_FLOAT64 or config.dtype != "float64"
-    return None if exact else "float32"
+    return None if exact or config.narrow is not None else "float32"
 
 
 def takes_documents(impl) -> bool:
     return bool(accepted_keywords(impl.fn, ("cu_seqlens",)))
 
 
-def default_cases(recipe, impl) -> tuple[str, ...]:
-    """Every case the recipe offers and the ring can run (packed documents need cu_seqlens)."""
+def ring_dtype(config: StepConfig) -> str:
+    """The dtype the ring under test is called in: --attention-dtype, else the step's."""
+    return config.attention_dtype or config.dtype
+
+
+def narrowed_for(impl, dtype: str) -> str | None:
+    """The dtype to call `impl` in when it cannot run the step's `dtype` (the first it runs:
+    bfloat16 for flash-attn's rings), None when it can."""
+    return None if impl.dtypes is None or dtype in impl.dtypes else impl.dtypes[0]
+
+
+def documents_refused(config: StepConfig, impl) -> str | None:
+    """Why the ring cannot run the packed case (its documents) in this layout, or None."""
+    if not takes_documents(impl):
+        return f"--impl {impl.name} takes no cu_seqlens, so it cannot attend within packed documents"
+    if impl.check_target is None:
+        return None
+    try:
+        impl.check_target(Target(seq_len=SEQ_LEN, head_dim=8, dtype=ring_dtype(config), layout=config.layout,
+                                 world_size=config.world_size, impl=config.impl,
+                                 documents=",".join(str(b - a) for a, b in itertools.pairwise(DOCUMENTS))))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def default_cases(recipe, impl, config: StepConfig | None = None) -> tuple[str, ...]:
+    """Every case the recipe offers and the ring can run (packed documents need cu_seqlens, and
+    a ring's own rules for them in `config`'s layout)."""
     names = case_names(None, recipe.checkpointing, recipe.evaluate is not None)
-    return tuple(n for n in names if takes_documents(impl) or not CASES[n].packed)
+    packed = takes_documents(impl) if config is None else documents_refused(config, impl) is None
+    return tuple(n for n in names if packed or not CASES[n].packed)
 
 
 def check_before_start(config: StepConfig) -> None:
     """The recipe's hooks and the implementation's rules, before any rank starts (ValueError /
     TypeError naming the value and the fix)."""
     recipe = load_recipe(config.recipe)
-    impl = config.impl_options.load()
+    impl = loaded(config.impl_options)
     impl.check_layout(config.layout, True)
-    if impl.dtypes is not None and config.dtype not in impl.dtypes:
-        raise ValueError(f"--impl {impl.name} runs the dtypes {list(impl.dtypes)}, not {config.dtype}; pass --dtype "
-                         f"{impl.dtypes[0]} (the budget follows it)")
+    if impl.dtypes is not None and ring_dtype(config) not in impl.dtypes:
+        raise ValueError(f"--impl {impl.name} runs the dtypes {list(impl.dtypes)}, not {ring_dtype(config)}; pass "
+                         f"--attention-dtype {impl.dtypes[0]} (the step stays in {config.dtype}, the ring's q, k, v "
+                         f"are cast to it and its out back, and the budget is measured from noise runs)")
     for name in config.cases:
-        if CASES[name].packed and not takes_documents(impl):
-            raise ValueError(f"--cases {name}: --impl {impl.name} takes no cu_seqlens, so it cannot attend within "
-                             f"packed documents; drop the case")
+        refused = documents_refused(config, impl) if CASES[name].packed else None
+        if refused:
+            raise ValueError(f"--cases {name}: {refused}; drop the case")
         if CASES[name].checkpoint is not None and CASES[name].checkpoint not in recipe.checkpointing:
             raise ValueError(f"--cases {name}: --recipe {config.recipe} offers no {CASES[name].checkpoint} "
                              f"activation checkpointing (its checkpointing: {list(recipe.checkpointing)}); drop the "
@@ -84,7 +117,7 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     every rank calls this in step), judged and, where a case failed, diagnosed."""
     recipe = load_recipe(config.recipe)
     mesh, ref_mesh = config.mesh_spec, config.reference_mesh
-    world_only = config.impl_options.load().world_only
+    world_only = loaded(config.impl_options).world_only
     if world_only is not None and (mesh.rings > 1 or processes.size not in (None, mesh.size)):
         raise ValueError(f"--impl {config.impl}: {world_only}, so its ring must be the whole world: drop --mesh and "
                          f"pass --world-size {processes.size or mesh.cp}")
@@ -93,12 +126,19 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     names = config.cases
     kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
     ring = processes.run_groups(mesh.plan(first, families=True), step_task, config, names, pos0, **kw)
-    ref = processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, names, pos0, True, **kw)
+    pool = names if config.narrow is None else noise_cases(names)
+    ref = processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, pool, pos0, "reference", **kw)
+    noise = None
+    if config.narrow is not None:  # the noise runs: the same step at CP=1, other legitimate attentions
+        runs = {role: processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, pool, pos0, role,
+                                           **kw)[0][0]["cases"] for role in NOISE_RUNS}
+        noise = noise_unit(ref[0][0]["cases"], runs, pool)
+    floor = None if noise is None else (noise["k"] * noise["loss"], noise["k"] * noise["gradient"])
     rows = []
     for name in names:
         n = _targets(name, mesh.rings)
         rows.append(judge_case(name, _ranks(ring, name), ref[0][0]["cases"][name], n, config.dtype,
-                               recipe.loss_dtype, CASES[name].evaluate, attention_dtype(config)))
+                               recipe.loss_dtype, CASES[name].evaluate, attention_dtype(config), floor))
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
     conv_case = "two_micro_batches" if "two_micro_batches" in names else names[0]
     requests = [(c, config.world_size, TRANSFORMS) for c in failed] + [(conv_case, 1, CONVENTIONS)]
@@ -112,16 +152,19 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         if row["verdict"] != "fail":
             continue
         n = row["targets"]
-        loss_budget, _ = budgets(n, config.dtype, recipe.loss_dtype, attn)
+        loss_budget, grad_budget = budgets(n, config.dtype, recipe.loss_dtype, attn)[0], 2 * n * K_COND * diag_u
+        if floor is not None:
+            loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
         found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
                       cands.get(f"{row['case']}@{config.world_size}", {}), P=config.world_size,
-                      loss_budget=loss_budget, grad_budget=2 * n * K_COND * diag_u,
+                      loss_budget=loss_budget, grad_budget=grad_budget,
                       evaluate=CASES[row["case"]].evaluate, relative=relative)
         row["candidates"] = found
         row["diagnosis"] = found[0] if found and found[0]["matches"] else None
     conv = None
     if f"{conv_case}@1" in cands:
         conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype, attn)[0]
+        conv_budget = conv_budget if floor is None else max(conv_budget, floor[0])
         conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"], loss_budget=conv_budget,
                           relative=relative)
         conv["case"] = conv_case
@@ -130,7 +173,7 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         "no verdict" if any(r["verdict"] == "no verdict" for r in rows) else "pass")
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
             "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "attention_dtype": attn,
-            "has_logits": recipe.logits is not None,
+            "has_logits": recipe.logits is not None, "noise": noise,
             "why": _why(rows, data)}
 
 
@@ -140,7 +183,7 @@ def _why(rows, data=None) -> str:
         return f"data: {data['words']}" + ("; " + _why(rows) if bad else "")
     blind = [r["case"] for r in rows if r["verdict"] == "no verdict"]
     if blind and not bad:
-        return f"no verdict: the step at CP=1 is not finite in {', '.join(blind)}"
+        return f"no verdict in {', '.join(blind)}: " + next(r["why"] for r in rows if r["verdict"] == "no verdict")
     if not bad:
         worst = max(max(r["loss"]["ratio"], max((g["ratio"] for g in r["gradients"]), default=0)) for r in rows)
         return f"every case's loss and gradients at CP=P equal CP=1 within the budget (worst {worst:.2g} of it)"
@@ -155,12 +198,17 @@ def _why(rows, data=None) -> str:
     return "; ".join(parts)
 
 
-def rule_words(config: StepConfig, loss_dtype: str, attention: str | None = None) -> dict[str, Any]:
+def rule_words(config: StepConfig, loss_dtype: str, attention: str | None = None,
+               noise: dict[str, Any] | None = None) -> dict[str, Any]:
+    words = ""
+    if noise is not None:
+        words = narrowed_words(config.impl, config.dtype, ring_dtype(config), noise)
+    elif attention is not None:
+        words = (f"--impl {config.impl} is not known to compute {config.dtype} throughout: its attention is taken as "
+                 f"{attention}, which floors both budgets at 2 n u of it")
     return {"k_cond": K_COND, "unit_roundoff": unit_roundoff(config.dtype), "loss_dtype": loss_dtype,
-            "attention_dtype": attention or config.dtype,
-            "attention": ("" if attention is None else f"--impl {config.impl} is not known to compute {config.dtype} "
-                          f"throughout: its attention is taken as {attention}, which floors both budgets at 2 n u of "
-                          f"it"),
+            "attention_dtype": attention or ring_dtype(config), "attention": words,
+            "narrowed": noise is not None,
             "loss": "|L_P - L_1| <= 2 n max(u_loss, K_COND u) |L_1|, n the case's target positions",
             "gradients": "per parameter, every rank: ||g_P - g_1|| <= 2 n K_COND u ||g_1||",
             "diagnosis": "the transformation whose loss and every gradient the CP=P run equals within the budgets "
@@ -174,7 +222,7 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
     return {**header(STEP_SCHEMA), "verdict": judged["verdict"], "passed": judged["verdict"] == "pass",
             "why": judged["why"], "command": command, "config": {**config.__dict__, "cases": list(config.cases)},
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
-            "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype")),
-            "convention": judged["convention"],
+            "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype"), judged.get("noise")),
+            "noise": judged.get("noise"), "convention": judged["convention"],
             "data": judged["data"], "has_logits": judged["has_logits"], "cases": cases,
             "meta": meta or {}}

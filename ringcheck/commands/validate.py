@@ -21,16 +21,14 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ..documents import VALIDATE_SCHEMA, header
 from ..harness import ImplOptions, Mesh, Runner
 from ..harness.mesh import REPLICA
+from ..harness.settings import torch_threads
 from ..spec import Budget
 from .validate_rows import CheckRow, balance_row, finite_row, shape_row, stand_in_row
 from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
@@ -79,17 +77,6 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
                          f"{' or '.join(map(str, sizes))} (a ring size that divides {world})")
     mesh = Mesh.parse(f"cp={p},{REPLICA}={world // p}")
     return Placement(mesh, mesh)
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    """torch's intra-op threads set to `count` for a block, then as they were."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def validate_steps(target: Target) -> int:

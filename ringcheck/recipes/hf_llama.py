@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from ..step.contract import CHECKPOINTING, CP
+from ..step.contract import CHECKPOINTING, CP, active_cp
 from .plain import PlainRecipe
 
 ATTENTION = "ringcheck_ring"
@@ -33,12 +33,15 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
 
 def ring_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, ring_cp: CP | None = None,
                    ring_cu_seqlens=None, **kwargs):
-    """transformers' attention signature around the ring under test: (B, H, S, D) in, (B, S, H, D) out."""
-    if ring_cp is None:
+    """transformers' attention signature around the ring under test: (B, H, S, D) in, (B, S, H, D)
+    out; the CP group is the model call's `ring_cp` (with `ring_cu_seqlens`), else the `cp` of the
+    hook ringcheck is calling (`active_cp()`: a logits call's has its batch's documents)."""
+    cp = ring_cp if ring_cp is not None else active_cp()
+    if cp is None:
         raise ValueError(f"attention {ATTENTION!r} needs the CP group: call the model with ring_cp=cp (and "
-                         f"ring_cu_seqlens for packed documents)")
+                         f"ring_cu_seqlens for packed documents), or inside a hook ringcheck calls")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    return ring_cp.attention(q, k, v, softmax_scale=scaling, cu_seqlens=ring_cu_seqlens), None
+    return cp.attention(q, k, v, softmax_scale=scaling, cu_seqlens=ring_cu_seqlens), None
 
 
 AttentionInterface.register(ATTENTION, ring_attention)
@@ -68,11 +71,11 @@ class HFLlamaRecipe(PlainRecipe):
                     ring_cu_seqlens=cu, **self.model_labels(labels, cp, cu))
         return out.loss
 
-    def logits(self, model, batch, cp: CP) -> torch.Tensor:
-        n, cu = batch["input_ids"].shape[1], batch.get("cu_seqlens")
-        out = model(input_ids=cp.pad(batch["input_ids"], 0), position_ids=cp.pad(batch["position_ids"], 0),
-                    use_cache=False, ring_cp=cp, ring_cu_seqlens=cu)
-        return out.logits[:, :n]
+    def logits(self, model, input_ids, position_ids) -> torch.Tensor:
+        """Whole sequences (the attention finds ringcheck's CP group of one as `active_cp()`)."""
+        cp = active_cp()
+        out = model(input_ids=cp.pad(input_ids, 0), position_ids=cp.pad(position_ids, 0), use_cache=False)
+        return out.logits[:, :input_ids.shape[1]]
 
 
 recipe = HFLlamaRecipe()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..step.contract import CHECKPOINTING, CP, IGNORE, shift_labels
+from ..step.contract import CHECKPOINTING, CP, IGNORE, active_cp, shift_labels
 from ..train.config import TrainConfig
 from ..train.model import decoder, init_parameters, parameter_shapes, rms_norm
 
@@ -153,11 +153,12 @@ class PlainRecipe:
         ids = torch.randint(0, self.vocab_size, (1, 64), generator=gen)
         return [{"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(64).view(1, 64)}]
 
-    def logits(self, model, batch, cp: CP) -> torch.Tensor:
-        """Whole sequences on a CP group of one: (B, N, vocab)."""
-        n, cu = batch["input_ids"].shape[1], batch.get("cu_seqlens")
-        out = model(cp.pad(batch["input_ids"], 0), cp.pad(batch["position_ids"], 0), self.attend(cp, cu))
-        return out[:, :n]
+    def logits(self, model, input_ids, position_ids) -> torch.Tensor:
+        """Whole sequences: (B, N, vocab). ringcheck calls it on a CP group of one, which the
+        attention finds as `active_cp()` (its `cu_seqlens`: the batch's documents)."""
+        cp = active_cp()
+        out = model(cp.pad(input_ids, 0), cp.pad(position_ids, 0), self.attend(cp, cp.cu_seqlens))
+        return out[:, :input_ids.shape[1]]
 
 
 recipe = PlainRecipe()

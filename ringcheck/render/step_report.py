@@ -43,7 +43,7 @@ def diagnosis_lines(doc: dict) -> list[str]:
             near = ", ".join(f"{r['name']} ({max(r['loss_ratio'] or 0, r['gradient_ratio'] or 0):.2g} budgets)"
                              for r in c.get("candidates", [])[:3])
             hook = "" if doc.get("has_logits", True) else (" (without a logits hook only the gradient-scale "
-                                                            "candidates are tried: add logits(model, batch, cp))")
+                                                            "candidates are tried: add logits(model, input_ids, position_ids))")
             ring = ("; the loss agrees and the gradients do not: a bug in the ring's backward or in the step's "
                     "gradient path (ringcheck validate --impl judges the ring alone)"
                     if c["loss"]["ratio"] <= 1 and c["gradients"] else "")

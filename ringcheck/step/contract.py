@@ -13,10 +13,12 @@ A recipe is an object (or a module) with
 
 and optionally
 
-- `logits(model, input_ids, position_ids, cp)` -> (batch, seq, vocab): the model's logits on
-  whole sequences, called by ringcheck at CP=1 (`cp` of size 1: its attention is the whole
-  sequence's). With it ringcheck compares the loss with its own definition (the convention)
-  and diagnoses a failure (`ringcheck.step.diagnosis`);
+- `logits(model, input_ids, position_ids)` -> (batch, seq, vocab): the model's logits on whole
+  sequences, called by ringcheck at CP=1. The model's attention finds that call's `cp` (a CP
+  group of one, its `cu_seqlens` the batch's documents) as `active_cp()`, or as a keyword `cp`
+  where the hook takes one. The older form `logits(model, batch, cp)` works too, told apart by
+  the parameters' names (`logits_form`). With it ringcheck compares the loss with its own
+  definition (the convention) and diagnoses a failure (`ringcheck.step.diagnosis`);
 - `evaluate(model, micro_batches, cp)` -> the loss alone, forward only (ringcheck calls it under
   `torch.no_grad()`; the evaluation case);
 - `checkpointing`: the activation-checkpointing modes the step offers, of ("non_reentrant",
@@ -25,6 +27,8 @@ and optionally
   casts logits to float32, as transformers' ForCausalLMLoss does): the budget's unit roundoff;
 - `loader(cp, seed)` -> the micro-batches this rank's data pipeline would hand its step: every
   rank of a CP group must get the same ones, the data-parallel replicas different ones.
+
+While ringcheck calls any hook on a rank, `active_cp()` is the `cp` of that call.
 
 A micro-batch is a dict in the common convention, the same global tensors on every rank:
 `input_ids` (B, N) int64; `labels` (B, N) int64 **unshifted** (the target of position i is
@@ -35,14 +39,18 @@ for every row) or None.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..adapters import Impl, accepted_keywords, unpack
+from ..harness.settings import default_dtype
 from ..ring.layouts import positions
 from ..spec import RingSpec
 from ..user_code import import_object
@@ -75,6 +83,8 @@ class CP:
     timeout: float = 60.0
     global_rank: int = 0
     device: str = "cpu"
+    attention_dtype: torch.dtype | None = None
+    cu_seqlens: tuple[int, ...] | None = None  # a logits call's documents: the attention's default
 
     @property
     def multiple(self) -> int:
@@ -112,7 +122,17 @@ class CP:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                   softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
         """The attention under test on this rank's shards (batch, local_seq, heads, head_dim):
-        the ring of `--impl` on `group`, with the global document boundaries `cu_seqlens`."""
+        the ring of `--impl` on `group`, with the global document boundaries `cu_seqlens`. With
+        `attention_dtype` (a ring narrower than the step: `--attention-dtype`) q, k, v are cast to
+        it on the way in and out is cast back on the way out (their gradients the same way), and
+        the ring's forward runs with torch's default dtype float32, as in training."""
+        cu_seqlens = self.cu_seqlens if cu_seqlens is None else cu_seqlens
+        narrow = self.attention_dtype
+        if narrow is not None and q.dtype != narrow:
+            with default_dtype(torch.float32):  # as in the training it runs in (a ring may build its accumulators so)
+                out = self.attention(q.to(narrow), k.to(narrow), v.to(narrow), causal=causal,
+                                     softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+            return out.to(q.dtype)
         extra = {"layout": self.layout}
         if cu_seqlens is not None:
             if not accepted_keywords(self.impl.fn, ("cu_seqlens",)):
@@ -122,6 +142,59 @@ class CP:
         out, _ = unpack(self.impl.call(q, k, v, causal=causal, softmax_scale=softmax_scale or q.shape[-1] ** -0.5,
                                        group=self.group, **extra), q, v, self.impl.name)
         return out
+
+
+_ACTIVE: contextvars.ContextVar[CP | None] = contextvars.ContextVar("ringcheck_step_cp", default=None)
+
+
+def active_cp() -> CP | None:
+    """The `cp` of the hook ringcheck is calling on this rank (step, evaluate, logits, loader);
+    None outside one. For a model whose attention is not handed `cp`: in a call of
+    `logits(model, input_ids, position_ids)` it is a CP group of one, its `cu_seqlens` the
+    batch's documents (so `cp.attention(q, k, v)` attends within them)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def calling(cp: CP) -> Iterator[CP]:
+    """`cp` is `active_cp()` for the block (ringcheck's calls of a recipe's hooks)."""
+    token = _ACTIVE.set(cp)
+    try:
+        yield cp
+    finally:
+        _ACTIVE.reset(token)
+
+
+def logits_form(fn: Callable[..., Any]) -> str:
+    """"ids" for the contract's `logits(model, input_ids, position_ids)`, "batch" for the older
+    `logits(model, batch, cp)`: a second parameter named `batch`, or a third named `cp`, is the
+    older form (a signature that cannot be read is taken as the contract's)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return "ids"
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return "batch" if names[1:2] == ["batch"] or names[2:3] == ["cp"] else "ids"
+
+
+def logits_hook(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """A recipe's logits hook, whichever its form, as ringcheck calls it: `(model, batch, cp)`,
+    with `cp` (its `cu_seqlens` the batch's) active for the call; in the contract's form a
+    parameter named `cp` (keyword) gets it too."""
+    form = logits_form(fn)
+    try:
+        named = inspect.signature(fn).parameters.get("cp")
+    except (TypeError, ValueError):
+        named = None
+    keyword = form == "ids" and named is not None and named.kind in (named.KEYWORD_ONLY, named.POSITIONAL_OR_KEYWORD)
+
+    def call(model, batch: dict, cp: CP) -> torch.Tensor:
+        with calling(replace(cp, cu_seqlens=batch.get("cu_seqlens"))) as whole:
+            if form == "batch":
+                return fn(model, batch, whole)
+            return fn(model, batch["input_ids"], batch["position_ids"], **({"cp": whole} if keyword else {}))
+    call.form = form
+    return call
 
 
 def documents_of(position_ids: torch.Tensor) -> tuple[int, ...] | None:
@@ -183,5 +256,7 @@ def load_recipe(spec: str) -> Recipe:
         raise ValueError(f"--recipe {spec}: loss_dtype {loss_dtype!r} is not a dtype name (e.g. 'float32')")
     hook = {n: getattr(obj, n, None) for n in ("logits", "evaluate", "loader")}
     hook = {n: f if callable(f) else None for n, f in hook.items()}
+    if hook["logits"] is not None:
+        hook["logits"] = logits_hook(hook["logits"])
     return Recipe(spec, vocab, obj.model, obj.step, hook["logits"], hook["evaluate"], modes, loss_dtype,
                   hook["loader"])

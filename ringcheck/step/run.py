@@ -8,7 +8,6 @@ turn; and, for a failure, the diagnosis's candidates on one rank.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,13 +18,17 @@ import torch.distributed as dist
 from ..harness import ImplOptions, Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.runner import loaded
+from ..harness.settings import default_dtype
 from ..ring.layouts import positions
-from ..spec import REFERENCE_DTYPES, RingSpec, check_int
+from ..spec import DTYPES, REFERENCE_DTYPES, RingSpec, check_int
 from .cases import CASES, micro_batches
-from .contract import CP, load_recipe
+from .contract import CP, calling, load_recipe
 from .diagnosis import candidates
+from .noise import NAIVE, NOISE_RUNS
 
-DTYPES = ("float64", "float32")
+STEP_DTYPES = ("float64", "float32")
+ATTENTION_DTYPES = ("float32", "bfloat16", "float16")  # what --attention-dtype may narrow the ring to
+ROLES = ("ring", "reference", *NOISE_RUNS)  # the runs: the ring under test, the reference, the noise runs
 
 
 @dataclass(frozen=True)
@@ -41,17 +44,23 @@ class StepConfig:
     seed: int = 0
     cases: tuple[str, ...] = field(default_factory=lambda: tuple(CASES))
     backend: str = "torch"
+    attention_dtype: str | None = None
+    flash_attn_stand_in: bool = False
 
     def __post_init__(self) -> None:
         check_int("--world-size", self.world_size, low=1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r}: the step is judged in {' or '.join(DTYPES)} (float64 is exact "
+        if self.dtype not in STEP_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: the step is judged in {' or '.join(STEP_DTYPES)} (float64 is exact "
                              f"enough to see a 1e-10 bug); pass --dtype float64")
         if self.mesh is not None and self.mesh_spec.cp != self.world_size:
             raise ValueError(f"--mesh {self.mesh} has cp={self.mesh_spec.cp} but --world-size is {self.world_size}: "
                              f"the cp dim is the ring; drop --world-size or make the two agree")
+        narrower = [n for n in ATTENTION_DTYPES if DTYPES[n].itemsize < REFERENCE_DTYPES[self.dtype].itemsize]
+        if self.attention_dtype is not None and self.attention_dtype not in narrower:
+            raise ValueError(f"--attention-dtype {self.attention_dtype!r}: the ring's attention may run narrower than "
+                             f"the step's {self.dtype}, in one of {narrower}; drop the flag to run it in {self.dtype}")
         RingSpec(self.world_size, self.layout)
         bad = [c for c in self.cases if c not in CASES]
         if bad or not self.cases:
@@ -68,7 +77,12 @@ class StepConfig:
 
     @property
     def impl_options(self) -> ImplOptions:
-        return ImplOptions(self.impl, self.layout, self.backend)
+        return ImplOptions(self.impl, self.layout, self.backend, stand_in=self.flash_attn_stand_in)
+
+    @property
+    def narrow(self) -> torch.dtype | None:
+        """The dtype the ring's attention is called in (q, k, v cast in, out cast back): None for the step's own."""
+        return None if self.attention_dtype is None else DTYPES[self.attention_dtype]
 
     @property
     def reference_options(self) -> ImplOptions:
@@ -81,17 +95,9 @@ class StepConfig:
         out += ["--mesh", self.mesh] if self.mesh is not None else []
         out += ["--layout", self.layout, "--dtype", self.dtype, "--seed", str(self.seed)]
         out += ["--cases", ",".join(self.cases)]
-        return out + (["--backend", self.backend] if self.backend != "torch" else [])
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
+        out += ["--backend", self.backend] if self.backend != "torch" else []
+        out += ["--attention-dtype", self.attention_dtype] if self.attention_dtype is not None else []
+        return out + (["--flash-attn-stand-in"] if self.flash_attn_stand_in else [])
 
 
 def build_model(recipe, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -127,6 +133,15 @@ def _loss_value(loss: Any, recipe: str, case: str) -> float:
                     f"the user would log (a scalar tensor or a float)")
 
 
+def _call_step(recipe, evaluate: bool, model, batches: list[dict], cp: CP) -> Any:
+    if not evaluate:
+        return recipe.step(model, batches, cp)
+    if recipe.evaluate is None:
+        raise ValueError("the recipe offers no evaluate(model, micro_batches, cp)")
+    with torch.no_grad():
+        return recipe.evaluate(model, batches, cp)
+
+
 def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: torch.Tensor) -> dict[str, Any]:
     """One case on one rank: the model from the seed, the step (or the evaluation), the loss and
     every parameter's gradient (None where none reached it)."""
@@ -137,13 +152,8 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
         batches = on_device(micro_batches(case, vocab=recipe.vocab_size, seed=config.seed, dp=cp.dp_size,
                                           rank0_positions=positions0), cp.device)
         try:
-            if case.evaluate:
-                if recipe.evaluate is None:
-                    raise ValueError("the recipe offers no evaluate(model, micro_batches, cp)")
-                with torch.no_grad():
-                    loss = recipe.evaluate(model, batches, cp)
-            else:
-                loss = recipe.step(model, batches, cp)
+            with calling(cp):
+                loss = _call_step(recipe, case.evaluate, model, batches, cp)
         except Exception as exc:
             raise RuntimeError(f"--recipe {recipe.name}, case {case_name} ({case.words}) at CP={cp.size}: "
                                f"{type(exc).__name__}: {exc}") from exc
@@ -151,23 +161,38 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
     return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
 
 
+def attention_of(config: StepConfig, role: str) -> tuple[ImplOptions, torch.dtype | None]:
+    """The attention of a run (`ROLES`) and the dtype it is called in (None: the step's own)."""
+    if role == "ring":
+        return config.impl_options, config.narrow
+    if role == "reference":
+        return config.reference_options, config.narrow
+    if role == "unrounded":
+        return config.reference_options, None
+    if role == "naive":
+        return ImplOptions(NAIVE, config.layout, "torch"), config.narrow
+    raise ValueError(f"unknown run {role!r}; one of {ROLES}")
+
+
 def step_task(member, config: StepConfig, names: tuple[str, ...], positions0: torch.Tensor,
-              reference: bool = False) -> dict[str, Any]:
+              role: str = "ring") -> dict[str, Any]:
     """One rank of a run (`ringcheck.launch` task): every case of `names` in turn, the attention
-    through the ring under test (the reference's: `StepConfig.reference_options`)."""
+    through the ring under test, or the reference's or a noise run's (`attention_of`)."""
     recipe = load_recipe(config.recipe)
-    impl = loaded(config.reference_options if reference else config.impl_options)
+    options, narrow = attention_of(config, role)
+    impl = loaded(options)
     cases = {}
     for name in names:
         cp = CP(rank=member.rank, size=member.world_size, group=member.group, layout=config.layout, impl=impl,
                 dp_rank=member.group_index, dp_size=dist.get_world_size(member.groups[REPLICAS]),
                 dp_group=member.groups[REPLICAS],
                 checkpoint=CASES[name].checkpoint, timeout=member.timeout, global_rank=member.global_rank,
-                device=member.device)
+                device=member.device, attention_dtype=narrow)
         cases[name] = run_case(recipe, name, cp, config, positions0)
     data = None
     if recipe.loader is not None and member.world_size > 1:
-        data = batch_digest(recipe.loader(cp, config.seed))
+        with calling(cp):
+            data = batch_digest(recipe.loader(cp, config.seed))
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "cases": cases, "data": data}
 
 
@@ -191,7 +216,8 @@ def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, t
     if recipe.logits is None:
         return {}
     cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.reference_options),
-            dp_group=member.group, timeout=member.timeout, global_rank=member.global_rank, device=member.device)
+            dp_group=member.group, timeout=member.timeout, global_rank=member.global_rank, device=member.device,
+            attention_dtype=config.narrow)
     dtype = REFERENCE_DTYPES[config.dtype]
     dp = config.mesh_spec.rings
     out = {}

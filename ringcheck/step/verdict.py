@@ -89,16 +89,25 @@ def reference_is_finite(ref: dict) -> bool:
 
 
 def judge_case(name: str, ranks: list[dict], ref: dict, n: int, dtype: str, loss_dtype: str | None,
-               evaluate: bool, attention_dtype: str | None = None) -> dict[str, Any]:
+               evaluate: bool, attention_dtype: str | None = None,
+               floor: tuple[float, float] | None = None) -> dict[str, Any]:
     """One case: every rank of the CP=P run (`ranks`: {where, loss, grads}) against the reference
-    (`ref`: rank 0 of the CP=1 run)."""
+    (`ref`: rank 0 of the CP=1 run); `floor`: the (loss, gradient) budgets measured for a
+    narrowed attention (`ringcheck.step.noise`), where they are wider than the derived ones."""
     loss_budget, grad_budget = budgets(n, dtype, loss_dtype, attention_dtype)
+    if floor is not None:
+        loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
+    blind = None
     if not reference_is_finite(ref):  # the step itself gives NaN/Inf at CP=1: nothing to compare with
+        blind = "the reference (the same step at CP=1) is not finite: nothing can be judged"
+    elif floor is not None and not all(math.isfinite(f) for f in floor):
+        blind = "a noise run (the step at CP=1 with another legitimate attention) is not finite: no budget"
+    if blind is not None:
         return {"case": name, "verdict": "no verdict", "targets": n,
                 "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": math.nan, "budget": loss_budget,
                          "ratio": math.nan},
                 "gradient_budget": grad_budget, "worst_gradient": math.nan, "first_out": None, "gradients": [],
-                "why": "the reference (the same step at CP=1) is not finite: nothing can be judged"}
+                "why": blind}
     loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
     grads = [] if evaluate else gradient_rows(ranks, ref["grads"], grad_budget)
     out = [g for g in grads if not g["ratio"] <= 1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ def add_options(parser) -> None:
     group.addoption("--ring-recipe", default=None, metavar="PKG.MOD:OBJ",
                     help="run the cases of ringcheck step on this recipe (plain, hf_llama or package.module:object)")
     group.addoption("--ring-recipe-impl", default="ringcheck", metavar="MOD:FN|ADAPTER",
-                    help="the ring the recipe's attention goes through (default ringcheck)")
+                    help="the ring the recipe's attention goes through (default ringcheck; one that runs only bf16 "
+                         "or fp16 is called in bf16 inside the float64 step, with --ring-flash-attn-stand-in on CPU)")
 
 
 def configure(config) -> None:
@@ -65,20 +67,28 @@ def pytest_pycollect_makemodule(module_path, parent):
 def ring_recipe_run(request, ring_processes):
     """The session's runs of the recipe, one per ring size (every case at once)."""
     # start-up time: the command's room imports the ring and the launchers
-    from ..commands.step import run_step
+    from ..commands.step import default_cases, narrowed_for, run_step
+    from ..harness import ImplOptions
+    from ..harness.runner import loaded
     from ..step.cases import CASES
+    from ..step.contract import load_recipe
     from ..step.run import StepConfig
 
     spec, impl = request.config.getoption("--ring-recipe"), request.config.getoption("--ring-recipe-impl")
+    stand_in = bool(request.config.getoption("--ring-flash-attn-stand-in"))
+    # a ring that runs only bf16 / fp16 (flash-attn's) is called narrower, as `ringcheck step` does
+    narrow = narrowed_for(loaded(ImplOptions(impl, stand_in=stand_in)), "float64")
     runs: dict[int, dict] = {}
 
     def run(world_size: int) -> dict:
         if world_size not in runs:  # the cases the session's selected tests ask for (-k), in the table's order
             asked = {getattr(item, "callspec", None) and item.callspec.params.get("case")
                      for item in request.session.items}
-            cases = tuple(c for c in CASES if c in asked) or tuple(CASES)[:1]
-            runs[world_size] = run_step(StepConfig(recipe=spec, impl=impl, world_size=world_size, cases=cases),
-                                        ring_processes)
+            config = StepConfig(recipe=spec, impl=impl, world_size=world_size, attention_dtype=narrow,
+                                flash_attn_stand_in=stand_in)
+            runnable = default_cases(load_recipe(spec), loaded(config.impl_options), config)  # the ring's rules
+            cases = tuple(c for c in CASES if c in asked and c in runnable) or runnable[:1]
+            runs[world_size] = run_step(replace(config, cases=cases), ring_processes)
         return runs[world_size]
     return run
 
