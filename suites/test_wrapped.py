@@ -9,10 +9,17 @@ runs on the CPU and five runs under load is `python -m benchmarks.wrapped` (repo
 
 from __future__ import annotations
 
-import pytest
+from html import escape
 
-from ringcheck.commands.validate import Target, validate
+import pytest
+from rich.console import Console
+
+from ringcheck.commands.validate import Target, report_dict, validate
 from ringcheck.commands.validate_wrapped import COMPILE_ROW, RECOMPUTE_ROW
+from ringcheck.documents import VALIDATE_SCHEMA, dumps, loads
+from ringcheck.render.html import validate_html
+from ringcheck.render.markdown import validate_markdown
+from ringcheck.render.terminal import print_check_rows
 
 WRAPPED = "ringcheck.catalogue.wrapped_mutants"
 SMALL = dict(seq_len=64, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16", causal=True, layout="zigzag",
@@ -49,6 +56,16 @@ def test_a_ring_whose_backward_reads_a_slot_the_recompute_overwrote_fails_the_re
                   "the backward's recompute overwrote it"):
         assert words in row.detail, row.detail
     assert set(row.failing_ranks) == {0, 1}
+    # every output says it: the terminal, the JSON document (with the figures), Markdown and HTML
+    console = Console(width=200, record=True)
+    print_check_rows(list(rows.values()), False, console)
+    said = "use_reentrant=False: layer 1 dq, dk, dv (every CP group) differ from the run without checkpointing"
+    assert f"FAIL {RECOMPUTE_ROW}: {said}" in console.export_text().replace("\n", " ")
+    doc = loads(dumps(report_dict(Target(**SMALL), list(rows.values()))), schema=VALIDATE_SCHEMA)
+    check = next(c for c in doc["checks"] if c["check"] == RECOMPUTE_ROW)
+    assert check["status"] == "fail" and check["figures"]["modes"]["use_reentrant=False"]["differ"] == {
+        "layer 1 dq, dk, dv": [0, 1]}
+    assert said in validate_markdown(doc) and escape(said) in validate_html(doc, plot=False)
 
 
 def test_a_ring_that_is_not_deterministic_is_judged_by_the_budget_rule_not_by_its_bits(ring_processes):
