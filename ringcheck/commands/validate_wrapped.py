@@ -214,8 +214,9 @@ def _compile_words(infos: list[dict]) -> str:
     breaks = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]} (by rank)"
     reasons = "; ".join(f"{r} x{n}" for r, n in list(first["reasons"].items())[:3])
     warned = first.get("warnings") or []
-    return (f"{first['backend']}: {breaks} graph breaks" + (f" ({reasons})" if reasons else "")
-            + f", {first['graphs']} graphs, fullgraph {'yes' if all(i['fullgraph'] for i in infos) else 'no'}"
+    return (f"{first['backend']}: {breaks} graph break{'' if breaks == '1' else 's'}" + (f" ({reasons})" if reasons else "")
+            + f", {first['graphs']} graph{'' if first['graphs'] == 1 else 's'}, fullgraph "
+            + ("yes" if all(i["fullgraph"] for i in infos) else "no")
             + (f"; dynamo warned: {warned[0]}" + (f" (and {len(warned) - 1} more)" if len(warned) > 1 else "")
                if warned else ""))
 
