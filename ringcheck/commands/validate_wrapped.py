@@ -4,9 +4,10 @@ every CP group of its mesh; `ringcheck.harness.wrappers` makes the calls on the 
 
 Recompute is exactness. Two layers' worth (the forward of one input, the forward of another,
 one backward of both), each call inside `torch.utils.checkpoint`, with ``use_reentrant=False``
-and with ``True``, against the same two layers without checkpointing in the same dispatch. The
-recompute runs the same operations on the same inputs, so a deterministic ring gives the same
-bits, and any difference fails the row. A ring that is not deterministic (the determinism row)
+and with ``True``, against the same calls without checkpointing (the first case's plain calls,
+and the two plain layers where anything differs from those). The recompute runs the same
+operations on the same inputs, so a deterministic ring gives the same bits, and any difference
+fails the row. A ring that is not deterministic (the determinism row)
 cannot give the same bits: the row says so and judges the checkpointed results by the budget
 rule against float64 instead, never failing on bits that a second plain run would change too.
 
