@@ -43,19 +43,19 @@ Magnitudes are geometric means over seeds, the mean signed error a plain mean, t
 numbers the worst seed's (see `ringcheck.commands.drift.aggregate_seeds`); measured numbers
 keep 6 significant digits.
 
-`ringcheck.validate`, version 1 (`ringcheck.commands.validate.report_dict`, `ringcheck
-validate --report DIR` writes it as validate.json). Top-level keys in this order:
+`ringcheck.validate`, version 2 (`ringcheck.commands.validate.report_dict`, `ringcheck
+validate --report DIR` writes it as validate.json; version 2 added `figures`). Top-level keys:
 
 - `passed`: true when no check failed (the exit code follows it);
-- `target`: the validated target (`Target`: seq_len, batch, heads, kv_heads, head_dim,
-  dtype, causal, layout, softmax_scale, world_size, impl, backend, seed, sample_rows,
-  local_lengths, distributions);
+- `target`: the validated target (`Target`: its fields, named as the flags name them);
 - `command`: the `ringcheck validate` command line that names the target;
-- `checks`: one {check, status ("pass", "fail" or "info"), error, budget, detail, tensors,
-  failing_ranks} per row of the verdict table, in its order (error and budget null where a
-  row has none; `tensors`: per judged tensor {passed, ratio (worst error / budget), ranks
-  (those holding elements over budget)}, empty for rows that judge no tensor;
-  `failing_ranks`: the union of those ranks; `detail` locates the worst element);
+- `checks`: one {check, status ("pass", "fail", "info" or "not run"), error, budget, detail,
+  tensors, failing_ranks, failing_groups, figures} per row of the verdict table, in its order
+  (error and budget null where a row has none; `tensors`: per judged tensor {passed, ratio
+  (worst error / budget), ranks (those holding elements over budget)}; `failing_ranks`: their
+  union; `failing_groups`: the CP groups whose results failed; `detail` locates the worst
+  element; `figures`: what a row measured beyond the tensors, by name, empty for most rows:
+  the recompute and compile rows', docs/reference/recompute.md and compile.md);
 - `meta`.
 
 `ringcheck.bench`, version 1 (`ringcheck.commands.bench.run_bench`, `ringcheck bench --json
@@ -108,7 +108,7 @@ import torch
 from . import __version__
 
 DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION = "ringcheck.drift", 1
-VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 1
+VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 2
 BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 1
 TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION = "ringcheck.train", 1
 STEP_SCHEMA, STEP_SCHEMA_VERSION = "ringcheck.step", 1

@@ -63,9 +63,9 @@ def test_validate_notes_reach_the_command_that_drives_the_ring():
     with LocalRings(timeout=60) as rings:
         rows = validate(target, rings, progress=got.append)
     assert all(r.passed for r in rows)
-    assert len(got) == validate_steps(target) == 5
+    assert len(got) == validate_steps(target) == 6
     assert got[:2] == ["normal, 2 tokens per rank", "normal, 6 tokens per rank"]
-    assert "full length 32" in got and "determinism" in got
+    assert "full length 32" in got and "determinism" in got and "recompute under activation checkpointing" in got
 
 
 def test_validate_off_a_terminal_prints_no_progress(capsys, tmp_path):

@@ -194,3 +194,24 @@ def test_a_bad_ring_impl_is_a_usage_error_of_pytest_and_of_ringcheck_test(user_d
     result = _pytest(user_dir, "--ring-world-sizes", "2")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, _said(result)
     assert "--ring-world-sizes need --ring-impl MOD:FN" in result.stderr, _said(result)
+
+
+@pytest.mark.cli
+def test_the_suite_checks_the_ring_under_checkpointing_and_under_compile(user_dir, torchrun_world):
+    """The recompute test fails a ring whose backward reads a slot the recompute overwrote (and
+    nothing else does), the compile test a ring whose compile-only branch is wrong."""
+    if torchrun_world is not None:
+        pytest.skip("starts its own local rings: run with plain pytest")
+    wrapped = "ringcheck.catalogue.wrapped_mutants"
+    result = _pytest(user_dir, "--ring-impl", f"{wrapped}:recompute_slot", "--ring-layout", "zigzag",
+                     "--ring-world-sizes", "2", "-v")
+    assert result.returncode == 1, _said(result)
+    failed = re.findall(r"::(test_\w+)(?:\[[^\]]*\])? FAILED", result.stdout)
+    assert failed == ["test_recompute_under_activation_checkpointing"], _said(result)
+    assert re.search(r"::test_two_calls_before_one_backward\[forward\+backward\] PASSED", result.stdout)
+    assert "under torch.utils.checkpoint(use_reentrant=False), layer 1's dq, dk, dv differ" in result.stdout
+    assert "reproduce: python -m ringcheck.testing.impl_check" in result.stdout and "check_recompute(" in result.stdout
+    result = _pytest(user_dir, "--ring-impl", f"{wrapped}:compile_path_mask", "--ring-layout", "zigzag",
+                     "--ring-world-sizes", "2", "-k", "test_torch_compile_equals_eager", "-v")
+    assert result.returncode == 1 and "::test_torch_compile_equals_eager FAILED" in result.stdout, _said(result)
+    assert "compiled with aot_eager, call 1's out, lse, dq, dk, dv differ from eager" in result.stdout, _said(result)

@@ -271,7 +271,7 @@ def test_cli_exit_codes_and_report(tmp_path):
     report = json.loads((tmp_path / "validate.json").read_text(), parse_constant=_no_literal)
     assert list(report)[:2] == ["schema", "schema_version"]
     report = load(tmp_path / "validate.json", schema=VALIDATE_SCHEMA)
-    assert report["passed"] and report["schema_version"] == 1
+    assert report["passed"] and report["schema_version"] == 2
     assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith(f"cd {shlex.quote(str(ROOT))} && ")
     assert " ringcheck validate --seq-len 64 " in report["meta"]["command"]  # after the directory and PYTHONPATH
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")

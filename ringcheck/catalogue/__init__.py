@@ -10,6 +10,9 @@ shown to catch what it claims and to pass what is right.
 - `embedded_mutants`: rings that are right alone and wrong as training embeds them (inside a
   mesh, on views of fused projections, at batch > 1, called twice before a backward, with the
   sinks gradient of the other convention).
+- `wrapped_mutants`: rings that are right called plainly and wrong as training wraps them
+  (inside activation checkpointing, under torch.compile), and a correct ring that is not
+  deterministic.
 - `bad_impls`: implementations that break the contract (usage errors), and correct ones that
   use its optional parts.
 - `custom_layouts`: example layouts of the `package.module:FN` kind.

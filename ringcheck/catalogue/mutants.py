@@ -16,6 +16,8 @@ This module deliberately does not use ringcheck's ring: it stands for someone el
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -121,6 +123,7 @@ def _as_contiguous(t):
 
 
 _WORKSPACE: dict = {}  # the `workspace_state` bug keeps its backward's tensors here, not on ctx
+_SLOTS: dict = {"calls": 0}  # the `recompute_slot` bug: two slots for out and the lse, taken in turn by each forward
 
 
 class _Ring(torch.autograd.Function):
@@ -161,6 +164,11 @@ class _Ring(torch.autograd.Function):
                     kv = incoming
         if "workspace_state" in bugs:  # one module-level workspace (saves memory), not the autograd context
             _WORKSPACE["saved"] = (q, k, v, out, lse, *block_lses)
+        elif "recompute_slot" in bugs:  # q, k, v on the context; out and the lse in one of two slots (two layers
+            ctx.slot = _SLOTS["calls"] % 2  # in flight keep theirs), the slot noted on the context
+            _SLOTS["calls"] += 1
+            _SLOTS[ctx.slot] = (out, lse, *block_lses)
+            ctx.save_for_backward(q, k, v)
         else:
             ctx.save_for_backward(q, k, v, out, lse, *block_lses)
         ctx.causal, ctx.scale, ctx.group, ctx.bugs, ctx.dtype, ctx.rank = causal, scale, group, bugs, dtype, rank
@@ -169,7 +177,10 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         bugs = ctx.bugs
-        q, k, v, out, lse, *block_lses = _WORKSPACE["saved"] if "workspace_state" in bugs else ctx.saved_tensors
+        if "recompute_slot" in bugs:  # reading q, k, v first: a checkpoint's recompute runs here, taking a slot
+            (q, k, v), (out, lse, *block_lses) = ctx.saved_tensors, _SLOTS[ctx.slot]
+        else:
+            q, k, v, out, lse, *block_lses = _WORKSPACE["saved"] if "workspace_state" in bugs else ctx.saved_tensors
         causal, scale, group = ctx.causal, ctx.scale, ctx.group
         rank, world = ctx.rank, dist.get_world_size(group)
         b, n, h, d = q.shape
@@ -217,6 +228,12 @@ class _Ring(torch.autograd.Function):
                 kv = kv_incoming
             _wait(grad_requests)
             dkv = grad_incoming
+        if "nondeterministic_dq" in bugs:  # as a GPU kernel's atomic adds, whose order varies: other float32
+            # roundings in every run (a random value added and taken away again: <= 2^-23 of dq in float32,
+            # <= 2^-16 in a narrower dtype, so that some of its roundings change too)
+            noise = torch.rand(dq.shape, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "big")))
+            noise = noise * dq.abs() * (1 if ctx.dtype == torch.float32 else 256)
+            dq = (dq + noise) - noise
         dt = ctx.dtype
         return dq.to(dt), dkv[0].to(dt), dkv[1].to(dt), None, None, None, None
 
@@ -267,4 +284,5 @@ CATALOGUES = {
     "ringcheck.catalogue.variant_mutants": "VARIANT_MUTANTS",
     "ringcheck.catalogue.precision_mutants": "PRECISION_MUTANTS",
     "ringcheck.catalogue.embedded_mutants": "EMBEDDED_MUTANTS",
+    "ringcheck.catalogue.wrapped_mutants": "WRAPPED_MUTANTS",
 }

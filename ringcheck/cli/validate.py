@@ -44,7 +44,8 @@ from .common import (
 _VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v")  # `VariantOptions`
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
-                 "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad")
+                 "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad",
+                 "compile")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
@@ -120,7 +121,7 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False, wor
             continue
         if name == "causal":
             flags.append("--causal" if value else "--no-causal")
-        elif name in ("flash_attn_stand_in", "forward_only"):
+        elif name in ("flash_attn_stand_in", "forward_only", "compile"):
             flags += [flag] if value else []
         elif name == "local_lengths":
             flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
@@ -269,6 +270,10 @@ def _add_validate(sub) -> None:
     p.add_argument("--forward-only", dest="forward_only", action="store_true", default=None,
                    help="an inference ring without a backward: forward verdicts only, the backward rows say "
                         "'not run' (config key forward_only = true)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="the compile row: torch.compile of a function calling the ring (aot_eager on the CPU, inductor "
+                        "on CUDA), its graph breaks, and its results against eager; dynamo takes seconds per rank, so "
+                        "it runs only when asked (config key compile = true)")
     add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_validate)

@@ -16,7 +16,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
   mesh), sampled query rows against the row-sampled reference (never an N x N matrix);
 - NaN/Inf anywhere; determinism (two runs, same bits); output shape and dtype; what the mesh
   found (a ring that passes alone and fails inside the mesh); the layout's per-rank work
-  balance (information, not a gate).
+  balance (information, not a gate);
+- the ring as training wraps it (`validate_wrapped`): two layers under activation checkpointing
+  against the same without (recompute), and, with `compile`, torch.compile against eager.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..spec import Budget
 from .validate_rows import CheckRow, balance_row, finite_row, shape_row, stand_in_row
 from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
 from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, scaled_cases
+from .validate_wrapped import compile_row, recompute_row
 
 __all__ = ["SCALED_MIN_BATCH", "CheckRow", "Placement", "Target", "check_variant_keywords", "placement",
            "report_dict", "scaled_cases", "validate", "validate_steps"]
@@ -80,8 +83,9 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
 
 
 def validate_steps(target: Target) -> int:
-    """The progress notes of a run: each scaled case, the full length, its reference, determinism."""
-    return len(scaled_cases(target)) + 3
+    """The progress notes of a run: each scaled case, the full length, its reference, determinism,
+    recompute (not under --forward-only) and compile (with it)."""
+    return len(scaled_cases(target)) + 3 + (not target.forward_only) + target.compile
 
 
 def validate(target: Target, processes, *, budget: Budget = Budget(),
@@ -104,8 +108,10 @@ def _rows(target, processes, options, where, budget, progress, stand_in) -> list
               progress if getattr(processes, "is_main", True) else None)
     rows = scaled_rows(run)
     full, full_verdicts = full_length_rows(run, where.full)
+    determinism = run.determinism_row()
+    wrapped = [recompute_row(run, determinism.passed), compile_row(run, determinism.passed)]
     return [*([stand_in] if stand_in else []), *rows, *full, finite_row([*run.verdicts, *full_verdicts]),
-            run.determinism_row(), shape_row(run.returns_lse), mesh_row(run, where),
+            determinism, *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
             balance_row(target, target.world_size)]
 
 

@@ -27,7 +27,8 @@ class CheckRow:
     worst error / budget over the row's cases), "ranks" (the ranks holding elements over
     budget)}, `failing_ranks`, the union of those ranks, and `failing_groups`, the CP groups
     of a mesh (in words, with their global ranks) whose results failed; `detail` locates the
-    worst element."""
+    worst element. `figures`: what a row measured beyond the tensors, by name (the recompute
+    and compile rows: `ringcheck.commands.validate_wrapped`), empty for the others."""
 
     check: str
     status: str
@@ -37,6 +38,7 @@ class CheckRow:
     tensors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     failing_ranks: list[int] = dataclasses.field(default_factory=list)
     failing_groups: list[str] = dataclasses.field(default_factory=list)
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:

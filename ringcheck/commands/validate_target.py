@@ -40,7 +40,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {  # name -> (types
     "softcap": (_FLOAT, "a number", True), "sinks": (_BOOL, "true or false", False),
     "head_dim_v": (_INT, "an integer", True), "flash_attn_stand_in": (_BOOL, "true or false", False),
     "forward_only": (_BOOL, "true or false", False), "mesh": (_STR, 'a string like "dp=2,cp=4"', True),
-    "sinks_grad": (_STR, 'a string ("partial" or "reduced")', False),
+    "sinks_grad": (_STR, 'a string ("partial" or "reduced")', False), "compile": (_BOOL, "true or false", False),
 }
 _ITEMS = {"local_lengths": int, "distributions": str, "window": int}
 
@@ -105,6 +105,7 @@ class Target:
     # None: the default (local rings: the scaled-down cases on cp=P,tp=2, the full length alone)
     mesh: str | None = None
     sinks_grad: str = "partial"  # each rank's sinks.grad: its own rows' share, or the whole ("reduced")
+    compile: bool = False  # the compile row: torch.compile of the ring (seconds of dynamo per rank)
 
     def __post_init__(self) -> None:
         check_types(dataclasses.asdict(self), source="target")

@@ -76,14 +76,17 @@ class _Prepared:
         self.leaves = leaves if self.sinks is None else (*leaves, self.sinks)
         self.names = names if self.sinks is None else (*names, "sinks")
 
-    def call(self, group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def call(self, group, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The implementation on this call's q, k, v (and sinks), or on `tensors` in their place
+        (what `torch.utils.checkpoint` hands the function it recomputes)."""
         spec, device = self.case.spec, self.q.device
+        q, k, v, *sinks = tensors or (self.q, self.k, self.v, *(() if self.sinks is None else (self.sinks,)))
         variant = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in spec.variant_kwargs().items()}
-        if self.sinks is not None:
-            variant["sinks"] = self.sinks
-        result = self.impl.call(self.q, self.k, self.v, causal=spec.causal, softmax_scale=spec.scale, group=group,
+        if sinks:
+            variant["sinks"] = sinks[0]
+        result = self.impl.call(q, k, v, causal=spec.causal, softmax_scale=spec.scale, group=group,
                                 layout=self.case.ring.layout, **variant)
-        return unpack(result, self.q, self.v, self.impl.name)
+        return unpack(result, q, v, self.impl.name)
 
     def results(self, out: torch.Tensor, lse: torch.Tensor | None, grads=None) -> dict[str, torch.Tensor | None]:
         """This rank's out, lse, dq, dk, dv and dsinks on the CPU (None: not returned, or not run)."""

@@ -8,8 +8,9 @@ group (`impl_task`, `ringcheck.harness.call`). What comes back is every group's 
 (`GroupRun`: unsharded, the sinks gradient combined under the declared convention).
 
 A run may hold several *calls* of the same case (`CALLS`): the contiguous shards, the input
-layouts of `ringcheck.harness.call` (views of fused projections), and two calls before one
-backward. ringcheck's own traffic never shares a group with the implementation: results travel
+layouts of `ringcheck.harness.call` (views of fused projections), two calls before one
+backward, and the calls as training wraps them (`ringcheck.harness.wrappers`: two layers inside
+activation checkpointing, the function under torch.compile). ringcheck's own traffic never shares a group with the implementation: results travel
 through the launcher (pipes to the parent, or the torchrun world's control group), never
 through the CP group the implementation was given.
 """
@@ -28,14 +29,16 @@ from ..ring.layouts import unshard
 from ..ring.loops import check_sinks_grad
 from .call import INPUT_LAYOUTS, run_shards, run_two_calls
 from .mesh import Mesh
+from .wrappers import WRAPPED_CALLS
 
 TWO_CALLS = "two_calls"
 # two calls before one backward, the first on views of a fused projection, the second with k
 # and v of other strides: every embedding of the inputs in one dispatch (validate's common path)
 TWO_CALLS_ON_VIEWS = "two_calls_on_views"
 SECOND = "second"  # the second call's inputs alone, contiguous: the single-call run beside TWO_CALLS
-CALLS = (*INPUT_LAYOUTS, TWO_CALLS, TWO_CALLS_ON_VIEWS, SECOND)
+CALLS = (*INPUT_LAYOUTS, TWO_CALLS, TWO_CALLS_ON_VIEWS, SECOND, *WRAPPED_CALLS)
 PAIRS = {TWO_CALLS: ("contiguous", "contiguous"), TWO_CALLS_ON_VIEWS: ("fused_qkv", "kv_strides")}
+PAIRED = (*PAIRS, *WRAPPED_CALLS)  # the calls whose results are a pair: (the first call's, the second's)
 TENSOR_NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
@@ -93,6 +96,9 @@ def impl_task(member, options: ImplOptions, case: Case, inputs: list[Inputs], ca
         elif call == SECOND:
             done[call] = run_shards(impl, case, other, member.rank, member.group, member.device,
                                     forward_only=options.forward_only)
+        elif call in WRAPPED_CALLS:  # checkpointed, compiled (`ringcheck.harness.wrappers`)
+            done[call] = WRAPPED_CALLS[call](impl, case, mine, other, member.rank, member.group, member.device,
+                                             forward_only=options.forward_only)
         else:
             done[call] = run_shards(impl, case, mine, member.rank, member.group, member.device,
                                     forward_only=options.forward_only, input_layout=call)
@@ -181,7 +187,7 @@ class Runner:
             for call in calls:
                 got = [p[call] for p in parts]
                 run.parts[call] = got
-                if call in PAIRS:
+                if call in PAIRED:
                     run.calls[call] = tuple(whole_results([g[i] for g in got], case, self.options.sinks_grad)
                                             for i in (0, 1))
                 else:

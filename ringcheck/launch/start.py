@@ -49,6 +49,11 @@ def preload_in_workers(*names: str) -> None:
 
 # commands that start local rings of worker processes (outside torchrun)
 RING_COMMANDS = ("validate", "drift", "bench", "train", "step")
+# what one command's workers import besides: validate's recompute row runs torch.utils.checkpoint,
+# whose non-reentrant path imports torch._dynamo on its first call (about 1 s a process; the
+# pytest plugin's recompute test too: `CHECKPOINT_PRELOAD`)
+CHECKPOINT_PRELOAD = ("torch._dynamo",)
+COMMAND_PRELOAD = {"validate": CHECKPOINT_PRELOAD}
 
 
 def _pin_package_for_workers() -> None:
@@ -127,17 +132,19 @@ def _forkable() -> bool:
     return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) <= FORKABLE_THREADS
 
 
-def start_fork_server_here() -> None:
+def start_fork_server_here(*also: str) -> None:
     """Start local rings' fork server now: as a fork of this process once it has imported what
     every worker imports (what the server would import in a fresh interpreter: torch, once
     more), where this process is a safe parent (`_forkable`); else as multiprocessing starts
-    it. Call it at start-up, before anything computes or starts a thread; nothing when the
-    server runs already."""
+    it. The modules `also` only the workers need (`preload_in_workers`): the server imports
+    them itself, while this process goes on. Call it at start-up, before anything computes or
+    starts a thread; nothing when the server runs already."""
+    preload_in_workers(*also)
     worker_context()
     if not _forkable():
         multiprocessing.forkserver.ensure_running()
         return
-    for name in WORKER_PRELOAD:
+    for name in (n for n in WORKER_PRELOAD if n not in also):
         try:
             importlib.import_module(name)
         except ImportError:  # as the fork server's preload: a worker that needs it says so

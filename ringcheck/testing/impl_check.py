@@ -24,7 +24,7 @@ from ..harness import Mesh
 from ..judge.check import Case
 from ..launch import open_ring
 from ..spec import AttentionSpec, RingSpec, Variant
-from . import embedded_properties, properties, variant_properties
+from . import embedded_properties, properties, variant_properties, wrapped_properties
 from .impl_runner import Refused, RingImpl, ring_impl
 
 # properties whose bit-exact comparisons assume our ring's block plan: for another ring they compare within budgets
@@ -34,7 +34,7 @@ _PLAN_AWARE = ("check_full_window_is_no_window", "check_padding_is_inert")
 def checks(impl: RingImpl) -> dict:
     """Every property body by name, with `impl` supplied."""
     found = {}
-    for module in (properties, variant_properties, embedded_properties):
+    for module in (properties, variant_properties, embedded_properties, wrapped_properties):
         for name in dir(module):
             fn = getattr(module, name)
             if name.startswith("check_") and callable(fn) and "impl" in inspect.signature(fn).parameters:

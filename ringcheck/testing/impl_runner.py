@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..adapters import accepted_keywords
-from ..harness import TWO_CALLS, ImplOptions, Mesh, Runner
+from ..harness import TWO_CALLS, GroupRun, ImplOptions, Mesh, Runner
 from ..harness.embedding import alone_words, check_witnesses, default_mesh, embedding_message, group_inputs
 from ..judge.check import Case, Results
 from ..judge.inputs import Inputs
@@ -126,6 +126,15 @@ class CaseRun:
     def two_calls(self, first: Inputs, second: Inputs) -> tuple[Results, Results]:
         """Forward of `first`, forward of `second`, one backward of both: each call's results."""
         return self._run(first, TWO_CALLS, second)
+
+    def wrapped(self, first: Inputs, second: Inputs, calls: tuple[str, ...]) -> GroupRun:
+        """The first group's run of `calls` in one dispatch (`ringcheck.harness.wrappers`:
+        checkpointed, compiled; beside them the plain calls they are compared with), the first
+        of two calls on `first`, the second on `second`."""
+        self._refuse()
+        mesh = self.impl.mesh_for(self.case.ring.world_size)
+        inputs = group_inputs(self.case, first, mesh.rings)
+        return self.impl.runner.run(self.case, inputs, mesh, calls, second=second)[0]
 
     def __call__(self, *tensors):
         raise TypeError(f"--impl {self.impl.spec} runs on a ring of processes: call results(inputs), not a "

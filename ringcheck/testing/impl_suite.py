@@ -19,7 +19,9 @@ batch and head independence, K/V permutation, GQA = MHA on repeated K/V); invari
 ring size and layout; determinism; the variants the implementation takes keywords for
 (packed documents with padding, windows, softcap, sinks), and a value head dim of its own
 (d_v != d_qk, which the contract allows without a keyword: its own test, so an implementation
-that does not support it fails that test alone).
+that does not support it fails that test alone); as training wraps it, two layers under
+activation checkpointing (the same bits as without) and torch.compile (one case: the same
+results as eager; a ring that does not compile is skipped, saying what raised).
 Properties of our ring's internals (the distributed ring equals its simulation bit for bit)
 run for ``--ring-impl ringcheck`` only. With ``--ring-forward-only`` every property checks
 out and lse, and its backward half (dq, dk, dv) is reported as a skipped test "not run".
@@ -32,10 +34,12 @@ from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from ..spec import DOC_LAYOUTS
+from ..judge.check import Case
+from ..spec import DOC_LAYOUTS, AttentionSpec, RingSpec
 from . import embedded_properties as eprops
 from . import properties as props
 from . import variant_properties as vprops
+from . import wrapped_properties as wprops
 from .impl_runner import Refused
 from .strategies import cases
 from .variant_strategies import variant_bounds, variant_cases, with_variant_options
@@ -358,3 +362,47 @@ def test_two_calls_before_one_backward(cfg, ring_impl, search_profile, part):
         _holds(cfg, lambda c: eprops.check_two_calls_before_backward(c, impl=ring_impl),
                "check_two_calls_before_backward", case)
     _search(body)
+
+
+# ---- the ring as training wraps it ---------------------------------------------------------------
+
+def test_recompute_under_activation_checkpointing(cfg, ring_impl, search_profile):
+    """Two layers' worth, each call inside torch.utils.checkpoint (use_reentrant False and True):
+    the same bits as the two layers without checkpointing (a ring that is not deterministic:
+    within budget)."""
+    if cfg.forward_only:
+        pytest.skip("not run: --ring-forward-only (checkpointing recomputes the forward inside the backward)")
+
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c: wprops.check_recompute(c, impl=ring_impl), "check_recompute", case)
+    _search(body)
+
+
+def _one_case(cfg) -> Case:
+    """One small case: causal where the implementation runs a causal mask, on the run's smallest
+    ring of two ranks or more, in its first dtype."""
+    modes = [(layout, c) for c in (True, False) for layout in cfg.plain_layouts if cfg.runnable(layout, c)]
+    if not modes:
+        pytest.skip(f"--ring-impl {cfg.spec} runs none of the layouts {list(cfg.plain_layouts)}")
+    layout, causal = modes[0]
+    ring = RingSpec(min([p for p in cfg.world_sizes if p > 1] or cfg.world_sizes), layout)
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_len=2 * ring.chunks, head_dim=32, dtype=cfg.dtypes[0],
+                         causal=causal)
+    return Case(spec, ring, seed=0)
+
+
+def test_torch_compile_equals_eager(cfg, ring_impl):
+    """torch.compile of a function calling the ring, on one small case (dynamo takes seconds per
+    rank): the same bits as eager under aot_eager, else within budget. A ring that does not
+    compile is skipped with what raised: a limit, not a wrong result."""
+    case = _one_case(cfg)
+    try:
+        info = wprops.check_compile(case, impl=ring_impl)
+    except Refused as exc:
+        pytest.skip(str(exc))
+    except AssertionError as exc:  # the replay line against the implementation, as `_holds` gives it
+        said = "\n".join(line for line in str(exc).splitlines() if "reproduce:" not in line)
+        raise AssertionError(f"{said}\n  reproduce: {cfg.repro('check_compile', case)}") from None
+    if info["error"]:
+        pytest.skip(f"does not compile with {info['backend']} (information, not a failure): {info['error']}")

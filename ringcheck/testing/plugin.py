@@ -32,7 +32,7 @@ from hypothesis import settings
 # torch-free at load (start-up time: every pytest run where ringcheck is installed loads this
 # plugin); the judge and the launchers are imported where a test asks for them
 from ..launch.environment import from_torchrun_env, launched_rank
-from ..launch.start import start_fork_server_here
+from ..launch.start import CHECKPOINT_PRELOAD, start_fork_server_here
 from . import recipe_plugin
 from .profiles import PROFILES
 
@@ -360,7 +360,7 @@ def _configure_impl(config) -> None:
     except (ValueError, TypeError, RuntimeError) as exc:
         raise pytest.UsageError(f"ringcheck --ring-impl: {exc}") from None
     if world is None:  # local rings ahead: their fork server, forked now from this clean process
-        start_fork_server_here()
+        start_fork_server_here(*CHECKPOINT_PRELOAD)
     suite = str(IMPL_SUITE)
     if config.args_source != pytest.Config.ArgsSource.ARGS:
         config.args[:] = [suite]  # no test paths given: the suite on the implementation is the run
