@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from .cli import main as cli_main
     from .launch.start import rings_ahead, start_fork_server_here
 
-    if rings_ahead(sys.argv[1:] if argv is None else list(argv), os.environ):
-        start_fork_server_here()
+    args = sys.argv[1:] if argv is None else list(argv)
+    if rings_ahead(args, os.environ):
+        start_fork_server_here(args[0])
     return cli_main(argv)

@@ -41,6 +41,13 @@ WORKER_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_
                   "ringcheck.harness.runner"]
 
 
+# the commands whose workers run a TorchDispatchMode (ringcheck.measure's instruments), and what
+# their fork server imports itself, after it forked and while the command goes on: torch._dynamo,
+# which such a mode imports on its first dispatch (about 1 s a process: here once, beside the
+# command, instead of in every worker at its first measurement)
+SERVER_PRELOAD = {"validate": ("torch._dynamo",), "bench": ("torch._dynamo",)}
+
+
 def preload_in_workers(*names: str) -> None:
     """Modules every local ring worker should start with: the fork server imports them once
     (before it starts: call this early), instead of each worker on its first use."""
@@ -62,16 +69,17 @@ def _pin_package_for_workers() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in paths if p != ROOT])
 
 
-def worker_context():
+def worker_context(server_preload: tuple[str, ...] = ()):
     """The start method of local rings' workers: forkserver where there is one (a server process
     imports torch once and forks every worker from that clean, single-threaded state, so a pool
     (re)starts in a fraction of a second instead of a torch import per process); spawn
-    elsewhere."""
+    elsewhere. `server_preload`: modules the server imports itself (not this process) before it
+    serves, where it is not running yet."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     _pin_package_for_workers()  # before the fork server starts: it and the workers keep its environment
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    ctx.set_forkserver_preload([*WORKER_PRELOAD, *(n for n in server_preload if n not in WORKER_PRELOAD)])
     return ctx
 
 
@@ -127,13 +135,13 @@ def _forkable() -> bool:
     return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) <= FORKABLE_THREADS
 
 
-def start_fork_server_here() -> None:
+def start_fork_server_here(command: str | None = None) -> None:
     """Start local rings' fork server now: as a fork of this process once it has imported what
     every worker imports (what the server would import in a fresh interpreter: torch, once
     more), where this process is a safe parent (`_forkable`); else as multiprocessing starts
     it. Call it at start-up, before anything computes or starts a thread; nothing when the
-    server runs already."""
-    worker_context()
+    server runs already. `command`: the one about to run (its `SERVER_PRELOAD`)."""
+    worker_context(SERVER_PRELOAD.get(command or "", ()))
     if not _forkable():
         multiprocessing.forkserver.ensure_running()
         return
