@@ -227,6 +227,7 @@ REGISTRIES = {
     "ringcheck.catalogue.variant_mutants": ("VARIANT_MUTANTS", ("textbook_varlen",)),
     "ringcheck.catalogue.precision_mutants": ("PRECISION_MUTANTS", ()),
     "ringcheck.catalogue.embedded_mutants": ("EMBEDDED_MUTANTS", ("gather_textbook",)),
+    "ringcheck.catalogue.promise_mutants": ("PROMISE_MUTANTS", ()),
 }
 
 
