@@ -242,7 +242,8 @@ def test_report_with_an_infinite_error_is_strict_json():
             CheckRow("backward normal", "fail", math.nan, 1e-3, "dq FAILED | NaN"),
             CheckRow("no NaN/Inf", "pass")]
     report = report_dict(Target(), rows, meta=meta("ringcheck validate", elapsed_s=1.0))
-    assert list(report) == ["schema", "schema_version", "passed", "target", "variants", "command", "mesh", "checks", "meta"]
+    assert list(report) == ["schema", "schema_version", "passed", "flagged", "target", "variants", "command", "mesh",
+                            "checks", "meta"]
     assert report["schema"] == VALIDATE_SCHEMA and not report["passed"]
     text = dumps(report)
     strict = json.loads(text, parse_constant=_no_literal)
@@ -270,7 +271,7 @@ def test_cli_exit_codes_and_report(tmp_path):
     report = json.loads((tmp_path / "validate.json").read_text(), parse_constant=_no_literal)
     assert list(report)[:2] == ["schema", "schema_version"]
     report = load(tmp_path / "validate.json", schema=VALIDATE_SCHEMA)
-    assert report["passed"] and report["schema_version"] == 1
+    assert report["passed"] and report["schema_version"] == 2
     assert list(report["meta"]) == list(META_KEYS) and report["meta"]["command"].startswith(f"cd {shlex.quote(str(ROOT))} && ")
     assert " ringcheck validate --seq-len 64 " in report["meta"]["command"]  # after the directory and PYTHONPATH
     assert (tmp_path / "validate.md").read_text().startswith("# ringcheck validate: PASSED")
