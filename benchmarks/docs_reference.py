@@ -228,6 +228,7 @@ REGISTRIES = {
     "ringcheck.catalogue.precision_mutants": ("PRECISION_MUTANTS", ()),
     "ringcheck.catalogue.embedded_mutants": ("EMBEDDED_MUTANTS", ("gather_textbook",)),
     "ringcheck.catalogue.wrapped_mutants": ("WRAPPED_MUTANTS", ("textbook_nondeterministic",)),
+    "ringcheck.catalogue.promise_mutants": ("PROMISE_MUTANTS", ()),
 }
 
 

@@ -44,36 +44,35 @@ numbers the worst seed's (see `ringcheck.commands.drift.aggregate_seeds`); measu
 keep 6 significant digits.
 
 `ringcheck.validate`, version 2 (`ringcheck.commands.validate.report_dict`, `ringcheck
-validate --report DIR` writes it as validate.json; version 2 added `figures`). Top-level keys:
+validate --report DIR` writes it as validate.json; version 2 added `figures`, `promise`, `required`,
+the status "flag" and `flagged`). Keys: `passed` (no check failed, no FLAG required: the exit code
+follows it), `flagged` ("flag" checks), `target` (`Target`'s fields, named as the flags), `command`
+(the command line that names the target), `checks`: one {check, status ("pass", "fail", "info",
+"not run", "flag"), error, budget, detail, tensors, failing_ranks, failing_groups, figures, promise,
+required} per row, in the table's order (error, budget null where a row has none; `tensors`: per
+judged tensor {passed, ratio (worst error / budget), ranks over budget}; `failing_ranks` their
+union; `failing_groups`: the CP groups whose results failed; `detail` locates the worst element
+or says what was measured; `figures`: what the recompute and compile rows measured beyond the
+tensors; `promise`: memory, communication or overlap, its figure and FLAG threshold as error and
+budget; `required`: --require), and `meta`.
 
-- `passed`: true when no check failed (the exit code follows it);
-- `target`: the validated target (`Target`: its fields, named as the flags name them);
-- `command`: the `ringcheck validate` command line that names the target;
-- `checks`: one {check, status ("pass", "fail", "info" or "not run"), error, budget, detail,
-  tensors, failing_ranks, failing_groups, figures} per row of the verdict table, in its order
-  (error and budget null where a row has none; `tensors`: per judged tensor {passed, ratio
-  (worst error / budget), ranks (those holding elements over budget)}; `failing_ranks`: their
-  union; `failing_groups`: the CP groups whose results failed; `detail` locates the worst
-  element; `figures`: what a row measured beyond the tensors, by name, empty for most rows:
-  the recompute and compile rows', docs/reference/recompute.md and compile.md);
-- `meta`.
-
-`ringcheck.bench`, version 1 (`ringcheck.commands.bench.run_bench`, `ringcheck bench --json
-FILE`). Top-level keys in this order, the sections only when they ran:
+`ringcheck.bench`, version 2 (`ringcheck.commands.bench.run_bench`, `ringcheck bench --json
+FILE`; version 2: overlap and memory measured by `ringcheck.measure`). Top-level keys in this
+order, the sections only when they ran:
 
 - `spec`: the grid (`BenchSpec`'s fields);
 - `speed`: one row per case and system: {key, dtype, ring_size, tokens, mode, passes, heads,
   head_dim, sample_rows, seed, system, layout, median_s, times, errors {out, dq, dk, dv},
   threads, na (why a system did not run), fastest_peer, ratio};
-- `overlap`: {key, dtype, ring_size, tokens, mode, passes, distributed_s, no_comm_s,
-  efficiency, bytes_per_step} per case;
+- `overlap`: {key, dtype, ring_size, tokens, mode, passes, system, bytes_per_step, step_s (per
+  pass), held: [{fraction, delay_s, hidden, injected_s, grew_s}] | na} per case and system;
 - `balance`: {ring_size, layout, tokens, dtype, work, work_max_over_mean, time_s,
   time_max_over_mean} per ring size and layout;
-- `memory`: {rows: [{system, mode, passes, ring_size, tokens, tokens_per_rank, peak_mib, na,
-  nxn_mib}], fits: [{system, mode, passes, slope, slope_upper}]};
+- `memory`: {rows: [{system, mode, passes, ring_size, tokens, tokens_per_rank, peak_mib (tensor
+  storage beyond the shards), na, nxn_mib}], fits: [{system, mode, passes, slope, slope_upper}]};
 - `harness`: what -> {wall_s, exit, last_line, failed} or {rows_per_s, median_s};
-- `meta`, with bench's own keys after the common ones: machine, cpu, cores, load_1_5_15
-  (before the run), parent_threads, worker_threads, ring_backend, load_after.
+- `meta`, then bench's keys: machine, cpu, cores, load_1_5_15 (before the run), parent_threads,
+  worker_threads, ring_backend, load_after.
 
 `ringcheck.train`, version 1 (`ringcheck.commands.train.report_dict`, `ringcheck train --report
 DIR`): verdict ("pass", "fail", "no verdict"), passed, why, command, model, mesh, config, rule
@@ -109,7 +108,7 @@ from . import __version__
 
 DRIFT_SCHEMA, DRIFT_SCHEMA_VERSION = "ringcheck.drift", 1
 VALIDATE_SCHEMA, VALIDATE_SCHEMA_VERSION = "ringcheck.validate", 2
-BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 1
+BENCH_SCHEMA, BENCH_SCHEMA_VERSION = "ringcheck.bench", 2
 TRAIN_SCHEMA, TRAIN_SCHEMA_VERSION = "ringcheck.train", 1
 STEP_SCHEMA, STEP_SCHEMA_VERSION = "ringcheck.step", 1
 PLAN_SCHEMA, PLAN_SCHEMA_VERSION = "ringcheck.plan", 1

@@ -118,7 +118,9 @@ def test_bench_command_writes_json(tmp_path, ring_pool, monkeypatch):
     assert set(ours["errors"]) == {"out", "dq", "dk", "dv"} and max(ours["errors"].values()) < 1e-4
     cp_causal = speed[("causal", "fwd", "torch_cp")]  # contiguous causal, without load balancing
     assert cp_causal["median_s"] > 0 and max(cp_causal["errors"].values()) < 1e-4
-    assert all(r["efficiency"] > 0 for r in doc["overlap"])
+    held = [h for r in doc["overlap"] for h in r["held"]]  # every system, both delays: shares in [0, 1]
+    assert {r["system"] for r in doc["overlap"]} == {"ringcheck", "torch_cp"} and len(held) == 2 * len(doc["overlap"])
+    assert all(0.0 <= h["hidden"] <= 1.0 and h["delay_s"]["forward"] > 0 for h in held)
 
 
 class _Borrowed:

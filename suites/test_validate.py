@@ -242,7 +242,8 @@ def test_report_with_an_infinite_error_is_strict_json():
             CheckRow("backward normal", "fail", math.nan, 1e-3, "dq FAILED | NaN"),
             CheckRow("no NaN/Inf", "pass")]
     report = report_dict(Target(), rows, meta=meta("ringcheck validate", elapsed_s=1.0))
-    assert list(report) == ["schema", "schema_version", "passed", "target", "variants", "command", "mesh", "checks", "meta"]
+    assert list(report) == ["schema", "schema_version", "passed", "flagged", "target", "variants", "command", "mesh",
+                            "checks", "meta"]
     assert report["schema"] == VALIDATE_SCHEMA and not report["passed"]
     text = dumps(report)
     strict = json.loads(text, parse_constant=_no_literal)

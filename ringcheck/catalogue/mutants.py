@@ -29,14 +29,21 @@ BUCKET = 8  # the `drops_remainder` bug works in buckets of this many tokens
 
 # ---------------------------------------------------------------- communication
 
-def _exchange(group, tensors, bugs=frozenset()):
-    """Send `tensors` to the next rank and receive the same shapes from the previous one."""
+def _exchange(group, tensors, bugs=frozenset(), what="kv"):
+    """Send `tensors` (`what`: "kv" or "grad") to the next rank and receive the same shapes from
+    the previous one: (requests, received)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)
     if "group_rank_as_peer" in bugs:  # the group's ranks passed where P2P wants global ones: right on 0..P-1 only
         nxt, prv = (rank + 1) % world, (rank - 1) % world
-    return send_packed(group, tensors, nxt, prv)
+    requests, received = send_packed(group, tensors, nxt, prv)
+    if "kv_twice" in bugs and what == "kv":  # the K/V sent a second time each hop, the copy dropped
+        requests = [*requests, *send_packed(group, tensors, nxt, prv)[0]]
+    if "waits_each_transfer" in bugs:  # blocks until the transfer is done, before computing
+        _wait(requests)
+        requests = []
+    return requests, received
 
 
 def send_packed(group, tensors, nxt: int, prv: int):
@@ -137,20 +144,20 @@ class _Ring(torch.autograd.Function):
         if "rank_from_wrong_axis" in bugs:  # its place in the ring from the global rank (right for one mesh order)
             rank = dist.get_rank() % world
         dtype = q.dtype
+        kv = [k, v]  # on the wire in the input dtype; computed on in float32 (the same values)
         q, k, v = q.float(), k.float(), v.float()
         b, n, h, _ = q.shape
         out = torch.zeros(b, n, h, v.shape[-1])  # v may have a head dim of its own
         lse = torch.full((b, h, n), float("-inf"))
-        kv = [k, v]
         block_lses = []
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
                 requests, incoming = _exchange(group, kv, bugs)
-            s = _scores(q, kv[0], _visible(rank, src, world, n, causal, bugs), scale, bugs)
+            s = _scores(q, kv[0].float(), _visible(rank, src, world, n, causal, bugs), scale, bugs)
             block_lse = torch.logsumexp(s, -1)
             p = torch.exp(s - block_lse.masked_fill(torch.isneginf(block_lse), 0.0).unsqueeze(-1))
-            block_out = torch.einsum("bhqk,bkhd->bqhd", p, _kv_heads(kv[1], h, bugs))
+            block_out = torch.einsum("bhqk,bkhd->bqhd", p, _kv_heads(kv[1].float(), h, bugs))
             out, lse = _merge(out, lse, block_out, block_lse, bugs)
             if "low_precision_partial" in bugs:  # partial output kept in the input dtype
                 out = out.to(dtype).float()
@@ -192,14 +199,14 @@ class _Ring(torch.autograd.Function):
             delta = delta - dlse
         group_size = h // k.shape[2]
         dq = torch.zeros_like(q)
-        kv = [k, v]
+        kv = [k.to(ctx.dtype), v.to(ctx.dtype)]  # on the wire in the input dtype (exact: they were)
         dkv = [torch.zeros_like(k), torch.zeros_like(v)]
         bwd_scale = scale * scale if "scale_twice_backward" in bugs else scale
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
                 kv_requests, kv_incoming = _exchange(group, kv, bugs)
-            k_s, v_s = ([k, v] if "stale_kv_backward" in bugs else kv)
+            k_s, v_s = ([k, v] if "stale_kv_backward" in bugs else [t.float() for t in kv])
             s = _scores(q, k_s, _visible(rank, src, world, n, causal, bugs), scale, bugs)
             row_lse = block_lses[step] if "block_lse_backward" in bugs else lse
             p = torch.exp(s - row_lse.masked_fill(torch.isneginf(row_lse), 0.0).unsqueeze(-1))
@@ -222,7 +229,7 @@ class _Ring(torch.autograd.Function):
                 break  # the accumulators of rank + 1 never make their last hop
             if world == 1:
                 break  # a ring of one: the accumulators are home (gloo sends nothing to its own rank)
-            grad_requests, grad_incoming = _exchange(group, dkv, bugs)
+            grad_requests, grad_incoming = _exchange(group, dkv, bugs, "grad")
             if not last:
                 _wait(kv_requests)
                 kv = kv_incoming
@@ -285,4 +292,5 @@ CATALOGUES = {
     "ringcheck.catalogue.precision_mutants": "PRECISION_MUTANTS",
     "ringcheck.catalogue.embedded_mutants": "EMBEDDED_MUTANTS",
     "ringcheck.catalogue.wrapped_mutants": "WRAPPED_MUTANTS",
+    "ringcheck.catalogue.promise_mutants": "PROMISE_MUTANTS",
 }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..adapters import load_impl
 from ..commands.validate import Target, check_variant_keywords, placement, report_dict, validate, validate_steps
+from ..commands.validate_promises import DEFAULT_PROMISES, OVERLAP, parse_require
 from ..commands.validate_rows import stand_in_row
 from ..commands.validate_target import check_keys, check_types
 from ..harness import Mesh
@@ -108,11 +109,12 @@ def _validate_settings(args: argparse.Namespace) -> tuple[Target, float]:
 
 
 def rerun_command(target: Target, timeout: float, *, torchrun: bool = False, world: int | None = None,
-                  prefix: str = "") -> str:
+                  prefix: str = "", promise_flags: tuple[str, ...] = ()) -> str:
     """The command that repeats this validate run exactly: every setting of the target as a
     flag (config values expanded, defaults spelled out, so a change of defaults cannot change
     what it runs) and the timeout; under torchrun, the torchrun launch of it on `world` ranks;
-    after `prefix` (`where_to_rerun`: the directory and PYTHONPATH of the run)."""
+    after `prefix` (`where_to_rerun`: the directory and PYTHONPATH of the run); `promise_flags`
+    (`promise_settings`: --overlap, --require) last."""
     flags: list[str] = []
     for name in _TARGET_FLAGS:
         value = getattr(target, name)
@@ -132,7 +134,7 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False, wor
         else:
             flags += [flag, str(value)]
     flags += target.variants.flags()
-    flags += ["--timeout", f"{timeout:g}"]
+    flags += ["--timeout", f"{timeout:g}", *promise_flags]
     head = (f"torchrun --nproc-per-node={world or target.world_size} -m ringcheck validate" if torchrun
             else "ringcheck validate")
     return prefix + head + " " + shlex.join(flags)
@@ -161,9 +163,21 @@ def incomplete_run(exc, log_dir: str | None) -> UsageError:
                       + (f"\n{note}" if note else ""))
 
 
+def promise_settings(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(the promises measured, those required, their flags for the re-run command)."""
+    try:
+        require = parse_require(args.require)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    promises = (*DEFAULT_PROMISES, *((OVERLAP,) if args.overlap else ()))
+    flags = (*(("--overlap",) if args.overlap else ()), *(("--require", ",".join(require)) if require else ()))
+    return promises, require, flags
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     prefix = getattr(args, "where", "")  # the directory and PYTHONPATH of this run, read at the edge (cli.main)
     target, timeout = _validate_settings(args)
+    promises, require, promise_flags = promise_settings(args)
     stand_in = stand_in_row(target.flash_attn_stand_in)  # here too: loading the impl below imports it
     try:  # fail fast, before any process starts, on an unknown or malformed --impl
         impl = load_impl(target.impl, layout=target.layout, backend=target.backend, sinks_grad=target.sinks_grad)
@@ -183,7 +197,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         main = ring.is_main
-        command = rerun_command(target, timeout, torchrun=ring.is_torchrun, world=ring.size, prefix=prefix)
+        command = rerun_command(target, timeout, torchrun=ring.is_torchrun, world=ring.size, prefix=prefix,
+                                promise_flags=promise_flags)
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
             console.print(f"variants: {target.variants.describe()}", markup=False, highlight=False)
@@ -192,9 +207,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if stand_in is not None:
                 console.print(f"flash-attn stand-in: {stand_in.detail}", markup=False, highlight=False)
         shows = main and shows_progress(args, console)
-        with progress(validate_steps(target), console, enabled=shows, label="validating") as advance:
+        with progress(validate_steps(target, (*promises, *require)), console, enabled=shows,
+                      label="validating") as advance:
             try:  # the run is driven from here: progress notes need no channel
-                rows = validate(target, ring, progress=advance if shows else None)
+                rows = validate(target, ring, progress=advance if shows else None, promises=promises, require=require)
             except RingError as exc:
                 raise incomplete_run(exc, args.log_dir) from exc
             except (ValueError, TypeError) as exc:  # the implementation's contract, judged on the ranks' results
@@ -263,6 +279,13 @@ def _add_validate(sub) -> None:
                    help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in on "
                         "every rank (for ring_flash_attn:* and yunchang:* on CPU); the report says so "
                         "(config key flash_attn_stand_in = true)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also measure overlap: every transfer held for 0.5 and 2 times a ring step's compute, the share "
+                        "of that time the ring hides (it times calls: a few seconds; memory and communication are "
+                        "measured by default)")
+    p.add_argument("--require", metavar="PROMISES",
+                   help="promises whose FLAG fails the run (exit 1): any of memory, communication, overlap, comma-"
+                        "separated (default: none; a FLAG is reported, exactness alone gates)")
     p.add_argument("--report", metavar="DIR", help="write validate.json, validate.md and validate.html to DIR")
     p.add_argument("--full-table", dest="full_table", action="store_true",
                    help="the wide table with every row's located detail in it (default: one line per check, "

@@ -7,14 +7,15 @@ A benchmark, not a test: it measures and prints, it never fails on speed. Five s
   with the max abs error of out (and dq, dk, dv) against float64 beside it. Distributed rings
   run inside one local ring per ring size (`LocalRings().run(P, task, ...)`); each rank times
   its call between barriers, the time of a repeat is the slowest rank's.
-- ``overlap``: our distributed ring against the same per-rank loops run by `NoCommDriver`
-  (every `Wait` answered with the rank's own payload: same compute, no transfer), both in the
-  same ring and the same run; efficiency = distributed / no-comm time (1.0 = transfer hidden).
+- ``overlap``: every distributed system's call with each transfer held 0.5 and 2 times a ring
+  step's compute, as `ringcheck validate --overlap` measures it (`ringcheck.measure`): the share
+  of the injected time the ring hides (1.0: all of it), and how much slower the call was.
 - ``balance``: unmasked score entries per rank (`layouts.work_counts`) and measured per-rank
   forward compute time (each rank's loop run alone through `NoCommDriver`, 1 thread), as
   max / mean, for contiguous causal, zigzag and striped.
-- ``memory``: peak RSS growth per rank (VmHWM after resetting it through /proc/self/clear_refs)
-  during one call, as total tokens grow at a fixed ring size; a log-log slope per system.
+- ``memory``: the peak tensor storage per rank during one call beyond its shards
+  (`ringcheck.measure.peak_bytes`, validate's memory instrument), as total tokens grow at a fixed
+  ring size; a log-log slope per system.
 - ``harness``: wall time of `pytest suites -q -x` (from a source checkout) and `ringcheck validate`
   (subprocesses), and
   the references' speed (float64 dense sampled rows/s, mpmath certified rows/s).
@@ -44,6 +45,7 @@ from reference.mp import mp_attention
 
 from ..documents import BENCH_SCHEMA, header
 from ..harness import Mesh
+from ..measure.calls import overlap_figures
 from ..ring import (
     NoCommDriver,
     RankShard,
@@ -213,20 +215,26 @@ def run_speed(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s
 
 def run_overlap(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     rows = []
+    systems = tuple(s for s in spec.impls if s not in LOCAL)
     for p in spec.ring_sizes:
         for dtype in spec.dtypes[:1]:
             for n in spec.tokens:
                 for mode in ("bidirectional", "causal_balanced"):
                     for passes in spec.passes:
                         case = BenchCase(dtype, p, n, mode, passes, spec.heads, spec.head_dim, spec.sample_rows, spec.seed)
+                        runnable = tuple(s for s in systems if system_layout(s, mode)[0] is not None)
                         progress("overlap " + case.key())
-                        got = spec.on_rings(rings, p, overlap_task, case, spec.warmup, spec.repeats)
-                        dist_t = statistics.median(max(ts) for ts in zip(*(g["distributed"] for g in got)))
-                        local_t = statistics.median(max(ts) for ts in zip(*(g["no_comm"] for g in got)))
-                        rows.append({"key": case.key(), "dtype": dtype, "ring_size": p, "tokens": n, "mode": mode,
-                                     "passes": passes, "distributed_s": dist_t, "no_comm_s": local_t,
-                                     "efficiency": dist_t / local_t,
-                                     "bytes_per_step": _kv_bytes(case)})
+                        got = spec.on_rings(rings, p, overlap_task, case, runnable, spec.repeats)
+                        for system in runnable:
+                            per = [g[system] for g in got]
+                            failed = [x["error"] for x in per if "error" in x]
+                            row = {"key": case.key(), "dtype": dtype, "ring_size": p, "tokens": n, "mode": mode,
+                                   "passes": passes, "system": system, "bytes_per_step": _kv_bytes(case)}
+                            if failed:
+                                rows.append({**row, "na": failed[0]})
+                                continue
+                            rows.append({**row, "step_s": max(per, key=lambda x: sum(x["step_s"]))["step_s"],
+                                         "held": overlap_figures(per)})
     return rows
 
 

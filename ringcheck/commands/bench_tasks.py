@@ -1,14 +1,12 @@
 """What `ringcheck bench` measures, case by case: the inputs and float64 reference of a case,
 the systems (our ring, peer rings, SDPA), and the tasks each rank of a local ring runs
 (speed, overlap, memory), plus the runs made in the parent process. `bench.py` plans the
-sections and builds the document from these."""
+sections and builds the document from these. Overlap and memory are measured with the
+instruments validate uses (`ringcheck.measure`): no second copy of either."""
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,12 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..adapters import load_impl
-from ..judge.check import Results, row_results
+from ..judge.check import Case, Results, row_results
 from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
-from ..ring import DistributedDriver, NoCommDriver, make_config, run_ring, simulate_ring
-from ..ring.comm import RingComm, timed_waits
+from ..measure.calls import overlap_run
+from ..measure.memory import peak_bytes
+from ..ring import simulate_ring
+from ..ring.comm import timed_waits
 from ..ring.layouts import positions, shard
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, RingSpec
 
 OURS = "ringcheck"
 SIMULATED = "ringcheck:simulated"
@@ -196,55 +196,27 @@ def speed_task(member, case: BenchCase, systems: tuple[str, ...], warmup: int, r
     return found
 
 
-def overlap_task(member, case: BenchCase, warmup: int, repeats: int) -> dict:
-    """Ring task: our ring distributed and through `NoCommDriver`, in the same ring."""
+def overlap_task(member, case: BenchCase, systems: tuple[str, ...], repeats: int) -> dict:
+    """Ring task: per system, its call timed without a delay and with every transfer held 0.5
+    and 2 times a ring step's compute (`ringcheck.measure.overlap_run`, as validate --overlap)."""
     torch.set_num_threads(1)
     inputs, _ = case_inputs(case)
-    q, k, v, dout = inputs.q, inputs.k, inputs.v, inputs.dout
-    layout, _ = system_layout(OURS, case.mode)
-    parts = [shard(t, layout=layout, rank=member.rank, world_size=member.world_size, dim=1) for t in (q, k, v, dout)]
-    config = make_config(world_size=member.world_size, layout=layout, causal=case.causal, softmax_scale=None,
-                         head_dim=case.head_dim, backend="torch")
-    comm = RingComm(member.group, timeout=member.timeout)
-    barrier = lambda: dist.barrier(group=member.group)  # noqa: E731
     found = {}
-    for name, make in (("distributed", lambda: DistributedDriver(comm)),
-                       ("no_comm", lambda: NoCommDriver(member.rank, member.world_size))):
-        def one(make=make):
-            fn = lambda a, b, c: run_ring(config, make(), [a], [b], [c])[0][0]  # noqa: E731
-            return call(fn, case.passes, tuple(parts[:3]), parts[3])
-        found[name] = times_of(one, warmup, repeats, barrier)[0]
+    for system in systems:
+        layout, _ = system_layout(system, case.mode)
+        try:
+            ring_case = Case(case.spec(), RingSpec(member.world_size, layout))
+            found[system] = overlap_run(load_impl(system, layout=layout), ring_case, inputs, member.rank,
+                                        member.group, member.device, forward_only=case.passes == "fwd",
+                                        repeats=max(1, repeats))
+        except Exception as exc:  # recorded as n/a; the other ranks fail (or time out) alike
+            found[system] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
     return found
 
 
-def _rss_kib(field_name: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field_name}")
-
-
-def peak_rss_growth(fn: Callable[[], Any]) -> float | None:
-    """MiB the peak RSS rose above the RSS just before fn() (Linux; None elsewhere)."""
-    if not os.path.exists("/proc/self/clear_refs"):
-        return None
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so reuse does not hide growth
-    except (OSError, AttributeError):
-        pass
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # resets VmHWM to the current RSS
-    base = _rss_kib("VmRSS")
-    result = fn()
-    peak = _rss_kib("VmHWM")
-    del result
-    return (peak - base) / 1024.0
-
-
 def memory_task(member, case: BenchCase, systems: tuple[str, ...]) -> dict:
-    """Ring task: peak RSS growth of one call per system on this rank (after one warm-up call)."""
+    """Ring task: per system, the peak MiB of tensor storage one call holds on this rank beyond
+    its shards (`ringcheck.measure.peak_bytes`), after one warm-up call."""
     torch.set_num_threads(1)
     inputs, _ = case_inputs(case)
     q, k, v, dout = inputs.q, inputs.k, inputs.v, inputs.dout
@@ -258,7 +230,8 @@ def memory_task(member, case: BenchCase, systems: tuple[str, ...]) -> dict:
                      for t in (q, k, v, dout)]
             call(fn, case.passes, tuple(parts[:3]), parts[3])  # warm-up: lazy imports, kernel set-up
             dist.barrier(group=member.group)
-            found[system] = {"mib": peak_rss_growth(lambda: call(fn, case.passes, tuple(parts[:3]), parts[3]))}
+            peak, _ = peak_bytes(lambda: call(fn, case.passes, tuple(parts[:3]), parts[3]), device=member.device)
+            found[system] = {"mib": peak / 2 ** 20}
             dist.barrier(group=member.group)
         except Exception as exc:
             found[system] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}

@@ -19,6 +19,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
   balance (information, not a gate);
 - the ring as training wraps it (`validate_wrapped`): two layers under activation checkpointing
   against the same without (recompute), and, with `compile`, torch.compile against eager.
+- the ring's other promises, measured (`validate_promises`): memory O(N/P) and communication
+  at the ring's minimum by default, overlap with ``--overlap``; a FLAG there gates only the
+  promises named by ``--require``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from ..harness import ImplOptions, Mesh, Runner
 from ..harness.mesh import REPLICA
 from ..harness.settings import torch_threads
 from ..spec import Budget
-from .validate_rows import CheckRow, balance_row, finite_row, shape_row, stand_in_row
+from .validate_promises import promise_rows, promise_steps
+from .validate_rows import FLAG, CheckRow, balance_row, finite_row, shape_row, stand_in_row
 from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
 from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, scaled_cases
 from .validate_wrapped import compile_row, recompute_row
@@ -82,16 +86,20 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
     return Placement(mesh, mesh)
 
 
-def validate_steps(target: Target) -> int:
+def validate_steps(target: Target, promises=()) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism,
-    recompute (not under --forward-only) and compile (with it)."""
-    return len(scaled_cases(target)) + 3 + (not target.forward_only) + target.compile
+    recompute (not under --forward-only), compile (with it) and the promises measured."""
+    return len(scaled_cases(target)) + 3 + (not target.forward_only) + target.compile + promise_steps(promises)
 
 
 def validate(target: Target, processes, *, budget: Budget = Budget(),
-             progress: Callable[[str], None] | None = None) -> list[CheckRow]:
+             progress: Callable[[str], None] | None = None, promises=(), require=()) -> list[CheckRow]:
     """Every check of `target`, run on `processes` (`ringcheck.launch.LocalRings`, or the
-    `TorchrunWorld` whose every rank calls this in step and gets the same rows)."""
+    `TorchrunWorld` whose every rank calls this in step and gets the same rows); the promises
+    measured are `promises` and every one in `require` (whose FLAG then fails the run). The
+    command measures `DEFAULT_PROMISES` (memory, communication) unless told otherwise; this
+    function none unless asked, so that callers that judge exactness alone (the suites) do not
+    pay for the measurements."""
     stand_in = stand_in_row(target.flash_attn_stand_in)  # before the implementation is imported
     options = ImplOptions(target.impl, target.layout, target.backend, target.forward_only,
                           target.flash_attn_stand_in, target.sinks_grad)
@@ -100,10 +108,10 @@ def validate(target: Target, processes, *, budget: Budget = Budget(),
     check_variant_keywords(impl, target)
     where = placement(target, processes.size, impl.world_only)
     with torch_threads(1):  # small tensors: a second thread only spins against the ranks' processes
-        return _rows(target, processes, options, where, budget, progress, stand_in)
+        return _rows(target, processes, options, where, budget, progress, stand_in, promises, require)
 
 
-def _rows(target, processes, options, where, budget, progress, stand_in) -> list[CheckRow]:
+def _rows(target, processes, options, where, budget, progress, stand_in, promises, require) -> list[CheckRow]:
     run = Run(target, Runner(processes, options), where.scaled, budget,
               progress if getattr(processes, "is_main", True) else None)
     rows = scaled_rows(run)
@@ -112,7 +120,8 @@ def _rows(target, processes, options, where, budget, progress, stand_in) -> list
     wrapped = [recompute_row(run, determinism.passed), compile_row(run, determinism.passed)]
     return [*([stand_in] if stand_in else []), *rows, *full, finite_row([*run.verdicts, *full_verdicts]),
             determinism, *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
-            balance_row(target, target.world_size)]
+            balance_row(target, target.world_size), *promise_rows(target, run.runner, promises, require, run.note,
+                                                                  cheap=True)]
 
 
 # ------------------------------------------------------------------------------- reports
@@ -125,6 +134,7 @@ def report_dict(target: Target, rows: list[CheckRow], meta: dict[str, Any] | Non
     return {
         **header(VALIDATE_SCHEMA),
         "passed": all(r.passed for r in rows),
+        "flagged": [r.check for r in rows if r.status == FLAG],
         "target": target.to_dict(),
         "variants": target.variants.describe(),
         "command": f"ringcheck validate {target.describe()}",

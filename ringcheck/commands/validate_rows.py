@@ -21,7 +21,9 @@ from ..spec import AttentionSpec, Budget, RingSpec
 
 @dataclass
 class CheckRow:
-    """One row of the verdict table. status: "pass", "fail" or "info" (never gates).
+    """One row of the verdict table. status: "pass", "fail", "info" (never gates), "not run", or
+    "flag": a measurement that found the ring off one of its promises (memory, communication,
+    overlap; `validate_promises`), which gates only when `required` (``--require``).
 
     Rows that judge tensors also carry `tensors`: per tensor in order, {"passed", "ratio" (the
     worst error / budget over the row's cases), "ranks" (the ranks holding elements over
@@ -39,10 +41,12 @@ class CheckRow:
     failing_ranks: list[int] = dataclasses.field(default_factory=list)
     failing_groups: list[str] = dataclasses.field(default_factory=list)
     figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    promise: str = ""        # the promise a measurement row measures ("memory", ...); "" for the others
+    required: bool = False   # its FLAG fails the run (--require)
 
     @property
     def passed(self) -> bool:
-        return self.status != "fail"
+        return self.status != "fail" and not (self.status == FLAG and self.required)
 
 
 def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
@@ -126,6 +130,7 @@ def balance_row(target: Any, world: int) -> CheckRow:
 
 BACKWARD = ("dq", "dk", "dv", "dsinks")
 NOT_RUN = "not run"  # a row's status under --forward-only: never a pass, never a gate
+FLAG = "flag"        # a measurement off its promise: reported, a gate only under --require
 
 
 def backward_row(label: str, verdicts: list[Verdict], forward_only: bool) -> CheckRow:

@@ -100,6 +100,14 @@ class _Prepared:
         return got
 
 
+def prepare(impl: Impl, case: Case, inputs: Inputs, rank: int, device: torch.device | str = "cpu", *,
+            grad: bool = True, layout: str = "contiguous") -> _Prepared:
+    """This rank's shards of `inputs`, arranged as `layout` says, ready for `.call(group)`:
+    `.q`, `.k`, `.v`, `.dout`, the `.leaves` a backward reaches (and `.sinks`). For callers that
+    measure a call (ringcheck.measure) rather than judge its results."""
+    return _Prepared(impl, case, inputs, rank, torch.device(device), grad=grad, layout=layout)
+
+
 def _require_graph(impl: Impl, out: torch.Tensor) -> None:
     if not out.requires_grad:
         raise ContractError(f"--impl {impl.name} returned an out with no autograd graph (it does not require grad), "

@@ -174,11 +174,17 @@ class Runner:
             raise ValueError(f"mesh {mesh.text} runs {mesh.rings} CP groups, given inputs for {len(inputs)}")
         if case.ring.world_size != mesh.cp:
             raise ValueError(f"the case has a ring of {case.ring.world_size} but mesh {mesh.text} has cp={mesh.cp}")
+        plan, sent = self.submit_task(impl_task, case, inputs, mesh, tuple(calls), second)
+        return lambda: self._whole(case, mesh, plan, calls, sent.result())
+
+    def submit_task(self, task, case: Case, inputs: list[Inputs], mesh: Mesh, *args):
+        """`task(member, options, case, inputs, *args)` on every rank of every CP group of `mesh`
+        (the options of this case's layout and backend): (the group plan, what `result()` of
+        gives, per group, every rank's return)."""
         first = 0 if self.processes.size is None else self.processes.size - mesh.size
         plan = mesh.plan(first, families=False)  # the CP groups are all a call needs
         options = replace(self.options, layout=case.ring.layout, backend=case.backend)  # the adapter of this case
-        sent = self.processes.submit_groups(plan, impl_task, options, case, inputs, tuple(calls), second)
-        return lambda: self._whole(case, mesh, plan, calls, sent.result())
+        return plan, self.processes.submit_groups(plan, task, options, case, inputs, *args)
 
     def _whole(self, case: Case, mesh: Mesh, plan, calls, per_group) -> list[GroupRun]:
         runs = []

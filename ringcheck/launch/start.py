@@ -49,11 +49,12 @@ def preload_in_workers(*names: str) -> None:
 
 # commands that start local rings of worker processes (outside torchrun)
 RING_COMMANDS = ("validate", "drift", "bench", "train", "step")
-# what one command's workers import besides: validate's recompute row runs torch.utils.checkpoint,
-# whose non-reentrant path imports torch._dynamo on its first call (about 1 s a process; the
-# pytest plugin's recompute test too: `CHECKPOINT_PRELOAD`)
+# what one command's workers import besides: torch._dynamo, about 1 s a process, imported on first
+# use by validate's recompute row (torch.utils.checkpoint's non-reentrant path; the pytest
+# plugin's recompute test too: `CHECKPOINT_PRELOAD`) and by the TorchDispatchMode of
+# ringcheck.measure's instruments (validate's memory and communication rows, bench)
 CHECKPOINT_PRELOAD = ("torch._dynamo",)
-COMMAND_PRELOAD = {"validate": CHECKPOINT_PRELOAD}
+COMMAND_PRELOAD = {"validate": CHECKPOINT_PRELOAD, "bench": CHECKPOINT_PRELOAD}
 
 
 def _pin_package_for_workers() -> None:

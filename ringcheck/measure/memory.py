@@ -69,6 +69,12 @@ def measured_device(device: torch.device | str | None) -> torch.device:
     return found
 
 
+def instrument(device: torch.device | str | None) -> str:
+    """What `peak_bytes` reads on `device`, in words for a report."""
+    kind = measured_device(device).type
+    return "the CUDA caching allocator's peak" if kind == "cuda" else "tensor storage tracked per op"
+
+
 def _storages(tree: Any) -> Iterator[torch.UntypedStorage]:
     """The storages of the plain tensors in nested tuples, lists and dicts."""
     if isinstance(tree, torch.Tensor):

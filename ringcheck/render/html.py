@@ -14,7 +14,7 @@ import re
 from html import escape
 
 from .drift_content import blocks, verdict_lines
-from .markdown import mesh_words, ranks_words, tensor_words
+from .markdown import flag_words, mesh_words, ranks_words, status_words, tensor_words
 from .plots import FIGURE_WIDTH_PX, detail_plots, error_plots, validate_plot
 
 # the content width of drift's page is that of its figures (FIGURE_WIDTH_PX); a figure is shown
@@ -112,7 +112,7 @@ def drift_html(doc: dict, *, plots: bool = True) -> str:
 # --- validate ------------------------------------------------------------------------------------
 
 _VALIDATE_CSS = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}
-h1.good,.good{color:#1a7f37}h1.bad,.bad{color:#c62828}.info{color:#0b7285}
+h1.good,.good{color:#1a7f37}h1.bad,.bad{color:#c62828}.info{color:#0b7285}.flag{color:#b26a00}
 table{border-collapse:collapse;font-size:12px;margin:.6em 0}
 td,th{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}th{background:#f2f2f2}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
@@ -164,23 +164,26 @@ def validate_html(doc: dict, *, plot: bool = True) -> str:
     tensor (an embedded PNG, `ringcheck.render.plots.validate_plot`), then the re-run command
     (`command_html`), the target and the run's meta."""
     checks = doc["checks"]
-    counts = {s: sum(c["status"] == s for c in checks) for s in ("pass", "fail", "info")}
+    counts = {s: sum(c["status"] == s for c in checks) for s in ("pass", "fail", "info", "flag")}
     verdict = "PASSED" if doc["passed"] else "FAILED"
     summary = (f"{counts['fail']} of {len(checks)} checks failed" if counts["fail"]
-               else "every check within budget") + f" ({counts['pass']} passed, {counts['info']} information)"
+               else "every check within budget") + f" ({counts['pass']} passed, {counts['info']} information" + (
+        f", {counts['flag']} FLAG" if counts["flag"] else "") + ")"
+    flagged = [c for c in checks if c["status"] == "flag"]
     mesh = mesh_words(doc.get("mesh"))
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'>",
              f"<title>ringcheck validate: {verdict}</title><style>{_VALIDATE_CSS}</style></head><body>",
              f"<h1 class='{'good' if doc['passed'] else 'bad'}'>ringcheck validate: {verdict}</h1>",
              f"<p id='headline'><b class='{'good' if doc['passed'] else 'bad'}'>{verdict}</b>: {escape(summary)}</p>",
+             *([f"<p id='flags' class='flag'>FLAG: {escape(flag_words(flagged))}</p>"] if flagged else []),
              *([f"<p id='mesh'>{escape(mesh)}</p>"] if mesh else []),
              *([f"<p>Variants validated: {escape(doc['variants'])}</p>"] if doc.get("variants") else []),
              "<h2 id='verdicts'>Verdicts</h2>",
              ("<table><thead><tr><th>check</th><th>verdict</th><th>err/budget</th><th>per tensor</th>"
               "<th>failing ranks</th><th>detail</th></tr></thead><tbody>")]
     for c in checks:
-        status = {"pass": "pass", "fail": "FAIL"}.get(c["status"], c["status"])
-        style = {"pass": "good", "fail": "bad"}.get(c["status"], "info")
+        status = {"pass": "pass", "fail": "FAIL"}.get(c["status"], status_words(c))
+        style = {"pass": "good", "fail": "bad", "flag": "bad" if c.get("required") else "flag"}.get(c["status"], "info")
         err = "" if c["error"] is None else f"{c['error']:.3e}"
         bud = "" if c["budget"] is None else f"{c['budget']:.3e}"
         title = f" title='error {err}, budget {bud}'" if err else ""

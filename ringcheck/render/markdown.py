@@ -39,11 +39,32 @@ def mesh_words(mesh: dict | None) -> str:
     return f"Mesh {mesh.get('text', '')}" + (": " + "; ".join(groups) if groups else "")
 
 
+def flag_words(flagged: list[dict]) -> str:
+    """The verdict line's words for validate's FLAG rows (as in the document): which promises
+    the ring is off, and whether --require made that fail the run."""
+    def names(required: bool) -> list[str]:
+        return [r.get("promise") or r["check"] for r in flagged if bool(r.get("required")) == required]
+    required, reported = names(True), names(False)
+    return "; ".join([*([f"{', '.join(required)} off its promise, required (--require): the run fails"]
+                        if required else []),
+                      *([f"{', '.join(reported)} off its promise (reported; --require {','.join(reported)} "
+                         f"would fail the run)"] if reported else [])])
+
+
+def status_words(row: dict) -> str:
+    """A row's status for the reports: FLAG (required) where --require made it a gate."""
+    if row["status"] == "flag":
+        return "FLAG (required)" if row.get("required") else "FLAG"
+    return row["status"]
+
+
 def validate_markdown(report: dict[str, Any]) -> str:
     """The verdict, the mesh (when the document has one), the command, one table row per check
     (with its per-tensor verdicts and failing ranks), then the run's meta."""
     mesh = mesh_words(report.get("mesh"))
+    flagged = [row for row in report["checks"] if row["status"] == "flag"]
     lines = [f"# ringcheck validate: {'PASSED' if report['passed'] else 'FAILED'}", "",
+             *([f"FLAG: {flag_words(flagged)}", ""] if flagged else []),
              *([mesh, ""] if mesh else []),
              f"`{report['command']}`", "",
              *([f"Variants validated: {report['variants']}", ""] if report.get("variants") else []),
@@ -52,7 +73,7 @@ def validate_markdown(report: dict[str, Any]) -> str:
     for row in report["checks"]:
         err = "" if row["error"] is None else f"{row['error']:.3g}"
         bud = "" if row["budget"] is None else f"{row['budget']:.3g}"
-        lines.append(f"| {row['check']} | {row['status']} | {err} | {bud} | {tensor_words(row.get('tensors'))} | "
+        lines.append(f"| {row['check']} | {status_words(row)} | {err} | {bud} | {tensor_words(row.get('tensors'))} | "
                      f"{ranks_words(row.get('failing_ranks'))} | {_md_cell(row['detail'])} |")
     if report.get("meta"):
         lines += ["", "Run: " + ", ".join(f"{k}={v}" for k, v in report["meta"].items())]

@@ -31,7 +31,7 @@ from .drift_content import (
     worst_cases,
     worst_row,
 )
-from .markdown import ranks_words, tensor_words
+from .markdown import flag_words, ranks_words, tensor_words
 
 
 def make_console() -> Console:
@@ -75,7 +75,12 @@ def progress(total: int | None, console: Console | None = None, *, enabled: bool
 # --- validate ------------------------------------------------------------------------------------
 
 
-_VERDICT = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": "[cyan]info[/]"}
+_VERDICT = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "info": "[cyan]info[/]", "flag": "[yellow]FLAG[/]"}
+
+
+def _verdict(r) -> str:
+    """A row's verdict cell: a FLAG that --require made a gate is red."""
+    return "[red]FLAG[/]" if r.status == "flag" and r.required else _VERDICT.get(r.status, r.status)
 
 
 def _ratio(r) -> str:
@@ -103,12 +108,12 @@ def check_rows_table(rows, *, title: str = "ringcheck validate", compact: bool =
     for r in rows:
         words, ranks = tensor_words(r.tensors), ranks_words(r.failing_ranks)
         if compact:
-            table.add_row(Text(r.check, no_wrap=True, overflow="ellipsis"), _VERDICT.get(r.status, r.status),
+            table.add_row(Text(r.check, no_wrap=True, overflow="ellipsis"), _verdict(r),
                           _ratio(r), words, ranks)
         else:
-            table.add_row(r.check, _VERDICT.get(r.status, r.status), "" if r.error is None else f"{r.error:.2e}",
+            table.add_row(r.check, _verdict(r), "" if r.error is None else f"{r.error:.2e}",
                           "" if r.budget is None else f"{r.budget:.2e}", _ratio(r), words, ranks,
-                          r.detail if r.status in ("fail", "info") else "")
+                          r.detail if r.status in ("fail", "info", "flag") or r.promise else "")
     return table
 
 
@@ -121,14 +126,23 @@ def print_check_rows(rows, passed: bool, console: Console | None = None, *, comp
     after the table. compact=False: the full table with the detail wrapped in its cells."""
     console = console or Console()
     console.print(check_rows_table(rows, compact=compact))
-    failed = [r for r in rows if r.status == "fail"]
+    failed = [r for r in rows if not r.passed]
+    flagged = [r for r in rows if r.status == "flag"]
     if compact:
-        for r in [r for r in rows if r.status == "info" and r.detail]:
+        for r in [r for r in rows if r.status == "info" and r.detail and not r.promise]:
             value = f" {r.error:.2f};" if r.error is not None else ""
             console.print(f"note: {r.check}:{value} {r.detail}", markup=False, highlight=False)
-        for r in failed:
+        for r in [r for r in rows if r.promise and r.status != "flag"]:  # what each measurement found
+            console.print(f"measured: {r.check}: {r.detail}", markup=False, highlight=False)
+        for r in flagged:
+            console.print(f"FLAG {r.check}: {r.detail}", style="red" if r.required else "yellow", markup=False,
+                          highlight=False)
+        for r in [r for r in failed if r.status == "fail"]:
             console.print(f"FAIL {r.check}: {r.detail}", style="red", markup=False, highlight=False)
     not_run = [r for r in rows if r.status == "not run"]
+    if flagged:
+        console.print(f"[bold yellow]FLAG[/]: {flag_words([vars(r) for r in flagged])}", markup=True,
+                      highlight=False)
     if failed:
         console.print(f"[bold red]FAILED[/]: {len(failed)} of {len(rows)} checks")
     elif not_run:
@@ -251,12 +265,17 @@ def print_bench(doc: dict, console: Console | None = None) -> None:
         console.print(table)
         console.print("* no peer ring ran this case: ratio to the fastest system of the case", highlight=False)
     if "overlap" in doc:
-        table = Table(title="overlap: our ring distributed / the same loops without communication (1.0 = hidden)")
-        for h in ("case", "K/V bytes per hop", "distributed", "no comm", "efficiency"):
-            table.add_column(h, justify="left" if h == "case" else "right")
+        table = Table(title="overlap: share of the time injected into every transfer that the ring hides, each "
+                            "transfer held 0.5x and 2x a ring step's compute (1.00: all)")
+        for h in ("case", "system", "step", "hidden at 0.5x", "hidden at 2x", "slower at 2x"):
+            table.add_column(h, justify="left" if h in ("case", "system") else "right")
         for r in doc["overlap"]:
-            table.add_row(r["key"], f"{r['bytes_per_step'] / 2 ** 20:.2f} MiB", _bench_s(r["distributed_s"]),
-                          _bench_s(r["no_comm_s"]), f"{r['efficiency']:.2f}")
+            if "held" not in r:
+                table.add_row(r["key"], r["system"], "", f"n/a: {r.get('na')}", "", "")
+                continue
+            share = ["" if h["hidden"] is None else f"{h['hidden']:.2f}" for h in r["held"]]
+            table.add_row(r["key"], r["system"], " / ".join(_bench_s(t) for t in r["step_s"]), *share[:2],
+                          _bench_s(r["held"][-1]["grew_s"]))
         console.print(table)
     if "balance" in doc:
         table = Table(title="load balance (causal): per-rank max / mean of unmasked scores and of forward compute time")
@@ -270,7 +289,8 @@ def print_bench(doc: dict, console: Console | None = None) -> None:
         console.print(table)
     if "memory" in doc:
         mem = doc["memory"]
-        table = Table(title="memory: peak RSS growth per rank during one call (MiB) vs tokens per rank")
+        table = Table(title="memory: peak tensor storage per rank during one call, beyond its shards (MiB), vs "
+                            "tokens per rank")
         sizes = sorted({r["tokens_per_rank"] for r in mem["rows"]})
         for h in ("system", "mode", "pass", *[str(n) for n in sizes], "slope", "slope (upper half)"):
             table.add_column(h, justify="left" if h in ("system", "mode", "pass") else "right")

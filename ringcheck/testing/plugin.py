@@ -33,7 +33,7 @@ from hypothesis import settings
 # plugin); the judge and the launchers are imported where a test asks for them
 from ..launch.environment import from_torchrun_env, launched_rank
 from ..launch.start import CHECKPOINT_PRELOAD, start_fork_server_here
-from . import recipe_plugin
+from . import impl_promises, recipe_plugin
 from .profiles import PROFILES
 
 # ---- Hypothesis profiles (--profile, profiles.PROFILES); under torchrun derandomized, the same on every rank
@@ -333,6 +333,7 @@ def _add_impl_options(parser) -> None:
     group.addoption("--ring-flash-attn-stand-in", action="store_true", default=False,
                     help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in, in "
                          "this process and every rank (rings built on flash-attn, on a CPU runner); said in the header")
+    impl_promises.add_options(group)  # --ring-require, --ring-overlap
 
 
 def _configure_impl(config) -> None:
@@ -403,8 +404,7 @@ def ring_processes(request):
     else the local gloo rings of the default --ring-timeout (`ringcheck.launch.LocalRings`:
     `run`, `run_groups`), kept for the session."""
     config = request.config
-    world = config.stash[_WORLD]
-    if world is not None:
+    if (world := config.stash[_WORLD]) is not None:
         return world
     rings = config.stash[_RINGS]
     timeout = config.getoption("--ring-timeout")
