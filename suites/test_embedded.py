@@ -144,7 +144,7 @@ def test_a_failure_inside_a_mesh_names_the_group_and_its_global_ranks(torchrun_w
 
 @pytest.mark.parametrize("impl", [f"{EMBEDDED}:gather_textbook", "ringcheck.catalogue.mutants:textbook"])
 def test_correct_rings_pass_inside_the_default_mesh(ring_processes, impl):
-    rows = validate(Target(**{**SMALL, "impl": impl}), ring_processes)
+    rows = validate(Target(**{**SMALL, "impl": impl}), ring_processes, recompute=False)
     assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
     checks = {r.check: r for r in rows}
     assert checks[LAYOUTS_ROW].status == "pass" and checks[TWO_CALLS_ROW].status == "pass"
@@ -157,7 +157,8 @@ def test_correct_rings_pass_inside_the_default_mesh(ring_processes, impl):
 def test_every_embedded_mutant_fails_validate_at_its_defaults(ring_processes, mutant):
     if ring_processes.size is not None and EXPECTED[mutant][0] == "mesh:" and ring_processes.size < 8:
         pytest.skip("a mesh bug needs room for two rings: launch 8 ranks")
-    rows = validate(Target(**{**SMALL, **NEEDS.get(mutant, {}), "impl": f"{EMBEDDED}:{mutant}"}), ring_processes)
+    rows = validate(Target(**{**SMALL, **NEEDS.get(mutant, {}), "impl": f"{EMBEDDED}:{mutant}"}), ring_processes,
+                    recompute=False)
     failed = _failed(rows)
     row, words = EXPECTED[mutant]
     hit = [r for check, r in failed.items() if check.startswith(row)]
@@ -171,8 +172,8 @@ def test_a_mesh_bug_passes_on_the_mesh_order_it_was_written_for(ring_processes):
     if ring_processes.size is not None:
         pytest.skip("explicit meshes of 4 ranks on local rings")
     base = {**SMALL, "world_size": 2, "seq_len": 64, "sample_rows": 4, "impl": f"{EMBEDDED}:rank_from_wrong_axis"}
-    assert not _failed(validate(Target(**base, mesh="dp=2,cp=2"), ring_processes))
-    assert _failed(validate(Target(**base, mesh="cp=2,tp=2"), ring_processes))
+    assert not _failed(validate(Target(**base, mesh="dp=2,cp=2"), ring_processes, recompute=False))
+    assert _failed(validate(Target(**base, mesh="cp=2,tp=2"), ring_processes, recompute=False))
 
 
 def test_the_report_names_the_mesh_and_the_header_says_it(tmp_path, capsys):
@@ -220,13 +221,14 @@ def test_our_ring_gives_each_rank_its_share_or_the_whole_sinks_gradient(run_on_r
 @pytest.mark.parametrize("convention", ["partial", "reduced"])
 def test_our_ring_passes_under_either_declared_convention(ring_processes, convention):
     rows = validate(Target(**{**SMALL, "sinks": True, "sinks_grad": convention, "local_lengths": (2,)}),
-                    ring_processes)
+                    ring_processes, recompute=False)
     assert not _failed(rows), [r.detail for r in rows if r.status == "fail"]
 
 
 def test_a_partial_ring_under_reduced_is_told_which_convention_it_follows(ring_processes):
     rows = validate(Target(**{**SMALL, "sinks": True, "sinks_grad": "reduced", "local_lengths": (2,),
-                              "impl": "ringcheck.catalogue.variant_textbook:textbook_varlen"}), ring_processes)
+                              "impl": "ringcheck.catalogue.variant_textbook:textbook_varlen"}), ring_processes,
+                    recompute=False)
     detail = " ".join(r.detail for r in _failed(rows).values())
     assert "the 'partial' convention" in detail and "--sinks-grad partial" in detail
 

@@ -36,10 +36,10 @@ from ..harness.mesh import REPLICA
 from ..harness.settings import torch_threads
 from ..spec import Budget
 from .validate_promises import promise_rows, promise_steps
-from .validate_rows import FLAG, CheckRow, balance_row, finite_row, shape_row, stand_in_row
+from .validate_rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
 from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
 from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, scaled_cases
-from .validate_wrapped import compile_row, recompute_row
+from .validate_wrapped import RECOMPUTE_ROW, compile_row, recompute_row
 
 __all__ = ["SCALED_MIN_BATCH", "CheckRow", "Placement", "Target", "check_variant_keywords", "placement",
            "report_dict", "scaled_cases", "validate", "validate_steps"]
@@ -86,20 +86,23 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
     return Placement(mesh, mesh)
 
 
-def validate_steps(target: Target, promises=()) -> int:
+def validate_steps(target: Target, promises=(), recompute: bool = True) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism,
-    recompute (not under --forward-only), compile (with it) and the promises measured."""
-    return len(scaled_cases(target)) + 3 + (not target.forward_only) + target.compile + promise_steps(promises)
+    recompute (asked for, and not under --forward-only), compile (with it) and the promises measured."""
+    return (len(scaled_cases(target)) + 3 + (recompute and not target.forward_only) + target.compile
+            + promise_steps(promises))
 
 
 def validate(target: Target, processes, *, budget: Budget = Budget(),
-             progress: Callable[[str], None] | None = None, promises=(), require=()) -> list[CheckRow]:
+             progress: Callable[[str], None] | None = None, promises=(), require=(),
+             recompute: bool = True) -> list[CheckRow]:
     """Every check of `target`, run on `processes` (`ringcheck.launch.LocalRings`, or the
     `TorchrunWorld` whose every rank calls this in step and gets the same rows); the promises
     measured are `promises` and every one in `require` (whose FLAG then fails the run). The
     command measures `DEFAULT_PROMISES` (memory, communication) unless told otherwise; this
     function none unless asked, so that callers that judge exactness alone (the suites) do not
-    pay for the measurements."""
+    pay for the measurements. `recompute` False leaves out the recompute row's runs (the row says
+    it was not run): the suites that judge other rows do, the command never."""
     stand_in = stand_in_row(target.flash_attn_stand_in)  # before the implementation is imported
     options = ImplOptions(target.impl, target.layout, target.backend, target.forward_only,
                           target.flash_attn_stand_in, target.sinks_grad)
@@ -108,20 +111,27 @@ def validate(target: Target, processes, *, budget: Budget = Budget(),
     check_variant_keywords(impl, target)
     where = placement(target, processes.size, impl.world_only)
     with torch_threads(1):  # small tensors: a second thread only spins against the ranks' processes
-        return _rows(target, processes, options, where, budget, progress, stand_in, promises, require)
+        return _rows(target, processes, options, where, budget, progress, stand_in, promises, require, recompute)
 
 
-def _rows(target, processes, options, where, budget, progress, stand_in, promises, require) -> list[CheckRow]:
+def _rows(target, processes, options, where, budget, progress, stand_in, promises, require,
+          recompute) -> list[CheckRow]:
     run = Run(target, Runner(processes, options), where.scaled, budget,
               progress if getattr(processes, "is_main", True) else None)
     rows = scaled_rows(run)
     full, full_verdicts = full_length_rows(run, where.full)
     determinism = run.determinism_row()
-    wrapped = [recompute_row(run, determinism.passed), compile_row(run, determinism.passed)]
+    wrapped = [recompute_row(run, determinism.passed) if recompute else not_asked(RECOMPUTE_ROW),
+               compile_row(run, determinism.passed)]
     return [*([stand_in] if stand_in else []), *rows, *full, finite_row([*run.verdicts, *full_verdicts]),
             determinism, *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
             balance_row(target, target.world_size), *promise_rows(target, run.runner, promises, require, run.note,
                                                                   cheap=True)]
+
+
+def not_asked(check: str) -> CheckRow:
+    return CheckRow(check, NOT_RUN, detail="not run: not asked for (validate(..., recompute=False)); the command "
+                                           "runs it")
 
 
 # ------------------------------------------------------------------------------- reports
