@@ -160,6 +160,15 @@ def test_a_transfer_waited_at_once_exposes_the_delay_and_one_waited_later_hides_
 
 # ---- the rows: each mutant caught by its own row, correct rings by none ------------------------
 
+@pytest.fixture
+def local_rings(ring_processes, torchrun_world):
+    """The rows on a ring of 2 measure its memory on rings of 4 and 8 beside it: local rings,
+    which a torchrun world of fixed size cannot start (there the memory row says so, info)."""
+    if torchrun_world is not None:
+        pytest.skip("measures rings of other sizes beside the ring under test: local rings, plain pytest")
+    return ring_processes
+
+
 def _rows(ring_processes, impl, promises=PROMISES, **changes) -> dict[str, CheckRow]:
     target = Target(**{**SMALL, "impl": impl, **changes})
     runner = Runner(ring_processes, ImplOptions(impl, target.layout))
@@ -167,16 +176,16 @@ def _rows(ring_processes, impl, promises=PROMISES, **changes) -> dict[str, Check
 
 
 @pytest.mark.parametrize("impl", ["ringcheck", "ringcheck.catalogue.mutants:textbook"])
-def test_no_row_flags_a_correct_ring(ring_processes, impl):
-    rows = _rows(ring_processes, impl)
+def test_no_row_flags_a_correct_ring(local_rings, impl):
+    rows = _rows(local_rings, impl)
     assert {p: r.status for p, r in rows.items()} == {p: "pass" for p in PROMISES}, {
         p: r.detail for p, r in rows.items()}
 
 
 @pytest.mark.parametrize("mutant, promise", [("all_gather_kv", MEMORY), ("kv_twice", COMMUNICATION),
                                              ("waits_each_transfer", OVERLAP)])
-def test_each_mutant_is_caught_by_its_row_only(ring_processes, mutant, promise):
-    rows = _rows(ring_processes, f"{MUTANTS}:{mutant}")
+def test_each_mutant_is_caught_by_its_row_only(local_rings, mutant, promise):
+    rows = _rows(local_rings, f"{MUTANTS}:{mutant}")
     assert rows[promise].status == "flag", rows[promise].detail
     assert {p: r.status for p, r in rows.items() if p != promise} == {p: "pass" for p in PROMISES if p != promise}
     assert rows[promise].passed and not rows[promise].required   # reported, not failed
@@ -208,11 +217,11 @@ def test_the_plugin_reports_a_flag_as_an_expected_failure_and_fails_it_only_when
     check_promise(cfg, ring_processes, COMMUNICATION, required=True)  # on its promise: passes
 
 
-def test_validate_starts_no_pool_for_the_memory_of_a_small_ring_unless_required(ring_processes):
+def test_validate_starts_no_pool_for_the_memory_of_a_small_ring_unless_required(local_rings):
     """At a ring of 2 the growth with the ring needs rings of 4 and 8: the default run says so;
     --require memory measures them."""
     target = Target(**{**SMALL, "impl": f"{MUTANTS}:all_gather_kv"})
-    runner = Runner(ring_processes, ImplOptions(target.impl, target.layout))
+    runner = Runner(local_rings, ImplOptions(target.impl, target.layout))
     (row,) = promise_rows(target, runner, (MEMORY,), cheap=True)
     assert row.status == "info" and "--require memory measures them" in row.detail
     (row,) = promise_rows(target, runner, (MEMORY,), require=(MEMORY,), cheap=True)
