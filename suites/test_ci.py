@@ -5,6 +5,7 @@ unseen (issue 25, item 8)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -71,8 +72,6 @@ NOT_A_COMMAND = {
 def _process_starters(tree) -> set[str]:
     """Module-level functions (tests, fixtures, helpers) that start a process, directly or through
     another such function or a fixture of that name."""
-    import ast
-
     defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
 
     def called(node) -> set[str]:
@@ -95,8 +94,6 @@ def _process_starters(tree) -> set[str]:
 
 
 def _marked_cli(node) -> bool:
-    import ast
-
     return any(ast.unparse(d) == "pytest.mark.cli" for d in node.decorator_list)
 
 
@@ -104,8 +101,6 @@ def test_every_test_that_starts_a_command_is_marked_cli():
     """make test leaves out the tests that start ringcheck or pytest in a process of their own
     (marker cli) and make test-cli runs them: a new one left unmarked would slow the default run;
     a marked test that starts nothing would be left out of it for no reason."""
-    import ast
-
     unmarked, needless, seen = [], [], set()
     for path in sorted((ROOT / "suites").glob("test_*.py")):
         tree = ast.parse(path.read_text())
