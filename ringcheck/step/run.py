@@ -9,6 +9,7 @@ turn; and, for a failure, the diagnosis's candidates on one rank.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ from .noise import NAIVE, NOISE_RUNS
 STEP_DTYPES = ("float64", "float32")
 ATTENTION_DTYPES = ("float32", "bfloat16", "float16")  # what --attention-dtype may narrow the ring to
 ROLES = ("ring", "reference", *NOISE_RUNS)  # the runs: the ring under test, the reference, the noise runs
+CANNOT_RUN = "the step cannot run case"  # what `run_case` says when the recipe's step raises in a case
+_CANNOT_RUN = re.compile(CANNOT_RUN + r" (?P<case>\w+) at CP=(?P<cp>\d+) \(.*?\): (?P<what>.*)$")
 
 
 @dataclass(frozen=True)
@@ -155,10 +158,21 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
             with calling(cp):
                 loss = _call_step(recipe, case.evaluate, model, batches, cp)
         except Exception as exc:
-            raise RuntimeError(f"--recipe {recipe.name}, case {case_name} ({case.words}) at CP={cp.size}: "
+            raise RuntimeError(f"--recipe {recipe.name}: {CANNOT_RUN} {case_name} at CP={cp.size} ({case.words}): "
                                f"{type(exc).__name__}: {exc}") from exc
     grads = {n: None if p.grad is None else _full(p.grad).cpu() for n, p in model.named_parameters()}
     return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
+
+
+def cannot_run(failures: dict) -> tuple[str, str] | None:
+    """The case a run failed on because the recipe's step raised in it (`run_case`'s message,
+    from a `RingError`'s `failures`: rank -> what it said), and what the step said; None when
+    the run failed otherwise (the contract, a hang, a crash: no case can be trusted then)."""
+    for text in failures.values():
+        found = _CANNOT_RUN.search(str(text).split("\n", 1)[0])
+        if found is not None:
+            return found["case"], f"at CP={found['cp']} the step raised {found['what']}"
+    return None
 
 
 def attention_of(config: StepConfig, role: str) -> tuple[ImplOptions, torch.dtype | None]:

@@ -1,0 +1,45 @@
+"""`ringcheck step` on recipes a new user writes (suites/step_recipes/, outside the package): what
+they hit before issue 42's item 7, each fixed. A correct step passes without declaring what
+ringcheck can find out itself; a case the step cannot run is not run, the others keep their
+verdicts; the diagnosis runs whatever the model's checkpointing; a buggy step is still named.
+"""
+
+from __future__ import annotations
+
+from suites.test_step import MUTANTS, _step
+
+PLAIN = "suites.step_recipes.user_plain"
+HF = "suites.step_recipes.user_hf"
+
+
+# ---- a. a case the step cannot run ---------------------------------------------------------------
+
+def test_a_case_the_step_cannot_run_is_not_run_and_the_others_keep_their_verdicts(ring_processes):
+    """The user's step does not pad (its loader does): not_divisible raises inside cp.shard. That
+    case is reported not run, with what the step said and the fix; the other cases are judged and
+    set the verdict (pass here); a bug in another case still fails the run."""
+    judged = _step(ring_processes, recipe=f"{PLAIN}:recipe", cases=("one_sequence", "not_divisible"))
+    assert judged["verdict"] == "pass", judged["why"]
+    good, skipped = judged["cases"]
+    assert good["verdict"] == "pass" and good["worst_gradient"] < 1e-14
+    assert skipped["verdict"] == "not run" and "not divisible" in skipped["why"] and "CP=2" in skipped["why"]
+    assert "cp.pad" in skipped["fix"] and "not run: not_divisible" in judged["why"]
+    bad = _step(ring_processes, recipe=f"{MUTANTS}:labels_shifted_in_shards", cases=("not_divisible", "one_sequence"))
+    assert bad["verdict"] == "fail" and [r["verdict"] for r in bad["cases"]] == ["fail", "fail"]  # it pads
+
+
+def test_a_run_whose_every_case_the_step_cannot_run_has_no_verdict(ring_processes):
+    judged = _step(ring_processes, recipe=f"{MUTANTS}:no_padding", cases=("not_divisible",))
+    assert judged["verdict"] == "no verdict" and judged["cases"][0]["verdict"] == "not run"
+    assert "does not pad" in judged["cases"][0]["why"] and judged["why"].startswith("no case was judged")
+
+
+def test_only_a_raise_inside_the_step_makes_a_case_not_run():
+    """The message `run_case` gives a raise inside the recipe's step is what is parsed; any other
+    failure (a hang, the contract) is not a case the step cannot run."""
+    from ringcheck.step.run import CANNOT_RUN, cannot_run
+
+    said = {0: "raised RuntimeError: --recipe x:y: " + CANNOT_RUN + " uneven at CP=4 (-100 spans: the shards hold "
+               "very different counts (rank 0 almost none)): ValueError: no\nTraceback ...", 1: "stopped after"}
+    assert cannot_run(said) == ("uneven", "at CP=4 the step raised ValueError: no")
+    assert cannot_run({0: "timed out waiting for rank 1"}) is None
