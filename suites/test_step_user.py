@@ -43,3 +43,16 @@ def test_only_a_raise_inside_the_step_makes_a_case_not_run():
                "very different counts (rank 0 almost none)): ValueError: no\nTraceback ...", 1: "stopped after"}
     assert cannot_run(said) == ("uneven", "at CP=4 the step raised ValueError: no")
     assert cannot_run({0: "timed out waiting for rank 1"}) is None
+
+
+# ---- d. the diagnosis under the model's own reentrant checkpointing --------------------------------
+
+def test_the_diagnosis_runs_through_a_model_that_checkpoints_reentrantly(ring_processes):
+    """The model checkpoints every block with use_reentrant=True (its own choice): the correct
+    step passes, and a buggy one is diagnosed through it (ringcheck's diagnosis pass called
+    torch.autograd.grad, which reentrant checkpointing refuses: exit 2 before)."""
+    judged = _step(ring_processes, recipe=f"{PLAIN}:reentrant", cases=("uneven",))
+    assert judged["verdict"] == "pass", judged["why"]
+    bad = _step(ring_processes, recipe=f"{PLAIN}:labels_in_shards_reentrant", cases=("one_sequence",))
+    (row,) = bad["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"]["name"] == "labels_shifted_in_shards", row.get("candidates")

@@ -156,13 +156,22 @@ def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict]
             loss = loss + (ce * w.flatten()).sum()
         if loss is None:
             continue
-        used = {n: p for n, p in params.items() if p.requires_grad}
-        grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
-        grads = [None if g is None else g.cpu() for g in grads]
+        grads = gradients(loss, {n: p for n, p in params.items() if p.requires_grad})
         changed = sum(int((t != shift_labels(mb["labels"])).sum()) for t, mb in zip(targets, batches))
         out[name] = {"loss": float(loss.detach()), "changed": changed,
-                     "grads": {n: None if g is None else g.detach() for n, g in zip(used, grads)}}
+                     "grads": grads}
     return out
+
+
+def gradients(loss: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient of `loss` (None where none reaches it), by `.backward()` on
+    grads set to None first: `torch.autograd.grad` refuses a model that checkpoints with
+    `use_reentrant=True` (its own choice, whatever case runs), `.backward()` works under any
+    checkpointing."""
+    for p in params.values():
+        p.grad = None
+    loss.backward()
+    return {n: None if p.grad is None else p.grad.detach().cpu() for n, p in params.items()}
 
 
 def _sum_over_cp(ranks: list[dict]) -> dict[str, torch.Tensor | None]:

@@ -90,9 +90,10 @@ class Reentrant(Recipe):
 
 class LabelsInShardsReentrant(Reentrant):
     def step(self, model, micro_batches, cp):
-        total = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
         (mb,) = micro_batches
         ids, pos, labels = (cp.shard(mb[k]) for k in ("input_ids", "position_ids", "labels"))
+        total = (labels[:, 1:] != -100).sum()  # the targets left in the shards, counted over the group
+        dist.all_reduce(total, group=cp.group)
         logits = model(ids, pos, cp)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
                                reduction="sum") / total
