@@ -6,6 +6,8 @@ verdicts; the diagnosis runs whatever the model's checkpointing; a buggy step is
 
 from __future__ import annotations
 
+import pytest
+
 from suites.test_step import MUTANTS, _step
 
 PLAIN = "suites.step_recipes.user_plain"
@@ -56,3 +58,35 @@ def test_the_diagnosis_runs_through_a_model_that_checkpoints_reentrantly(ring_pr
     bad = _step(ring_processes, recipe=f"{PLAIN}:labels_in_shards_reentrant", cases=("one_sequence",))
     (row,) = bad["cases"]
     assert row["verdict"] == "fail" and row["diagnosis"]["name"] == "labels_shifted_in_shards", row.get("candidates")
+
+
+# ---- e. vocab_size read from the model -----------------------------------------------------------
+
+def test_a_recipe_without_vocab_size_draws_from_the_model_input_embeddings(ring_processes):
+    """A step needs only model() and step(): the ids are drawn from the model's first
+    nn.Embedding (the token one, 50 ids; not the positions' 128), and the report says so."""
+    judged = _step(ring_processes, recipe=f"{PLAIN}:no_vocab", cases=("one_sequence",))
+    assert judged["verdict"] == "pass", judged["why"]
+    assert judged["found"] == ["vocab_size 50, read from the model's input embeddings (the first nn.Embedding, "
+                               "tokens): the recipe declares none"]
+
+
+def test_the_vocabulary_comes_from_get_input_embeddings_and_a_model_without_one_is_refused():
+    import torch
+
+    from ringcheck.step.contract import load_recipe, vocab_of
+
+    recipe = load_recipe(f"{PLAIN}:no_vocab")
+    assert recipe.vocab_size is None and vocab_of(load_recipe(f"{PLAIN}:recipe"), None) == (50, None)
+
+    class Tied(torch.nn.Module):  # a transformers-like model: its input embeddings are not its first Embedding
+        def __init__(self):
+            super().__init__()
+            self.positions, self.words = torch.nn.Embedding(128, 4), torch.nn.Embedding(40, 4)
+
+        def get_input_embeddings(self):
+            return self.words
+
+    assert vocab_of(recipe, Tied())[0] == 40 and "get_input_embeddings()" in vocab_of(recipe, Tied())[1]
+    with pytest.raises(TypeError, match="has no vocab_size and its model .Linear. has no nn.Embedding"):
+        vocab_of(recipe, torch.nn.Linear(2, 2))

@@ -21,11 +21,12 @@ from ..adapters import accepted_keywords
 from ..documents import STEP_SCHEMA, header
 from ..harness.runner import loaded
 from ..launch import GroupPlan, RingError
+from ..spec import REFERENCE_DTYPES
 from ..step.cases import CASES, DOCUMENTS, SEQ_LEN, case_names, fix_of
-from ..step.contract import load_recipe
+from ..step.contract import load_recipe, vocab_of
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
 from ..step.noise import NOISE_RUNS, narrowed_words, noise_cases, noise_unit
-from ..step.run import StepConfig, cannot_run, diagnosis_task, ring_positions, step_task
+from ..step.run import StepConfig, build_model, cannot_run, diagnosis_task, ring_positions, step_task
 from ..step.verdict import K_COND, budgets, data_row, judge_case, relative, unit_roundoff
 from .validate_target import Target
 
@@ -83,6 +84,8 @@ def check_before_start(config: StepConfig) -> None:
     """The recipe's hooks and the implementation's rules, before any rank starts (ValueError /
     TypeError naming the value and the fix)."""
     recipe = load_recipe(config.recipe)
+    if recipe.vocab_size is None:  # read from the model's embeddings: one it cannot be read from is named now
+        vocab_of(recipe, build_model(recipe, REFERENCE_DTYPES[config.dtype], config.seed))
     impl = loaded(config.impl_options)
     impl.check_layout(config.layout, True)
     if impl.dtypes is not None and ring_dtype(config) not in impl.dtypes:
@@ -199,14 +202,24 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"], loss_budget=conv_budget,
                           relative=relative)
         conv["case"] = conv_case
+    found = found_lines(ref)
     data = None if ring is None else data_row(ring)
     judged = [r for r in rows if r["verdict"] != "not run"]
     verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else (
         "no verdict" if not judged or any(r["verdict"] == "no verdict" for r in judged) else "pass")
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
             "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "attention_dtype": attn,
-            "has_logits": recipe.logits is not None, "noise": noise,
+            "has_logits": recipe.logits is not None, "noise": noise, "found": found,
             "why": _why(rows, data)}
+
+
+def found_lines(ref: list[list[dict]] | None) -> list[str]:
+    """What ringcheck found out about the recipe instead of asking it (the reference run's first
+    case says: the vocabulary read from the model), one line each for the report."""
+    if not ref or not ref[0][0]["cases"]:
+        return []
+    facts = next(iter(ref[0][0]["cases"].values()))["found"]
+    return [line for line in (facts.get("vocab"),) if line]
 
 
 def _why(rows, data=None) -> str:
@@ -266,5 +279,6 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
             "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype"), judged.get("noise")),
             "noise": judged.get("noise"), "convention": judged["convention"],
-            "data": judged["data"], "has_logits": judged["has_logits"], "cases": cases,
+            "data": judged["data"], "has_logits": judged["has_logits"], "found": judged.get("found", []),
+            "cases": cases,
             "meta": meta or {}}

@@ -32,7 +32,8 @@ def case_rows(doc: dict) -> list[tuple[str, ...]]:
 
 def diagnosis_lines(doc: dict) -> list[str]:
     """One line per failed case: the transformation its figures match, or the nearest ones."""
-    lines = [f"{c['case']}: not run: {c['why']}; fix: {c['fix']}" for c in doc["cases"] if c["verdict"] == "not run"]
+    lines = [f"found: {line}" for line in doc.get("found", [])]
+    lines += [f"{c['case']}: not run: {c['why']}; fix: {c['fix']}" for c in doc["cases"] if c["verdict"] == "not run"]
     for c in doc["cases"]:
         if c["verdict"] != "fail":
             continue

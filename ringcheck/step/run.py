@@ -23,7 +23,7 @@ from ..harness.settings import default_dtype
 from ..ring.layouts import positions
 from ..spec import DTYPES, REFERENCE_DTYPES, RingSpec, check_int
 from .cases import CASES, micro_batches
-from .contract import CP, calling, load_recipe
+from .contract import CP, calling, load_recipe, vocab_of
 from .diagnosis import candidates
 from .noise import NAIVE, NOISE_RUNS
 
@@ -152,7 +152,8 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
     dtype = REFERENCE_DTYPES[config.dtype]
     with default_dtype(dtype):
         model = build_model(recipe, dtype, config.seed).to(cp.device)
-        batches = on_device(micro_batches(case, vocab=recipe.vocab_size, seed=config.seed, dp=cp.dp_size,
+        vocab, vocab_from = vocab_of(recipe, model)
+        batches = on_device(micro_batches(case, vocab=vocab, seed=config.seed, dp=cp.dp_size,
                                           rank0_positions=positions0), cp.device)
         try:
             with calling(cp):
@@ -161,7 +162,7 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
             raise RuntimeError(f"--recipe {recipe.name}: {CANNOT_RUN} {case_name} at CP={cp.size} ({case.words}): "
                                f"{type(exc).__name__}: {exc}") from exc
     grads = {n: None if p.grad is None else _full(p.grad).cpu() for n, p in model.named_parameters()}
-    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
+    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads, "found": {"vocab": vocab_from}}
 
 
 def cannot_run(failures: dict) -> tuple[str, str] | None:
@@ -236,8 +237,9 @@ def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, t
     dp = config.mesh_spec.rings
     out = {}
     with default_dtype(dtype):
+        vocab = vocab_of(recipe, build_model(recipe, dtype, config.seed))[0]
         for case_name, P, names in requests:
-            batches = on_device(micro_batches(CASES[case_name], vocab=recipe.vocab_size, seed=config.seed, dp=dp,
+            batches = on_device(micro_batches(CASES[case_name], vocab=vocab, seed=config.seed, dp=dp,
                                               rank0_positions=positions0), cp.device)
             out[f"{case_name}@{P}"] = candidates(recipe, lambda: build_model(recipe, dtype, config.seed).to(cp.device),
                                                  batches, cp, P=P, layout=config.layout, dp=dp, names=names)
