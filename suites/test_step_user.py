@@ -90,3 +90,51 @@ def test_the_vocabulary_comes_from_get_input_embeddings_and_a_model_without_one_
     assert vocab_of(recipe, Tied())[0] == 40 and "get_input_embeddings()" in vocab_of(recipe, Tied())[1]
     with pytest.raises(TypeError, match="has no vocab_size and its model .Linear. has no nn.Embedding"):
         vocab_of(recipe, torch.nn.Linear(2, 2))
+
+
+# ---- b. the float32 rounding of a loss -----------------------------------------------------------
+
+def test_a_loss_computed_in_float32_is_found_from_its_bits_and_never_fails_the_step(ring_processes):
+    """A plain-torch step whose cross-entropy takes float32 logits, no loss_dtype: its logged
+    losses at CP=1 carry at most 24 + a few significant bits (float64's carry 53), so the loss
+    budget is float32's (the report says how it was found); the gradients keep float64's."""
+    judged = _step(ring_processes, recipe=f"{PLAIN}:float32_loss", cases=("one_sequence", "two_micro_batches"))
+    assert judged["verdict"] == "pass", judged["why"]
+    assert judged["loss_dtype"] == "float32" and "significant bits" in judged["found"][0]
+    for row in judged["cases"]:
+        assert 1e-12 < row["loss"]["error"] < row["loss"]["budget"] and row["worst_gradient"] < 1e-14, row["case"]
+    exact = _step(ring_processes, recipe=f"{PLAIN}:recipe", cases=("one_sequence",))
+    assert exact["loss_dtype"] == "float64" and exact["found"] == []  # a float64 loss keeps float64's budget
+
+
+def test_the_significant_bits_of_a_loss_tell_its_dtype():
+    import torch
+
+    from ringcheck.step.verdict import loss_rounding, significant_bits
+
+    g = torch.Generator().manual_seed(0)
+    wide = torch.rand(20, generator=g, dtype=torch.float64).tolist()
+    narrow = [float(torch.tensor(x, dtype=torch.float32)) for x in wide]
+    assert min(map(significant_bits, wide)) > 40 and max(map(significant_bits, narrow)) <= 24
+    assert significant_bits(0.75) == 2 and significant_bits(0.0) == 0
+    assert loss_rounding(None, "float64", None, wide) == (None, None)
+    assert loss_rounding(None, "float64", None, narrow)[0] == "float32"
+    assert loss_rounding(None, "float64", None, [float(torch.tensor(x, dtype=torch.bfloat16)) for x in wide])[0] == \
+        "bfloat16"
+    assert loss_rounding(None, "float64", "LlamaForCausalLM", wide)[0] == "float32"  # transformers: always float32
+    assert loss_rounding("float64", "float64", "LlamaForCausalLM", narrow) == ("float64", None)  # declared wins
+
+
+def test_a_correct_transformers_step_passes_without_declaring_anything(ring_processes):
+    """The user's LlamaForCausalLM step: no loss_dtype, no vocab_size, no padding. Its loss is
+    float32 (ForCausalLMLoss), found from the model's class: it passes, every gradient to
+    float64 precision; the vocabulary comes from get_input_embeddings(); not_divisible is not run."""
+    pytest.importorskip("transformers", reason="the transformers recipe needs transformers (pip install ringcheck[hf])")
+    judged = _step(ring_processes, recipe=f"{HF}:no_vocab", cases=("uneven", "not_divisible"))
+    assert judged["verdict"] == "pass", judged["why"]
+    assert judged["loss_dtype"] == "float32" and [r["verdict"] for r in judged["cases"]] == ["pass", "not run"]
+    vocab, loss = judged["found"]
+    assert "vocab_size 64" in vocab and "get_input_embeddings()" in vocab
+    assert "transformers PreTrainedModel (LlamaForCausalLM)" in loss
+    row = judged["cases"][0]
+    assert 1e-12 < row["loss"]["error"] < row["loss"]["budget"] and row["worst_gradient"] < 1e-14

@@ -27,7 +27,7 @@ from ..step.contract import load_recipe, vocab_of
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
 from ..step.noise import NOISE_RUNS, narrowed_words, noise_cases, noise_unit
 from ..step.run import StepConfig, build_model, cannot_run, diagnosis_task, ring_positions, step_task
-from ..step.verdict import K_COND, budgets, data_row, judge_case, relative, unit_roundoff
+from ..step.verdict import K_COND, budgets, data_row, judge_case, loss_rounding, relative, unit_roundoff
 from .validate_target import Target
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
@@ -164,6 +164,8 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         pool = tuple(n for n in pool if n not in not_run)
         noise = noise_unit(ref[0][0]["cases"], {role: r[0][0]["cases"] for role, r in runs.items() if r}, pool)
     floor = None if noise is None else (noise["k"] * noise["loss"], noise["k"] * noise["gradient"])
+    loss_dtype, loss_found = loss_rounding(recipe.loss_dtype, config.dtype, _facts(ref).get("transformers"),
+                                           [c["loss"] for c in (ref[0][0]["cases"].values() if ref else ())])
     rows = []
     for name in names:
         n = _targets(name, mesh.rings)
@@ -171,7 +173,7 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
             rows.append(not_run_row(name, n, not_run[name]))
             continue
         rows.append(judge_case(name, _ranks(ring, name), ref[0][0]["cases"][name], n, config.dtype,
-                               recipe.loss_dtype, CASES[name].evaluate, attention_dtype(config), floor))
+                               loss_dtype, CASES[name].evaluate, attention_dtype(config), floor))
     names = tuple(n for n in names if n not in not_run)  # the cases judged
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
     conv_case = "two_micro_batches" if "two_micro_batches" in names else (names or (None,))[0]
@@ -181,12 +183,12 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         cands = processes.run_groups(GroupPlan(((first,),), label="diagnosis"), diagnosis_task, config,
                                      tuple(requests), pos0, **kw)[0][0]
     attn = attention_dtype(config)
-    diag_u = max(unit_roundoff(recipe.loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
+    diag_u = max(unit_roundoff(loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
     for row in rows:
         if row["verdict"] != "fail":
             continue
         n = row["targets"]
-        loss_budget, grad_budget = budgets(n, config.dtype, recipe.loss_dtype, attn)[0], 2 * n * K_COND * diag_u
+        loss_budget, grad_budget = budgets(n, config.dtype, loss_dtype, attn)[0], 2 * n * K_COND * diag_u
         if floor is not None:
             loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
         found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
@@ -197,29 +199,28 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         row["diagnosis"] = found[0] if found and found[0]["matches"] else None
     conv = None
     if f"{conv_case}@1" in cands:
-        conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype, attn)[0]
+        conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, loss_dtype, attn)[0]
         conv_budget = conv_budget if floor is None else max(conv_budget, floor[0])
         conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"], loss_budget=conv_budget,
                           relative=relative)
         conv["case"] = conv_case
-    found = found_lines(ref)
+    found = [line for line in (_facts(ref).get("vocab"), loss_found) if line]
     data = None if ring is None else data_row(ring)
     judged = [r for r in rows if r["verdict"] != "not run"]
     verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else (
         "no verdict" if not judged or any(r["verdict"] == "no verdict" for r in judged) else "pass")
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
-            "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "attention_dtype": attn,
+            "reference_mesh": ref_mesh, "loss_dtype": loss_dtype or config.dtype, "attention_dtype": attn,
             "has_logits": recipe.logits is not None, "noise": noise, "found": found,
             "why": _why(rows, data)}
 
 
-def found_lines(ref: list[list[dict]] | None) -> list[str]:
-    """What ringcheck found out about the recipe instead of asking it (the reference run's first
-    case says: the vocabulary read from the model), one line each for the report."""
+def _facts(ref: list[list[dict]] | None) -> dict[str, Any]:
+    """What the reference run found out about the recipe instead of asking it (`run_case`'s
+    `found`: the vocabulary read from the model, a transformers model's class); {} without one."""
     if not ref or not ref[0][0]["cases"]:
-        return []
-    facts = next(iter(ref[0][0]["cases"].values()))["found"]
-    return [line for line in (facts.get("vocab"),) if line]
+        return {}
+    return next(iter(ref[0][0]["cases"].values()))["found"]
 
 
 def _why(rows, data=None) -> str:

@@ -162,7 +162,16 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
             raise RuntimeError(f"--recipe {recipe.name}: {CANNOT_RUN} {case_name} at CP={cp.size} ({case.words}): "
                                f"{type(exc).__name__}: {exc}") from exc
     grads = {n: None if p.grad is None else _full(p.grad).cpu() for n, p in model.named_parameters()}
-    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads, "found": {"vocab": vocab_from}}
+    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads,
+            "found": {"vocab": vocab_from, "transformers": transformers_model(model)}}
+
+
+def transformers_model(model: torch.nn.Module) -> str | None:
+    """The class name of a transformers model (a `transformers.PreTrainedModel`), else None;
+    read from the class's bases, so a run without transformers imports nothing."""
+    bases = type(model).__mro__
+    found = any(c.__name__ == "PreTrainedModel" and c.__module__.split(".")[0] == "transformers" for c in bases)
+    return type(model).__name__ if found else None
 
 
 def cannot_run(failures: dict) -> tuple[str, str] | None:

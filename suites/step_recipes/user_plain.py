@@ -1,7 +1,8 @@
 """A plain-torch decoder and its context-parallel step, as a new user writes one: it pads nothing
 (the user's loader hands it lengths the ring divides), its attention goes through `cp.attention`.
 
-`recipe` is correct; `reentrant` checkpoints every block with `use_reentrant=True` (the model's
+`recipe` is correct; `float32_loss` computes its loss on float32 logits and does not say so;
+`reentrant` checkpoints every block with `use_reentrant=True` (the model's
 own choice, not a case's); `labels_in_shards_reentrant` adds a bug (labels shifted inside each
 shard) so that ringcheck's diagnosis has to run through the reentrant checkpoints; `no_vocab` has
 no `vocab_size` (ringcheck reads it from the model's first `nn.Embedding`).
@@ -62,6 +63,7 @@ def all_reduce_grads(model, cp) -> None:
 class Recipe:
     vocab_size = 50
     reentrant = False
+    loss_in = None  # the dtype the logits are cast to for the loss (None: the model's)
 
     def model(self):
         return Decoder(reentrant=self.reentrant)
@@ -73,6 +75,7 @@ class Recipe:
             targets = F.pad(mb["labels"][:, 1:], (0, 1), value=-100)  # shifted on the whole sequence
             ids, pos, targets = (cp.shard(t) for t in (mb["input_ids"], mb["position_ids"], targets))
             logits = model(ids, pos, cp)
+            logits = logits if self.loss_in is None else logits.to(self.loss_in)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / total
             loss.backward()
             logged += loss.detach().double()
@@ -82,6 +85,12 @@ class Recipe:
 
     def logits(self, model, input_ids, position_ids):
         return model(input_ids, position_ids, active_cp())
+
+
+class Float32Loss(Recipe):
+    """The cross-entropy on float32 logits (as many steps cast them for the loss), no loss_dtype."""
+
+    loss_in = torch.float32
 
 
 class Reentrant(Recipe):
@@ -110,9 +119,11 @@ class NoVocab:
     model = Recipe.model
     step = Recipe.step
     reentrant = False
+    loss_in = None
 
 
 recipe = Recipe()
+float32_loss = Float32Loss()
 reentrant = Reentrant()
 labels_in_shards_reentrant = LabelsInShardsReentrant()
 no_vocab = NoVocab()
