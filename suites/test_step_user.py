@@ -138,3 +138,30 @@ def test_a_correct_transformers_step_passes_without_declaring_anything(ring_proc
     assert "transformers PreTrainedModel (LlamaForCausalLM)" in loss
     row = judged["cases"][0]
     assert 1e-12 < row["loss"]["error"] < row["loss"]["budget"] and row["worst_gradient"] < 1e-14
+
+
+# ---- c. no logits hook: a transformers model is called by ringcheck itself ------------------------
+
+def test_sharded_labels_handed_to_a_transformers_model_are_named_without_a_logits_hook(ring_processes):
+    """The user hands the model its shard of the unshifted labels (it shifts inside each shard),
+    has no logits hook, and the model checkpoints with use_reentrant=True: ringcheck calls the
+    model itself on whole sequences (the report says so) and names the bug class, with the count
+    the step divides by (the whole sequence's targets, as num_items_in_batch counted before
+    sharding). Before: 'matches no known transformation' (only gradient-scale candidates)."""
+    pytest.importorskip("transformers", reason="the transformers recipe needs transformers (pip install ringcheck[hf])")
+    judged = _step(ring_processes, recipe=f"{HF}:sharded_reentrant", cases=("one_sequence",))
+    (row,) = judged["cases"]
+    assert row["verdict"] == "fail" and row["diagnosis"]["name"] == "labels_shifted_in_shards", row.get("candidates")
+    assert judged["has_logits"] and any("call the transformers model (LlamaForCausalLM) itself" in line
+                                        for line in judged["found"])
+    assert row["diagnosis"]["loss_ratio"] <= 1 and row["diagnosis"]["gradient_ratio"] <= 1
+
+
+def test_a_diagnosis_that_cannot_recompute_the_step_leaves_the_verdict_and_says_why(ring_processes):
+    """The logits hook raises (as a transformers attention that takes its group only from the
+    step's keyword does when ringcheck calls the model itself): the case still fails, with the
+    gradient-scale candidates only, and the report says why the naming is missing (exit 1, not 2)."""
+    judged = _step(ring_processes, recipe=f"{PLAIN}:labels_in_shards_logits_raise", cases=("one_sequence",))
+    assert judged["verdict"] == "fail" and judged["cases"][0]["diagnosis"] is None
+    assert any("could not recompute the step" in line and "this model runs on shards only" in line
+               for line in judged["found"]), judged["found"]

@@ -178,10 +178,16 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
     conv_case = "two_micro_batches" if "two_micro_batches" in names else (names or (None,))[0]
     requests = [(c, config.world_size, TRANSFORMS) for c in failed] + [(conv_case, 1, CONVENTIONS)] * bool(names)
-    cands = {}
-    if recipe.logits is not None and requests:
-        cands = processes.run_groups(GroupPlan(((first,),), label="diagnosis"), diagnosis_task, config,
-                                     tuple(requests), pos0, **kw)[0][0]
+    model_logits = recipe.logits is None and _facts(ref).get("transformers") is not None
+    cands, unable = {}, None
+    if (recipe.logits is not None or model_logits) and requests:
+        try:
+            cands = processes.run_groups(GroupPlan(((first,),), label="diagnosis"), diagnosis_task, config,
+                                         tuple(requests), pos0, **kw)[0][0]
+        except RingError as exc:  # the verdicts stand; only the naming is lost, and the report says why
+            said = next(iter(exc.failures.values()), str(exc))
+            unable = (f"the diagnosis could not recompute the step on whole sequences ({str(said).splitlines()[0]}): "
+                      f"only the gradient-scale candidates were tried")
     attn = attention_dtype(config)
     diag_u = max(unit_roundoff(loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
     for row in rows:
@@ -204,14 +210,17 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"], loss_budget=conv_budget,
                           relative=relative)
         conv["case"] = conv_case
-    found = [line for line in (_facts(ref).get("vocab"), loss_found) if line]
+    own = (f"the recipe has no logits hook: the diagnosis and the convention call the transformers model "
+           f"({_facts(ref)['transformers']}) itself on whole sequences, model(input_ids, position_ids, "
+           f"use_cache=False).logits") if model_logits else None
+    found = [line for line in (_facts(ref).get("vocab"), loss_found, own, unable) if line]
     data = None if ring is None else data_row(ring)
     judged = [r for r in rows if r["verdict"] != "not run"]
     verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else (
         "no verdict" if not judged or any(r["verdict"] == "no verdict" for r in judged) else "pass")
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
             "reference_mesh": ref_mesh, "loss_dtype": loss_dtype or config.dtype, "attention_dtype": attn,
-            "has_logits": recipe.logits is not None, "noise": noise, "found": found,
+            "has_logits": recipe.logits is not None or model_logits, "noise": noise, "found": found,
             "why": _why(rows, data)}
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..harness import ImplOptions, Mesh
 from ..harness.mesh import REPLICAS
@@ -166,6 +167,20 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
             "found": {"vocab": vocab_from, "transformers": transformers_model(model)}}
 
 
+def transformers_logits(model: torch.nn.Module, batch: dict, cp: CP) -> torch.Tensor:
+    """A transformers model's logits on whole sequences, called by ringcheck where the recipe has
+    no `logits` hook: `model(input_ids, position_ids, use_cache=False).logits` with `cp` (a group
+    of one, its `cu_seqlens` the batch's documents) active, the sequence padded at its end to the
+    layout's multiple (positions counting on; causal attention keeps the pads out of the rest)."""
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    n, extra = ids.shape[1], -ids.shape[1] % cp.multiple
+    if extra:
+        ids = F.pad(ids, (0, extra))
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
+    with calling(replace(cp, cu_seqlens=batch.get("cu_seqlens"))):
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :n]
+
+
 def transformers_model(model: torch.nn.Module) -> str | None:
     """The class name of a transformers model (a `transformers.PreTrainedModel`), else None;
     read from the class's bases, so a run without transformers imports nothing."""
@@ -235,18 +250,23 @@ def batch_digest(batches) -> str:
 def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, tuple[str, ...]], ...],
                    positions0: torch.Tensor) -> dict[str, Any]:
     """On one rank (a CP group of one): per request (case, ring size, transformations) the
-    candidates of `ringcheck.step.diagnosis`; nothing when the recipe has no `logits`."""
+    candidates of `ringcheck.step.diagnosis`, from the recipe's `logits`, or a transformers
+    model's own logits where the recipe has none (`transformers_logits`); nothing without either."""
     recipe = load_recipe(config.recipe)
+    dtype = REFERENCE_DTYPES[config.dtype]
+    with default_dtype(dtype):
+        probe = build_model(recipe, dtype, config.seed)
     if recipe.logits is None:
-        return {}
+        if transformers_model(probe) is None:
+            return {}
+        recipe = replace(recipe, logits=transformers_logits)
     cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.reference_options),
             dp_group=member.group, timeout=member.timeout, global_rank=member.global_rank, device=member.device,
             attention_dtype=config.narrow)
-    dtype = REFERENCE_DTYPES[config.dtype]
     dp = config.mesh_spec.rings
     out = {}
     with default_dtype(dtype):
-        vocab = vocab_of(recipe, build_model(recipe, dtype, config.seed))[0]
+        vocab = vocab_of(recipe, probe)[0]
         for case_name, P, names in requests:
             batches = on_device(micro_batches(CASES[case_name], vocab=vocab, seed=config.seed, dp=dp,
                                               rank0_positions=positions0), cp.device)

@@ -77,3 +77,4 @@ recipe = Recipe()
 sharded = Sharded()
 sharded_reentrant = ShardedReentrant()
 no_vocab = NoVocab()
+

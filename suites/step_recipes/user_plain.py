@@ -4,7 +4,8 @@
 `recipe` is correct; `float32_loss` computes its loss on float32 logits and does not say so;
 `reentrant` checkpoints every block with `use_reentrant=True` (the model's
 own choice, not a case's); `labels_in_shards_reentrant` adds a bug (labels shifted inside each
-shard) so that ringcheck's diagnosis has to run through the reentrant checkpoints; `no_vocab` has
+shard) so that ringcheck's diagnosis has to run through the reentrant checkpoints (and
+`labels_in_shards_logits_raise`, whose logits hook raises, so that it cannot); `no_vocab` has
 no `vocab_size` (ringcheck reads it from the model's first `nn.Embedding`).
 """
 
@@ -113,6 +114,13 @@ class LabelsInShardsReentrant(Reentrant):
         return loss
 
 
+class LabelsInShardsLogitsRaise(LabelsInShardsReentrant):
+    """A logits hook that cannot run on whole sequences (it wants the step's shards)."""
+
+    def logits(self, model, input_ids, position_ids):
+        raise RuntimeError("this model runs on shards only")
+
+
 class NoVocab:
     """`Recipe` without `vocab_size` (and without a logits hook): only model() and step()."""
 
@@ -126,4 +134,5 @@ recipe = Recipe()
 float32_loss = Float32Loss()
 reentrant = Reentrant()
 labels_in_shards_reentrant = LabelsInShardsReentrant()
+labels_in_shards_logits_raise = LabelsInShardsLogitsRaise()
 no_vocab = NoVocab()
