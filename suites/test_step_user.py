@@ -133,7 +133,8 @@ def test_a_correct_transformers_step_passes_without_declaring_anything(ring_proc
     judged = _step(ring_processes, recipe=f"{HF}:no_vocab", cases=("uneven", "not_divisible"))
     assert judged["verdict"] == "pass", judged["why"]
     assert judged["loss_dtype"] == "float32" and [r["verdict"] for r in judged["cases"]] == ["pass", "not run"]
-    vocab, loss = judged["found"]
+    vocab, loss, own = judged["found"]
+    assert "no logits hook" in own
     assert "vocab_size 64" in vocab and "get_input_embeddings()" in vocab
     assert "transformers PreTrainedModel (LlamaForCausalLM)" in loss
     row = judged["cases"][0]
