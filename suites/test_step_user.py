@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import pytest
 
-from suites.test_step import MUTANTS, _step
-
 PLAIN = "suites.step_recipes.user_plain"
 HF = "suites.step_recipes.user_hf"
+MUTANTS = "ringcheck.catalogue.step_mutants"
+
+
+def _step(processes, **settings):
+    """`run_step` on a ring of 2 (skipped under a torchrun world of fewer ranks)."""
+    from ringcheck.commands.step import run_step
+    from ringcheck.step.run import StepConfig
+
+    if processes.size is not None and processes.size < 2:
+        pytest.skip(f"a ring of 2; the torchrun world has {processes.size} rank")
+    return run_step(StepConfig(world_size=2, **settings), processes)
 
 
 # ---- a. a case the step cannot run ---------------------------------------------------------------
