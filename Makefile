@@ -13,7 +13,7 @@ install: $(STAMP)
 
 # torch: keep a torch the system already has (a GPU runner) by seeing the system
 # site-packages; otherwise take the CPU wheel 2.13.0, never an unpinned (CUDA) download.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	    $(PYTHON) -m venv --system-site-packages $(VENV); \

@@ -22,7 +22,7 @@ import time
 import mpmath
 import torch
 
-from reference.mp import mp_attention
+from ringcheck.reference.mp import mp_attention
 
 TARGET_S = 20.0  # the targets: full fwd+bwd at N=128, d=64; 16 sampled rows at N=4096, d=64
 

@@ -30,13 +30,13 @@ How
     - Row sampling: with ``rows``, only those query rows are computed, streaming over key
       tiles (two passes: the exact row maximum, then exps and sums), so memory is
       O(rows x tile + N d).
-    - Variants (`reference.mp_variants`): packed documents and windows only change which keys
+    - Variants (`ringcheck.reference.mp_variants`): packed documents and windows only change which keys
       a row sees; a sink is one more exact logit per row (and dsinks one more certified
       tensor); a softcap's tanh is evaluated at each of the two precisions, so agreement
       certifies it like the exps.
 
 Precision is never set globally: libmp functions receive it explicitly, so ``mpmath.mp``
-is left as it was. Results are cached on disk (`reference.cache`).
+is left as it was. Results are cached on disk (`ringcheck.reference.cache`).
 
 Nothing here imports ringcheck's ring: arguments follow `ringcheck.spec`, the one validation
 vocabulary (which loads without the ring).
@@ -136,8 +136,8 @@ def mp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     `precision`: (lo, hi) working bits; None picks lo = digits * log2(10) + 32, hi = 2 lo and
     doubles both while certification falls short, up to MAX_BITS. An explicit pair is used
     as given. Raises `UncertifiedError` (a RuntimeError) when `digits` is not reached.
-    `cache`/`cache_dir`: results are kept on disk (default `reference.cache.default_cache_dir()`).
-    `tiling`: how rows and keys are streamed (memory only; see `reference.mp_group.Tiling`).
+    `cache`/`cache_dir`: results are kept on disk (default `ringcheck.reference.cache.default_cache_dir()`).
+    `tiling`: how rows and keys are streamed (memory only; see `ringcheck.reference.mp_group.Tiling`).
     """
     tensors = _validate(q, k, v, dout, causal)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])

@@ -1,4 +1,4 @@
-"""Exact integer arithmetic for `reference.mp`: float arrays <-> 16-bit limbs <-> Python
+"""Exact integer arithmetic for `ringcheck.reference.mp`: float arrays <-> 16-bit limbs <-> Python
 integers, exact matrix products on float64 BLAS, fixed-point exponentials and ratios."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""One K/V head group of `reference.mp`: rows (query head g, position) against all keys,
+"""One K/V head group of `ringcheck.reference.mp`: rows (query head g, position) against all keys,
 streamed over key tiles, with the a-priori bounds of the fixed-point exponentials. Masks,
-sinks and a softcap (`reference.mp_variants`) enter through `_Inputs.variants`."""
+sinks and a softcap (`ringcheck.reference.mp_variants`) enter through `_Inputs.variants`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Attention variants of `reference.mp`: packed documents and sliding windows (which keys a
+"""Attention variants of `ringcheck.reference.mp`: packed documents and sliding windows (which keys a
 row sees), a logit softcap and attention sinks, on the exact-integer machinery.
 
-The semantics are `reference.dense`'s (and the ring's); what changes here is only how each
+The semantics are `ringcheck.reference.dense`'s (and the ring's); what changes here is only how each
 is made exact or certified:
 
 - Masks (`visible`) are decided on global positions, integers: exact by construction.
@@ -92,7 +92,7 @@ def check_variants(q: torch.Tensor, k: torch.Tensor, cu_seqlens, window, softcap
 
 def visible(qpos: np.ndarray, j0: int, j1: int, causal: bool, var: Variants | None) -> np.ndarray | None:
     """(rows, j1 - j0) bool: the query at global position qpos[r] sees key j0 + c (as
-    `reference.dense.visibility`); None when every entry is visible."""
+    `ringcheck.reference.dense.visibility`); None when every entry is visible."""
     kpos = np.arange(j0, j1)
     vis = None
 

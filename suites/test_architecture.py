@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ringcheck", "reference")
+# each folder of the library, and the name it is imported under: the repository's reference/ folder
+# is ringcheck.reference (setup.py installs it there; ringcheck/__init__ finds it in a checkout)
+PACKAGES = {"ringcheck": "ringcheck", "reference": "ringcheck.reference"}
 MAX_LINES = 450
 KERNELS = {"ringcheck/ring/backends/triton_fwd.py", "ringcheck/ring/backends/triton_bwd.py"}
 
@@ -19,7 +21,8 @@ def _modules():
 
 
 def _name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join([PACKAGES[folder], *rest]).removesuffix(".__init__")
 
 
 def _imports(path: Path):
@@ -53,11 +56,11 @@ def _under(module: str, *prefixes: str) -> bool:
 
 # (who, may not import, why)
 RULES = [
-    (("ringcheck", "reference"), ("suites", "benchmarks"), "the library never imports the suites or the tools"),
-    (("reference",), ("ringcheck.ring", "ringcheck.judge", "ringcheck.commands", "ringcheck.testing",
-                      "ringcheck.render", "ringcheck.launch", "ringcheck.documents", "ringcheck.cli"),
+    (("ringcheck",), ("suites", "benchmarks"), "the library never imports the suites or the tools"),
+    (("ringcheck.reference",), ("ringcheck.ring", "ringcheck.judge", "ringcheck.commands", "ringcheck.testing",
+                                "ringcheck.render", "ringcheck.launch", "ringcheck.documents", "ringcheck.cli"),
      "the references import nothing of ringcheck but its spec"),
-    (("ringcheck.ring",), ("reference", "ringcheck.judge", "ringcheck.commands", "ringcheck.testing",
+    (("ringcheck.ring",), ("ringcheck.reference", "ringcheck.judge", "ringcheck.commands", "ringcheck.testing",
                            "ringcheck.render", "ringcheck.documents", "ringcheck.cli", "ringcheck.launch"),
      "the engine imports nothing downstream, and never a reference"),
     (("ringcheck.judge",), ("ringcheck.commands", "ringcheck.testing", "ringcheck.render", "ringcheck.documents",
@@ -65,7 +68,7 @@ RULES = [
     (("ringcheck.documents",), ("ringcheck.commands", "ringcheck.render", "ringcheck.cli"),
      "documents are written below the commands that fill them"),
     (("ringcheck.spec",), ("ringcheck.ring", "ringcheck.judge", "ringcheck.commands", "ringcheck.testing",
-                           "ringcheck.render", "ringcheck.launch", "reference"), "the spec is the root"),
+                           "ringcheck.render", "ringcheck.launch", "ringcheck.reference"), "the spec is the root"),
     (("ringcheck.launch", "ringcheck.harness"), ("ringcheck.entry", "ringcheck.cli", "ringcheck.commands",
                                                  "ringcheck.testing"),
      "process groups and the harness run below the commands (a worker's start is launch.start's)"),
@@ -75,7 +78,8 @@ RULES = [
     (("ringcheck",), ("ringcheck.entry",), "only the console script's own modules import the entry"),
     (("ringcheck.plan",), ("torch", "ringcheck.spec", "ringcheck.ring", "ringcheck.judge", "ringcheck.commands",
                            "ringcheck.testing", "ringcheck.render", "ringcheck.documents", "ringcheck.cli",
-                           "ringcheck.launch", "ringcheck.harness", "ringcheck.adapters", "ringcheck.measure"),
+                           "ringcheck.launch", "ringcheck.harness", "ringcheck.adapters", "ringcheck.measure",
+                           "ringcheck.reference"),
      "the plan's arithmetic is pure: no torch, nothing of the rest of ringcheck"),
     (("ringcheck.judge.results",), ("ringcheck.judge.check", "ringcheck.judge.conventions",
                                     "ringcheck.judge.scores", "ringcheck.judge.precision"),
@@ -108,16 +112,43 @@ def test_the_rules_catch_a_planted_upstream_import(tmp_path):
     planted = tmp_path / "ringcheck" / "ring"
     planted.mkdir(parents=True)
     module = planted / "bad.py"
-    module.write_text("from ..judge.check import Case\nimport reference\nfrom rich.table import Table\n")
+    module.write_text("from ..judge.check import Case\nfrom ..reference import dense_grads\n"
+                      "from rich.table import Table\n")
     found = _broken_rules("ringcheck.ring.bad", list(_imports_of(module, "ringcheck.ring.bad")))
     assert [b.split(": ", 1)[1] for b in found] == [
         "the engine imports nothing downstream, and never a reference",
         "the engine imports nothing downstream, and never a reference",
         "only render/ presents"]
-    assert _broken_rules("reference.dense", [(1, "ringcheck.ring.api", False)])
-    assert not _broken_rules("reference.dense", [(1, "ringcheck.spec", False)])
+    assert _broken_rules("ringcheck.reference.dense", [(1, "ringcheck.ring.api", False)])
+    assert not _broken_rules("ringcheck.reference.dense", [(1, "ringcheck.spec", False)])
     assert _broken_rules("ringcheck.plan.ring", [(1, "torch", False)])  # the plan's arithmetic needs no torch
     assert not _broken_rules("ringcheck.plan.ring", [(1, "ringcheck.plan.hardware", False)])
+
+
+def _top_level_reference_imports(path: Path) -> list[int]:
+    """The lines that import a top-level module named `reference` (absolute imports only)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "reference" for a in node.names)
+            or isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "reference"]
+
+
+def test_nothing_imports_the_generic_top_level_name_reference(tmp_path):
+    """The references are `ringcheck.reference` (issue 44): a top-level `reference` is a user's
+    own package as often as not, and `python -m pytest` in the user's repository finds theirs
+    first. Code merged from before the rename still says `from reference import ...` and would
+    run from a checkout (its root on the path) but not from a wheel: every Python file of the
+    repository is read. A planted import of each spelling is named; ours is not."""
+    files = [*_modules(), *ROOT.glob("*.py"), *(p for d in ("suites", "benchmarks", "examples")
+                                                for p in (ROOT / d).rglob("*.py"))]
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in files for line in _top_level_reference_imports(p)]
+    assert not found, "import ringcheck.reference (or a relative form), never the top-level reference: " + \
+        ", ".join(found)
+    planted = tmp_path / "planted.py"
+    planted.write_text("import reference\nimport reference.mp as mp\nfrom reference.dense import dense_grads\n"
+                       "from reference import mp_attention\nfrom ringcheck.reference import dense_attention\n"
+                       "from .reference import attention_mask\nimport ringcheck.reference.cache\n")
+    assert _top_level_reference_imports(planted) == [1, 2, 3, 4]
 
 
 def test_no_module_over_the_size_limit():

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-from reference import dense_grads
 from ringcheck.commands.bench import BENCH_MODES, BenchSpec, add_ratios, run_balance
 from ringcheck.commands.bench_tasks import (
     SDPA,
@@ -19,6 +18,7 @@ from ringcheck.commands.bench_tasks import (
     run_local,
 )
 from ringcheck.documents import BENCH_SCHEMA, META_KEYS, load
+from ringcheck.reference import dense_grads
 from ringcheck.ring import NoCommDriver, make_config, run_ring
 from ringcheck.ring.layouts import positions, shard, work_counts
 

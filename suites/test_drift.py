@@ -11,7 +11,6 @@ import pytest
 import torch
 from rich.console import Console
 
-from reference import dense_grads
 from ringcheck.cli import main
 from ringcheck.commands.drift import DriftSpec, Implementation, run_drift, run_simulated, seeds_for_fit
 from ringcheck.commands.drift_model import expected_model, fit_group, fit_slope, step_truths, t_quantile
@@ -35,6 +34,7 @@ from ringcheck.documents import (
 from ringcheck.judge.check import MODES
 from ringcheck.judge.inputs import make_inputs
 from ringcheck.judge.metrics import max_ulp_error, ulp, unit_roundoff
+from ringcheck.reference import dense_grads
 from ringcheck.render.drift_content import headline, verdict_lines
 from ringcheck.render.terminal import print_drift_diff
 from ringcheck.ring.layouts import positions

@@ -3,7 +3,7 @@
 Every function of the API the ring libraries call, with flash-attn's conventions (bottom-right
 causal for sq != sk, windows, softcap, GQA, lse (b, h, s) float32 and (h, total) for varlen,
 backward into the caller's buffers, views included), is compared with the float64 dense
-reference (`reference.dense`) on the same inputs under a stated budget:
+reference (`ringcheck.reference.dense`) on the same inputs under a stated budget:
 
     |got - ref| <= u_dtype * |ref| + 64 * u_fp32 * max|ref|      per element
 
@@ -20,9 +20,9 @@ import sys
 import pytest
 import torch
 
-from reference.dense import attention_mask, dense_grads
 from ringcheck import flash_stand_in
 from ringcheck.flash_stand_in import interface, kernel
+from ringcheck.reference.dense import attention_mask, dense_grads
 
 UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 

@@ -19,11 +19,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference.mp_exact as exact
-from reference import UncertifiedError, dense_grads, mp_attention
-from reference.cache import ResultCache, cache_key
-from reference.mp_group import Tiling
+import ringcheck.reference.mp_exact as exact
 from ringcheck.judge.metrics import error_stats
+from ringcheck.reference import UncertifiedError, dense_grads, mp_attention
+from ringcheck.reference.cache import ResultCache, cache_key
+from ringcheck.reference.mp_group import Tiling
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -1,6 +1,6 @@
 """The certified mpmath reference's attention variants - packed documents, sliding windows, a
 logit softcap, attention sinks, a value head dim of its own - against the float64 dense
-reference, which implements the same semantics (`reference.dense.dense_grads`).
+reference, which implements the same semantics (`ringcheck.reference.dense.dense_grads`).
 
 Every case is certified (default digits=30) and must agree with dense to RTOL. Also here:
 the exact semantics of padding rows and of rows that see only their sink, the certification
@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
-from reference import dense_attention, dense_grads, mp_attention
-from reference.mp_group import Tiling
 from ringcheck.judge.metrics import error_stats
+from ringcheck.reference import dense_attention, dense_grads, mp_attention
+from ringcheck.reference.mp_group import Tiling
 
 TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 RTOL = 1e-13  # normwise relative agreement of float64 dense with the certified truth

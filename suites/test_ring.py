@@ -89,7 +89,7 @@ def test_outputs_have_the_promised_shapes_dtypes_and_gradients():
 
 def test_gradient_through_lse_matches_float64():
     """lse is differentiable too: d lse / d s = P enters the backward as dS += P * dlse."""
-    from reference import dense_attention
+    from ringcheck.reference import dense_attention
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64).float().requires_grad_()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ringcheck
-from reference import dense_attention, dense_grads, mp_attention, peer_attention
+from ringcheck.reference import dense_attention, dense_grads, mp_attention, peer_attention
 from ringcheck.spec import check_qkv, check_rows, check_softmax_scale
 
 

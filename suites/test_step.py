@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ringcheck
-from reference import dense_attention
+from ringcheck.reference import dense_attention
 
 # ---- the ring in float64 ------------------------------------------------------------------------
 

@@ -17,10 +17,10 @@ import random
 import pytest
 import torch
 
-from reference import attention_mask, dense_grads
 from ringcheck import shard, simulate_ring, unshard
 from ringcheck.catalogue.planted import PLANTED
 from ringcheck.judge.check import run_case, simulated_impl
+from ringcheck.reference import attention_mask, dense_grads
 from ringcheck.ring.layouts import block_plan, positions, work_counts
 from ringcheck.ring.merge import finish, start_state
 from ringcheck.testing.variant_cases import VARIANT_CASES, VARIANT_PLANTED_CASES

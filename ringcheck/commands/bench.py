@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from reference import dense_grads
-from reference.mp import mp_attention
+from ringcheck.reference import dense_grads
+from ringcheck.reference.mp import mp_attention
 
 from ..documents import BENCH_SCHEMA, header
 from ..harness import Mesh

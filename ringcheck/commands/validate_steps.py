@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference import mp_attention
+from ringcheck.reference import mp_attention
 
 from ..harness import TWO_CALLS, Mesh, Runner
 from ..harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference import dense_grads, peer_attention
+from ringcheck.reference import dense_grads, peer_attention
 
 from ..ring import simulate_ring
 from ..ring.layouts import positions

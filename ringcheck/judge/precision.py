@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference import attention_mask
+from ringcheck.reference import attention_mask
 
 from ..spec import AttentionSpec, Budget
 from .check import Case, Results, judge_results, peer, reference_kwargs, seq_dim, token_owners, truth

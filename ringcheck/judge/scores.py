@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-from reference import attention_mask
+from ringcheck.reference import attention_mask
 
 from ..spec import AttentionSpec
 from .inputs import Inputs

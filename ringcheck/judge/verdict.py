@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reference import attention_mask
+from ringcheck.reference import attention_mask
 
 from .metrics import ErrorStats, abs_error, error_stats, rounding_floor, ulp
 

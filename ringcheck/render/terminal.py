@@ -235,88 +235,111 @@ def _bench_err(errors: dict | None) -> str:
     return " ".join(f"{k} {v:.1e}" for k, v in errors.items())
 
 
+def _speed_parts(rows: list[dict]) -> list:
+    """Median time per case and system, its ratio to the fastest peer ring, and the errors."""
+    table = Table(title="speed: median time, ratio to the fastest peer ring of the same case "
+                        "(< 1 faster), max abs error vs float64")
+    for h in ("case", "system", "layout", "thr", "median", "ratio", "errors vs float64"):
+        table.add_column(h, justify="right" if h in ("thr", "median", "ratio") else "left")
+    last = None
+    for r in rows:
+        case = r["key"] if r["key"] != last else ""
+        if r["key"] != last and last is not None:
+            table.add_section()
+        last = r["key"]
+        ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+        if ratio and r.get("fastest_peer") not in ("torch_cp", "ring_attention_pytorch"):
+            ratio += "*"  # no peer ring ran this case: the ratio is to the fastest system
+        if r.get("ratio") is not None and r["system"] == "ringcheck":
+            ratio = f"[{'green' if r['ratio'] <= 1.0 else 'red'}]{ratio}[/]"
+        table.add_row(case, r["system"], str(r.get("layout")), str(r.get("threads", "")),
+                      _bench_s(r.get("median_s")), ratio,
+                      _bench_err(r.get("errors")) if r.get("median_s") is not None else f"n/a: {r.get('na')}")
+    return [table, "* no peer ring ran this case: ratio to the fastest system of the case"]
+
+
+def _overlap_parts(rows: list[dict]) -> list:
+    """The share of an injected transfer delay each ring hides, at two delays."""
+    table = Table(title="overlap: share of the time injected into every transfer that the ring hides, each "
+                        "transfer held 0.5x and 2x a ring step's compute (1.00: all)")
+    for h in ("case", "system", "step", "hidden at 0.5x", "hidden at 2x", "slower at 2x"):
+        table.add_column(h, justify="left" if h in ("case", "system") else "right")
+    for r in rows:
+        if "held" not in r:
+            table.add_row(r["key"], r["system"], "", f"n/a: {r.get('na')}", "", "")
+            continue
+        share = ["" if h["hidden"] is None else f"{h['hidden']:.2f}" for h in r["held"]]
+        table.add_row(r["key"], r["system"], " / ".join(_bench_s(t) for t in r["step_s"]), *share[:2],
+                      _bench_s(r["held"][-1]["grew_s"]))
+    return [table]
+
+
+def _balance_parts(rows: list[dict]) -> list:
+    """Per layout, how evenly causal work and time spread over the ranks."""
+    table = Table(title="load balance (causal): per-rank max / mean of unmasked scores and of forward compute time")
+    for h in ("P", "layout", "tokens", "work max/mean", "time max/mean", "per-rank time"):
+        table.add_column(h, justify="left" if h in ("layout", "per-rank time") else "right")
+    for r in rows:
+        work = r["work_max_over_mean"]
+        mark = "green" if r["layout"] == "contiguous" or work <= 1.05 else "red"
+        table.add_row(str(r["ring_size"]), r["layout"], str(r["tokens"]), f"[{mark}]{work:.3f}[/]",
+                      f"{r['time_max_over_mean']:.2f}", " ".join(f"{t * 1e3:.1f}" for t in r["time_s"]) + " ms")
+    return [table]
+
+
+def _memory_parts(mem: dict) -> list:
+    """Peak memory per rank against tokens per rank, its fitted slopes, and a score matrix for scale."""
+    table = Table(title="memory: peak tensor storage per rank during one call, beyond its shards (MiB), vs "
+                        "tokens per rank")
+    sizes = sorted({r["tokens_per_rank"] for r in mem["rows"]})
+    for h in ("system", "mode", "pass", *[str(n) for n in sizes], "slope", "slope (upper half)"):
+        table.add_column(h, justify="left" if h in ("system", "mode", "pass") else "right")
+    for fit in mem["fits"]:
+        cells = []
+        for n in sizes:
+            got = [r for r in mem["rows"] if (r["system"], r["mode"], r["passes"], r["tokens_per_rank"])
+                   == (fit["system"], fit["mode"], fit["passes"], n)]
+            cells.append("" if not got else ("n/a" if got[0]["peak_mib"] is None else f"{got[0]['peak_mib']:.1f}"))
+        fmt = lambda s: "" if s is None else f"{s:.2f}"  # noqa: E731
+        table.add_row(fit["system"], fit["mode"], fit["passes"], *cells, fmt(fit["slope"]), fmt(fit["slope_upper"]))
+    nxn = {r["tokens_per_rank"]: r["nxn_mib"] for r in mem["rows"]}
+    return [table, "for scale, one N_local x N_local float32 score matrix over all heads: "
+            + ", ".join(f"{n}: {m:.0f} MiB" for n, m in sorted(nxn.items()))]
+
+
+def _harness_parts(results: dict) -> list:
+    """How long the harness's own runs took (the suites, a validate), and the references' rows per second."""
+    table = Table(title="harness speed")
+    for h in ("what", "result"):
+        table.add_column(h)
+    for name, r in results.items():
+        if "wall_s" in r and r["wall_s"] is None:
+            table.add_row(name, r["last_line"])
+        elif "wall_s" in r:
+            table.add_row(name, f"{r['wall_s']:.1f} s (exit {r['exit']}): {r['last_line']}"
+                          + "".join(f"\n{line}" for line in r.get("failed", [])))
+        else:
+            table.add_row(name, f"{r['rows_per_s']:.1f} rows/s ({r['median_s']:.2f} s)")
+    return [table]
+
+
+# a bench document's sections, in the order they print: each builder takes the section and gives
+# what to print (tables, then the lines under them)
+_BENCH_SECTIONS = (("speed", _speed_parts), ("overlap", _overlap_parts), ("balance", _balance_parts),
+                   ("memory", _memory_parts), ("harness", _harness_parts))
+
+
 def print_bench(doc: dict, console: Console | None = None) -> None:
-    """The tables of a `ringcheck bench` document, one per section present."""
+    """The tables of a `ringcheck bench` document, one per section present, between the machine it ran
+    on and the time it took."""
     console = console or Console()
     meta = doc.get("meta", {})
     console.print(f"[bold]ringcheck bench[/] on {meta.get('machine')} ({meta.get('cpu')}, {meta.get('cores')} cores), "
                   f"torch {meta.get('torch')}, ring over {meta.get('ring_backend')}; load {meta.get('load_1_5_15')}; "
                   f"ring workers {meta.get('worker_threads')} thread each, parent {meta.get('parent_threads')} threads",
                   highlight=False)
-    if "speed" in doc:
-        table = Table(title="speed: median time, ratio to the fastest peer ring of the same case "
-                            "(< 1 faster), max abs error vs float64")
-        for h in ("case", "system", "layout", "thr", "median", "ratio", "errors vs float64"):
-            table.add_column(h, justify="right" if h in ("thr", "median", "ratio") else "left")
-        last = None
-        for r in doc["speed"]:
-            case = r["key"] if r["key"] != last else ""
-            if r["key"] != last and last is not None:
-                table.add_section()
-            last = r["key"]
-            ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
-            if ratio and r.get("fastest_peer") not in ("torch_cp", "ring_attention_pytorch"):
-                ratio += "*"  # no peer ring ran this case: the ratio is to the fastest system
-            if r.get("ratio") is not None and r["system"] == "ringcheck":
-                ratio = f"[{'green' if r['ratio'] <= 1.0 else 'red'}]{ratio}[/]"
-            table.add_row(case, r["system"], str(r.get("layout")), str(r.get("threads", "")),
-                          _bench_s(r.get("median_s")), ratio,
-                          _bench_err(r.get("errors")) if r.get("median_s") is not None else f"n/a: {r.get('na')}")
-        console.print(table)
-        console.print("* no peer ring ran this case: ratio to the fastest system of the case", highlight=False)
-    if "overlap" in doc:
-        table = Table(title="overlap: share of the time injected into every transfer that the ring hides, each "
-                            "transfer held 0.5x and 2x a ring step's compute (1.00: all)")
-        for h in ("case", "system", "step", "hidden at 0.5x", "hidden at 2x", "slower at 2x"):
-            table.add_column(h, justify="left" if h in ("case", "system") else "right")
-        for r in doc["overlap"]:
-            if "held" not in r:
-                table.add_row(r["key"], r["system"], "", f"n/a: {r.get('na')}", "", "")
-                continue
-            share = ["" if h["hidden"] is None else f"{h['hidden']:.2f}" for h in r["held"]]
-            table.add_row(r["key"], r["system"], " / ".join(_bench_s(t) for t in r["step_s"]), *share[:2],
-                          _bench_s(r["held"][-1]["grew_s"]))
-        console.print(table)
-    if "balance" in doc:
-        table = Table(title="load balance (causal): per-rank max / mean of unmasked scores and of forward compute time")
-        for h in ("P", "layout", "tokens", "work max/mean", "time max/mean", "per-rank time"):
-            table.add_column(h, justify="left" if h in ("layout", "per-rank time") else "right")
-        for r in doc["balance"]:
-            work = r["work_max_over_mean"]
-            mark = "green" if r["layout"] == "contiguous" or work <= 1.05 else "red"
-            table.add_row(str(r["ring_size"]), r["layout"], str(r["tokens"]), f"[{mark}]{work:.3f}[/]",
-                          f"{r['time_max_over_mean']:.2f}", " ".join(f"{t * 1e3:.1f}" for t in r["time_s"]) + " ms")
-        console.print(table)
-    if "memory" in doc:
-        mem = doc["memory"]
-        table = Table(title="memory: peak tensor storage per rank during one call, beyond its shards (MiB), vs "
-                            "tokens per rank")
-        sizes = sorted({r["tokens_per_rank"] for r in mem["rows"]})
-        for h in ("system", "mode", "pass", *[str(n) for n in sizes], "slope", "slope (upper half)"):
-            table.add_column(h, justify="left" if h in ("system", "mode", "pass") else "right")
-        for fit in mem["fits"]:
-            cells = []
-            for n in sizes:
-                got = [r for r in mem["rows"] if (r["system"], r["mode"], r["passes"], r["tokens_per_rank"])
-                       == (fit["system"], fit["mode"], fit["passes"], n)]
-                cells.append("" if not got else ("n/a" if got[0]["peak_mib"] is None else f"{got[0]['peak_mib']:.1f}"))
-            fmt = lambda s: "" if s is None else f"{s:.2f}"  # noqa: E731
-            table.add_row(fit["system"], fit["mode"], fit["passes"], *cells, fmt(fit["slope"]), fmt(fit["slope_upper"]))
-        console.print(table)
-        nxn = {r["tokens_per_rank"]: r["nxn_mib"] for r in mem["rows"]}
-        console.print("for scale, one N_local x N_local float32 score matrix over all heads: "
-                      + ", ".join(f"{n}: {m:.0f} MiB" for n, m in sorted(nxn.items())), highlight=False)
-    if "harness" in doc:
-        table = Table(title="harness speed")
-        for h in ("what", "result"):
-            table.add_column(h)
-        for name, r in doc["harness"].items():
-            if "wall_s" in r and r["wall_s"] is None:
-                table.add_row(name, r["last_line"])
-            elif "wall_s" in r:
-                table.add_row(name, f"{r['wall_s']:.1f} s (exit {r['exit']}): {r['last_line']}"
-                              + "".join(f"\n{line}" for line in r.get("failed", [])))
-            else:
-                table.add_row(name, f"{r['rows_per_s']:.1f} rows/s ({r['median_s']:.2f} s)")
-        console.print(table)
+    for key, parts in _BENCH_SECTIONS:
+        if key in doc:
+            for part in parts(doc[key]):
+                console.print(part, highlight=False)
     console.print(f"elapsed {meta.get('elapsed_s')} s; load after {meta.get('load_after')}", highlight=False)

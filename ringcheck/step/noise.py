@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from reference.dense import peer_attention
+from ringcheck.reference.dense import peer_attention
 
 from .verdict import relative
 
@@ -32,7 +32,7 @@ NAIVE = "ringcheck.step.noise:naive_attention"
 
 
 def naive_attention(q, k, v, *, causal, softmax_scale, group=None, cu_seqlens=None):
-    """The `--impl` contract on a group of one: `reference.dense.peer_attention` on the whole
+    """The `--impl` contract on a group of one: `ringcheck.reference.dense.peer_attention` on the whole
     sequence, in the input dtype."""
     cu = None if cu_seqlens is None else tuple(int(x) for x in torch.as_tensor(cu_seqlens).tolist())
     return peer_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from reference import dense_attention
+from ringcheck.reference import dense_attention
 
 from ..judge.check import (
     Case,

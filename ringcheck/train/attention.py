@@ -3,7 +3,7 @@
 Three single-device kernels, each with every variant the model trains with (documents and
 padding, a sliding window, a softcap, learnable sinks) on the whole sequence:
 
-- ``exact``: float64 attention (`reference.dense.dense_attention`, differentiated by autograd
+- ``exact``: float64 attention (`ringcheck.reference.dense.dense_attention`, differentiated by autograd
   in float64) rounded once to the training dtype, forward and backward: the attention a
   kernel without any rounding of its own would deliver. The reference uses it.
 - ``fused``: `torch.nn.functional.scaled_dot_product_attention` in the training dtype (on CPU
@@ -11,7 +11,7 @@ padding, a sliding window, a softcap, learnable sinks) on the whole sequence:
   with on one device; sinks join as one more key of value 0 with the sink as a float32 bias.
   No softcap (SDPA has none): a run with --softcap takes ``naive`` instead.
 - ``naive``: every matmul and the softmax in the training dtype
-  (`reference.dense.peer_attention`), eager attention as models were long trained with.
+  (`ringcheck.reference.dense.peer_attention`), eager attention as models were long trained with.
 
 `ring_attend` is the attention of one rank of the ring: its shard through the implementation
 under test (`ringcheck.adapters.Impl.call`, only the keywords it accepts), checked against the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reference.dense import attention_mask, dense_attention, peer_attention
+from ringcheck.reference.dense import attention_mask, dense_attention, peer_attention
 
 from ..adapters import ContractError, Impl, unpack
 from .config import TrainConfig

@@ -1,0 +1,134 @@
+"""Nothing installed under a generic top-level name (issue 44, item 5), tried as a new user would.
+
+The references are `ringcheck.reference`: the repository keeps them in its top-level reference/
+folder, setup.py installs that folder inside the package, and a checkout finds it under the same
+name (`ringcheck._ReferenceBeside`). Before, they installed as the top-level module `reference`,
+and in a user's repository with a reference/ package of its own (a common name in ML code)
+`python -m pytest --ring-impl ...` stopped at collection: `python -m` puts the user's directory
+first on sys.path, so ringcheck's judge imported the user's package (`ImportError: cannot import
+name 'dense_grads' from 'reference'`); the other way round, an installed `reference` hid the
+user's package from the user's own code.
+
+The user here keeps the ring under test in that package (`--impl reference:ring`), so each run
+checks both directions at once: ringcheck judges with its own references, and the user's code
+imports the user's. The plugin runs on the checkout under test (what failed), the command on
+the wheel built from it, unpacked as an install puts it (the pin of the command puts a
+checkout's root, with its reference/ folder, first on the path: the user's package is only
+reachable beside an install).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import ringcheck
+import ringcheck.judge.check  # the judge imports the references: loaded as a run loads them
+import ringcheck.reference
+from ringcheck.launch import CLAIMED_BY
+
+HOLDS = Path(ringcheck.__file__).resolve().parents[1]  # the folder that holds the package under test
+USER_REFERENCE = '''"""The user's own package named reference (not ringcheck's)."""
+
+from ringcheck.catalogue.mutants import textbook as ring  # the user's ring: a correct one
+'''
+# 2 derandomized examples a property, after the ringcheck plugin loaded its profile (tryfirst)
+FEW = '''def pytest_configure(config):
+    from hypothesis import settings
+
+    settings.register_profile("few", settings.get_profile(settings.get_current_profile_name()),
+                              max_examples=2, derandomize=True, database=None)
+    settings.load_profile("few")
+'''
+SMALL = ["--seq-len", "32", "--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+         "--distributions", "normal", "--sample-rows", "4"]
+
+
+@pytest.fixture(scope="module")
+def user_repo(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("user_repo")
+    (where / "reference").mkdir()
+    (where / "reference" / "__init__.py").write_text(USER_REFERENCE)
+    (where / "fewexamples.py").write_text(FEW)
+    return where
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of the checkout under test, built from a copy of what it is built from."""
+    if not (HOLDS / "setup.py").is_file():
+        pytest.skip(f"ringcheck is imported from an install ({HOLDS}), not from a checkout to build")
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed here: the wheel is built without build isolation (no network)")
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in ("ringcheck", "reference"):
+        shutil.copytree(HOLDS / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(HOLDS / name, src / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return next(out.glob("ringcheck-*.whl"))
+
+
+def _run(argv: list[str], where: Path, pythonpath: list[Path]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        CLAIMED_BY)}  # a user's plain run, also when this suite runs under torchrun
+    env["PYTHONPATH"] = os.pathsep.join(map(str, pythonpath))
+    return subprocess.run([sys.executable, *argv], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def _said(done: subprocess.CompletedProcess) -> str:
+    return f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_references_are_ringchecks_own():
+    assert ringcheck.reference.dense_grads.__module__ == "ringcheck.reference.dense"
+    folder = Path(ringcheck.reference.__file__).resolve().parent
+    assert folder in (HOLDS / "ringcheck" / "reference", HOLDS / "reference"), folder  # installed, or a checkout
+    loaded = getattr(sys.modules.get("reference"), "__file__", None)
+    assert loaded is None or Path(loaded).resolve().parent != folder, "ringcheck's references, imported as reference"
+
+
+@pytest.mark.cli
+def test_the_wheel_installs_only_the_package(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"ringcheck", wheel.name.split("-py")[0] + ".dist-info"}, names
+    assert {"ringcheck/reference/__init__.py", "ringcheck/reference/dense.py",
+            "ringcheck/reference/mp.py"} <= set(names)
+    top = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/top_level.txt")))
+    assert top.decode().split() == ["ringcheck"]
+
+
+@pytest.mark.cli
+def test_the_plugin_in_a_repository_with_its_own_reference_package(user_repo, torchrun_world):
+    if torchrun_world is not None:
+        pytest.skip("starts its own local rings: run with plain pytest")
+    done = _run(["-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-p", "fewexamples", "--ring-impl",
+                 "reference:ring", "--ring-world-sizes", "1,2", "-k", "budget_against_float64 and not variant",
+                 "-v"], user_repo, [HOLDS])
+    assert done.returncode == 0, _said(done)
+    assert "INTERNALERROR" not in done.stdout + done.stderr
+    assert "ringcheck implementation under test: reference:ring" in done.stdout, _said(done)
+    assert "test_budget_against_float64[forward+backward] PASSED" in done.stdout, _said(done)
+
+
+@pytest.mark.cli
+def test_a_command_in_a_repository_with_its_own_reference_package(user_repo, wheel, tmp_path, torchrun_world):
+    if torchrun_world is not None:
+        pytest.skip("starts its own local rings: run with plain pytest")
+    site = tmp_path / "site-packages"
+    zipfile.ZipFile(wheel).extractall(site)  # what pip puts in site-packages (the scripts aside)
+    done = _run(["-m", "ringcheck", "validate", "--impl", "reference:ring", "--quick", *SMALL], user_repo,
+                [site, user_repo])
+    assert done.returncode == 0, _said(done)
+    assert "PASSED" in done.stdout and "Traceback" not in done.stderr, _said(done)
