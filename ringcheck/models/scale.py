@@ -159,7 +159,8 @@ def _scale_depth(d: dict, n: int | None, picks: list[int], scaled: dict) -> None
             if new != list(value)[:len(picks)]:
                 scaled[key] = (f"{len(value)} entries", new)
     for key, value in list(d.items()):  # per-layer settings keyed by layer index (gemma4's per_layer_config)
-        if isinstance(value, dict) and value and all(str(k).isdigit() and int(k) < n for k in value):
+        if ("layer" in key and isinstance(value, dict) and value
+                and all(str(k).isdigit() and int(k) < n for k in value)):
             new = {str(picks.index(int(k))).zfill(len(str(k))) if isinstance(k, str) else picks.index(k): v
                    for k, v in value.items() if int(k) in picks}
             scaled[key] = (f"{len(value)} layers' settings", sorted(new))
@@ -183,7 +184,10 @@ def _index_list(value, n: int) -> bool:
 
 
 def _scale_widths(d: dict, scaled: dict) -> None:
+    heads = _first(d, _HEADS) or 1
     for key, tiny in _SIZES.items():
+        if tiny == HIDDEN and HIDDEN % heads:  # some configs insist the width is a multiple of the heads
+            tiny = heads * -(-HIDDEN // heads)
         if isinstance(d.get(key), int) and not isinstance(d[key], bool) and d[key] > tiny:
             scaled[key] = (d[key], tiny)
             d[key] = tiny
@@ -197,6 +201,9 @@ def _scale_heads(d: dict, scaled: dict, head_dim_settable: bool = True) -> int |
         return None
     heads = d[hkey]
     kvkey = next((k for k in _KV_HEADS if isinstance(d.get(k), int)), None)
+    if kvkey is None and "num_key_value_heads" in d:  # None means one kv head per query head (nemotron
+        kvkey = "num_key_value_heads"                   # reads it without the default)
+        d[kvkey] = heads
     kv = d[kvkey] if kvkey else heads
     ratio = max(1, heads // max(kv, 1))
     tiny_kv = max(1, 4 // ratio) if ratio <= 4 else 1
@@ -228,6 +235,9 @@ def _scale_experts(d: dict, scaled: dict) -> bool:
         scaled[ekey] = (d[ekey], experts)
         d[ekey] = experts
     for key in _TOPK:
+        if key in d and d[key] is None:  # deepseek_v2's default config leaves it unset: it cannot run so
+            d[key] = max(1, experts // 2)
+            scaled[key] = (None, d[key])
         if isinstance(d.get(key), int) and d[key] > max(1, experts // 2):
             scaled[key] = (d[key], max(1, experts // 2))
             d[key] = max(1, experts // 2)

@@ -61,7 +61,7 @@ class TinyModel:
         if not isinstance(attn_implementation, str) or not attn_implementation:
             raise TypeError(f"attn_implementation must be a name (eager, sdpa, or one registered with "
                             f"transformers' AttentionInterface), got {attn_implementation!r}")
-        extra = {"experts_implementation": "eager"} if self.moe and _experts_settable(self.config) else {}
+        extra = {"experts_implementation": "eager"} if _experts_settable(self.config) else {}
         torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers, rope)
         model = AutoModelForCausalLM.from_config(_copy(self.config), attn_implementation=attn_implementation,
                                                  dtype=dtype, **extra)
