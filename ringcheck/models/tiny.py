@@ -62,9 +62,10 @@ class TinyModel:
             raise TypeError(f"attn_implementation must be a name (eager, sdpa, or one registered with "
                             f"transformers' AttentionInterface), got {attn_implementation!r}")
         extra = {"experts_implementation": "eager"} if _experts_settable(self.config) else {}
-        torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers, rope)
-        model = AutoModelForCausalLM.from_config(_copy(self.config), attn_implementation=attn_implementation,
-                                                 dtype=dtype, **extra)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+            torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers)
+            model = AutoModelForCausalLM.from_config(_copy(self.config), attn_implementation=attn_implementation,
+                                                     dtype=dtype, **extra)
         _init_weights(model, seed)
         model.train()  # dropout is off in the config; train mode is what a step runs
         return model
@@ -93,10 +94,12 @@ def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
         asked = list(d.get("layer_types") or [])  # a copy: the config may rewrite the list in place
         try:
             config = type(original).from_dict(d)
-        except ValueError:
-            if keep_last:
-                raise
-            continue  # gemma4 refuses a pattern whose last layer is not full: keep the last layer's type
+        except Exception as e:  # transformers' config validators raise several kinds
+            if not keep_last:
+                continue  # gemma4 refuses a pattern whose last layer is not full: keep the last layer's type
+            refuse_mixing_modules(name, _meta_model(original), which="original")  # say why, if it is that
+            raise RuntimeError(f"{name}: transformers refuses the scaled config ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[-1][:200]}); ringcheck cannot make it tiny") from e
         if list(getattr(config, "layer_types", None) or []) == asked:
             break  # else the config rewrote the pattern (forced its last layer's type): keep the last layer
     meta = _meta_model(config)
