@@ -113,8 +113,11 @@ def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
         heads = derived.get("num_attention_heads")
         if not added and isinstance(heads, int) and isinstance(derived.get("hidden_size"), int):
             derived["head_dim"] = derived["hidden_size"] // heads
-        alternative = type(original).from_dict(derived)
-        if _forward_runs(alternative):
+        try:
+            alternative = type(original).from_dict(derived)
+        except Exception:  # transformers' validators refuse it (an odd rotary dim): keep the kept head_dim
+            alternative = None
+        if alternative is not None and _forward_runs(alternative):
             kept.pop("head_dim", None)
             config, meta = alternative, _meta_model(alternative)
             scaled["head_dim"] = (added or d["head_dim"], _layers(config, meta)[0].head_dim)
@@ -181,7 +184,8 @@ def _forward_runs(config) -> bool:
     from transformers import AutoModelForCausalLM  # start-up time
 
     try:
-        model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32)
+        extra = {"experts_implementation": "eager"} if _experts_settable(config) else {}  # as build() runs
+        model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32, **extra)
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
         return True
