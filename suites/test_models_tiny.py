@@ -93,6 +93,8 @@ def test_sinks_and_softcap_bite():
     tiny = tiny_model("gpt_oss")
     model = tiny.build("eager")
     assert model.config._experts_implementation == "eager"  # grouped_mm refuses float64
+    assert "grouped_mm -> eager" in tiny.disabled["experts_implementation"]
+    assert tiny.kept["sinks"].startswith("per head on layers 0,1,2")
     a = _logits(model, IDS)
     for layer in model.model.layers:
         layer.self_attn.sinks.data.fill_(-1e4)

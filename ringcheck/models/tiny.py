@@ -122,6 +122,12 @@ def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
             config, meta = alternative, _meta_model(alternative)
             scaled["head_dim"] = (added or d["head_dim"], _layers(config, meta)[0].head_dim)
     layers = _layers(config, meta)
+    sinks = [x.index for x in layers if x.sinks]
+    if sinks:
+        kept["sinks"] = f"per head on layers {','.join(map(str, sinks))}, drawn N({SINK_MEAN}, 0.25) so they matter"
+    if _experts_settable(config):
+        disabled["experts_implementation"] = ("grouped_mm -> eager: grouped_mm refuses float64 (and rows not a "
+                                              "multiple of 16 bytes); the same experts, computed one by one")
     return TinyModel(name=name, config=config, layers=layers, kept=kept, scaled=scaled, disabled=disabled,
                      vocab_size=config.get_text_config().vocab_size, seq_len=seq_len, moe=moe)
 
