@@ -263,9 +263,9 @@ class Match:
     grads: float | None
     within: bool
 
-    def distance(self) -> str:
-        grads = "" if self.grads is None else f", gradients to {self.grads:.1e}"
-        return f"logits to {self.logits:.1e}{grads}"
+    def distance(self, word: str = "to ") -> str:
+        grads = "" if self.grads is None else f", gradients {word}{self.grads:.1e}"
+        return f"logits {word}{self.logits:.1e}{grads}"
 
 
 @dataclass(frozen=True)
@@ -305,8 +305,8 @@ class Diagnosis:
             return "; ".join(f"{what} equal {m.candidate.describe()} ({m.distance()})" for m in self.matches)
         near = "" if self.nearest is None else (f"; the nearest is {self.nearest.candidate.describe()} "
                                                 f"({self.nearest.distance()})")
-        return (f"{what} match none of the known losses of semantics ({len(self.tried)} tried; the native model is "
-                f"{self.truth.distance()} away){near}")
+        return (f"{what} match none of the known losses of semantics ({len(self.tried)} tried; off the native model "
+                f"by {self.truth.distance('')}){near}")
 
     def to_dict(self) -> dict:
         def row(m: Match) -> dict:
