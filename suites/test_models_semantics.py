@@ -28,6 +28,7 @@ from transformers import (
     MistralForCausalLM,
 )
 
+from ringcheck.models import tiny_model
 from ringcheck.models.native import (
     NATIVE,
     attention_implementation,
@@ -387,3 +388,35 @@ def test_the_diagnosis_refuses_figures_it_cannot_compare():
     assert set(LOSSES) == {"window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard",
                            "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed",
                            "mask_plain_causal"}
+
+
+def _tiny_diagnoser(name: str):
+    """A Diagnoser of models-tiny's TinyModel (its layers' semantics, its build) at P=4."""
+    tiny = tiny_model(name)
+    model, mb = tiny.build("eager"), _batch()
+    mb["input_ids"] %= tiny.vocab_size
+    return model, tiny, [mb], Diagnoser(model, tiny, [mb], world_size=4)
+
+
+def test_a_tiny_models_layers_reproduce_it_and_name_its_losses():
+    """gpt_oss as tiny_model scales it (3 layers, sliding and full, sinks on every layer, MoE):
+    the recomputation from TinyModel.layers is the truth, and sinks dropped on layer 1 alone (a
+    glue that swallows s_aux on the full layers) is named as such."""
+    model, tiny, mbs, d = _tiny_diagnoser("gpt_oss")
+    assert d.reproducible and d.reproduced <= d.tolerance
+    [(planted, figures)] = [(c, f) for c, f in d.candidates if c.losses == ("sinks_dropped",) and c.layers == (1,)]
+    out = d.diagnose(*_ring_like(figures))
+    assert out.matched == "sinks_dropped" and out.layers == (1,) and out.matches[0].candidate is planted
+    assert "the attention sinks (s_aux) dropped on layer 1" in out.summary()
+
+
+def test_a_model_that_reads_the_forwards_own_index_is_said():
+    """llama4's attention temperature (on its no-rope layers) reads the token's index in the
+    forward, not position_ids: one forward over a packed batch is not the documents' forwards
+    (2.6e-2 on the logits, tiny_model's floor_scale 12). No glue can carry that; the diagnosis
+    says so instead of widening its tolerance to it."""
+    model, tiny, mbs, d = _tiny_diagnoser("llama4_text")
+    assert d.reproducible and d.shape_dependence > 1e-3 and d.tol_z <= d.tolerance
+    z, g = d.truth
+    out = d.diagnose([x * 1.001 for x in z], g)
+    assert out.matched is None and "not from position_ids" in out.summary()

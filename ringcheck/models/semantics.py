@@ -29,7 +29,7 @@ from reference import dense_attention
 
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
-from ..step.verdict import budgets, relative
+from ..step.verdict import K_COND, budgets, relative
 from .native import attention_implementation, native_step, run_documents, segments, step_with
 
 SEMANTIC = "ringcheck_semantics"
@@ -282,6 +282,7 @@ class Diagnosis:
     reproduced: float
     reproducible: bool
     tolerance: float
+    shape_dependence: float = 0.0
 
     @property
     def matched(self) -> str | None:
@@ -305,8 +306,12 @@ class Diagnosis:
             return "; ".join(f"{what} equal {m.candidate.describe()} ({m.distance()})" for m in self.matches)
         near = "" if self.nearest is None else (f"; the nearest is {self.nearest.candidate.describe()} "
                                                 f"({self.nearest.distance()})")
+        note = "" if not self.shape_dependence else (
+            f"; note: this model's figures change when a packed batch is one forward instead of one per document "
+            f"({self.shape_dependence:.1e} on the logits): it computes something from the token's index in the "
+            f"forward, not from position_ids (llama4's attention temperature does), which no glue can carry")
         return (f"{what} match none of the known losses of semantics ({len(self.tried)} tried; off the native model "
-                f"by {self.truth.distance('')}){near}")
+                f"by {self.truth.distance('')}){near}{note}")
 
     def to_dict(self) -> dict:
         def row(m: Match) -> dict:
@@ -315,6 +320,7 @@ class Diagnosis:
                     "logits": m.logits, "grads": m.grads, "within": m.within}
         return {"matched": self.matched, "layers": list(self.layers), "summary": self.summary(),
                 "reproduced": self.reproduced, "tolerance": self.tolerance, "truth": row(self.truth),
+                "shape_dependence": self.shape_dependence,
                 "tried": [row(m) for m in self.tried]}
 
 
@@ -371,10 +377,15 @@ class Diagnoser:
         self.reproduced = max(noise_z)
         self.reproducible = self.reproduced <= exact
         packed = any(len(segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))) > 1 for mb in micro_batches)
+        self.shape_dependence = 0.0
         if packed:  # other shapes through the model's own float32 steps (a CP run's shards are other shapes too)
             shaped_z, shaped_g = _distances(figures(semantic_step, native, whole=True), self.truth)
-            noise_z = [max(a, b) for a, b in zip(noise_z, shaped_z)]
-            noise_g = None if noise_g is None else {k: max(v, shaped_g[k]) for k, v in noise_g.items()}
+            rounding = budgets(max(n, 1), "float32", None)[1] / K_COND  # 2 n u of float32
+            if max([*shaped_z, *(shaped_g or {}).values()]) <= rounding:
+                noise_z = [max(a, b) for a, b in zip(noise_z, shaped_z)]
+                noise_g = None if noise_g is None else {k: max(v, shaped_g[k]) for k, v in noise_g.items()}
+            else:  # not rounding: the model computes something from the forward's own token index
+                self.shape_dependence = max(shaped_z)
         self.noise = max(noise_z), max((noise_g or {0: 0.0}).values())
         self.tol_z = max(self.tolerance, 16 * max(noise_z))
         self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
@@ -394,12 +405,13 @@ class Diagnoser:
         observed = (_as_list(observed_logits), observed_grads)
         truth = self._match(None, observed, self.truth)
         if not self.reproducible or truth.within:
-            return Diagnosis((), truth, None, (), self.reproduced, self.reproducible, self.tolerance)
+            return Diagnosis((), truth, None, (), self.reproduced, self.reproducible, self.tolerance,
+                             self.shape_dependence)
         tried = sorted((self._match(c, observed, f) for c, f in self.candidates),
                        key=lambda m: (max(m.logits, m.grads or 0.0), len(m.candidate.layers)))
         matches = tuple(m for m in tried if m.within)
         return Diagnosis(matches, truth, tried[0] if tried else None, tuple(tried), self.reproduced,
-                         self.reproducible, self.tolerance)
+                         self.reproducible, self.tolerance, self.shape_dependence)
 
 
 def diagnose(model, tiny, micro_batches: list[dict], observed_logits, observed_grads, *, world_size: int,
