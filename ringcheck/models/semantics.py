@@ -353,9 +353,10 @@ class Diagnoser:
     distance that counts as equal (default the float64 step budget of the micro-batches,
     `ringcheck.step.verdict.budgets`; a glue that runs bf16 passes its measured noise budget).
     Every quantity's tolerance is at least 16 times its noise: the distances to the truth of the
-    exact recomputation, per document and (packed batches) in one forward, whose other shapes
-    round the model's own float32 steps otherwise (Gemma's norms compute their weights'
-    gradients in float32: ~1e-7; `noise`, (logits, gradients))."""
+    exact recomputation per document, in one forward (packed batches) and with every row twice,
+    whose other matrix shapes round the model's own float32 steps otherwise, as a CP run's shards
+    do (Gemma's norms compute their weights' gradients in float32: ~1e-7; `noise`, (logits,
+    gradients))."""
 
     def __init__(self, model, tiny, micro_batches: list[dict], *, world_size: int, layout: str = "contiguous",
                  gradients: bool = True, tolerance: float | None = None):
@@ -386,6 +387,15 @@ class Diagnoser:
                 noise_g = None if noise_g is None else {k: max(v, shaped_g[k]) for k, v in noise_g.items()}
             else:  # not rounding: the model computes something from the forward's own token index
                 self.shape_dependence = max(shaped_z)
+        # every row twice: the same figures (the global count doubles with the sum) through other matrix shapes,
+        # which moves what the model sums in float32 over the tokens (Gemma's norm weights) as a CP shard does
+        doubled = [{k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+                   for mb in micro_batches]
+        with torch.enable_grad() if gradients else torch.no_grad():
+            _, g2, z2 = semantic_step(model, native, doubled)
+        twice_z, twice_g = _distances(([z[: len(z) // 2] for z in z2], g2 if gradients else None), self.truth)
+        noise_z = [max(a, b) for a, b in zip(noise_z, twice_z)]
+        noise_g = None if noise_g is None else {k: max(v, twice_g[k]) for k, v in noise_g.items()}
         self.noise = max(noise_z), max((noise_g or {0: 0.0}).values())
         self.tol_z = max(self.tolerance, 16 * max(noise_z))
         self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
