@@ -299,7 +299,8 @@ def test_a_planted_loss_is_named_with_its_layers(name, loss, layers):
     """The figures of the model computed with the loss (wobbled by 1e-15, as a float64 ring's)
     are diagnosed as that loss on exactly those layers, to ~1e-15."""
     *_, d = _diagnoser(name)
-    [(planted, figures)] = [(c, f) for c, f in d.candidates if loss in c.losses and c.layers == layers]
+    [planted] = [c for c in d.candidates if loss in c.losses and c.layers == layers]
+    figures = d.figures(planted)
     out = d.diagnose(*_ring_like(figures))
     assert out.matches and out.matches[0].candidate is planted, out.summary()
     assert loss in out.matches[0].candidate.losses and out.layers == layers
@@ -324,11 +325,12 @@ def test_the_window_dropped_only_on_short_shards_depends_on_the_ring():
     at2 = candidates(native, dims, seq_len=64, world_size=2, layout="contiguous", packed=False)
     assert not [c for c in at2 if "window_dropped_short_shard" in c.losses]
     model, tiny, mbs, d = _diagnoser("gemma3", world_size=8)
-    [(planted, figures)] = [(c, f) for c, f in d.candidates if c.losses[0] == "window_dropped" and c.layers == (0, 2)]
+    [planted] = [c for c in d.candidates if c.losses[0] == "window_dropped" and c.layers == (0, 2)]
+    figures = d.figures(planted)
     out = d.diagnose(*_ring_like(figures))
     assert out.matches[0].candidate is planted and "window_dropped_short_shard" in planted.losses
     assert "8 keys per rank at P=8" in out.summary()
-    assert not [c for c, _ in _diagnoser("gemma3")[3].candidates if "window_dropped_short_shard" in c.losses]
+    assert not [c for c in _diagnoser("gemma3")[3].candidates if "window_dropped_short_shard" in c.losses]
 
 
 def test_a_correct_observation_needs_no_loss():
@@ -358,7 +360,7 @@ def test_an_unrelated_error_matches_nothing(perturbation):
         _, grads, logits = native_step(moved, mbs)
         figures = logits, grads
     else:
-        dropped = next(f for c, f in d.candidates if c.losses[0] == "window_dropped")
+        dropped = d.figures(next(c for c in d.candidates if c.losses[0] == "window_dropped"))
         figures = z, dropped[1]
     out = d.diagnose(*figures)
     assert out.matched is None and not out.matches and out.nearest is not None
@@ -404,7 +406,8 @@ def test_a_tiny_models_layers_reproduce_it_and_name_its_losses():
     glue that swallows s_aux on the full layers) is named as such."""
     model, tiny, mbs, d = _tiny_diagnoser("gpt_oss")
     assert d.reproducible and d.reproduced <= d.tolerance
-    [(planted, figures)] = [(c, f) for c, f in d.candidates if c.losses == ("sinks_dropped",) and c.layers == (1,)]
+    [planted] = [c for c in d.candidates if c.losses == ("sinks_dropped",) and c.layers == (1,)]
+    figures = d.figures(planted)
     out = d.diagnose(*_ring_like(figures))
     assert out.matched == "sinks_dropped" and out.layers == (1,) and out.matches[0].candidate is planted
     assert "the attention sinks (s_aux) dropped on layer 1" in out.summary()
@@ -431,7 +434,7 @@ def test_a_loss_is_named_through_the_models_own_float32_noise():
     mbs = [_batch(None)]
     d = Diagnoser(model, tiny, mbs, world_size=2)
     assert d.tolerance < d.noise[1] <= 2 * 63 * torch.finfo(torch.float32).eps / 2
-    [planted] = [c for c, _ in d.candidates if c.losses == ("softcap_dropped",) and c.layers == (0, 1)]
+    [planted] = [c for c in d.candidates if c.losses == ("softcap_dropped",) and c.layers == (0, 1)]
     doubled = [{k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in mbs]
     _, grads, logits = semantic_step(model, dict(planted.semantics), doubled)
     out = d.diagnose([z[:1] for z in logits], grads)

@@ -148,13 +148,13 @@ def semantic_step(model, layers: dict[int, LayerSemantics], micro_batches: list[
 # ---- the candidates: each known loss of semantics, on every layer having the feature and on each alone
 
 
-def _has(loss: str, sem: LayerSemantics, short: int) -> bool:
+def _has(loss: str, sem: LayerSemantics, short: int, head_dim: int) -> bool:
     """Whether `loss` changes a layer (`short`: the local key length of the shard-short rule)."""
     return {"window_dropped": sem.window is not None, "window_wider": sem.window is not None,
             "window_narrower": sem.window is not None and sem.window >= 2,
             "window_dropped_short_shard": sem.window is not None and short <= sem.window,
             "sinks_dropped": sem.sinks, "softcap_dropped": sem.softcap is not None,
-            "scale_default": False, "documents_crossed": True,
+            "scale_default": abs(sem.scaling - head_dim ** -0.5) > 1e-12 * sem.scaling, "documents_crossed": True,
             "mask_plain_causal": sem.window is not None or sem.chunk is not None}[loss]
 
 
@@ -206,10 +206,6 @@ class Candidate:
     semantics: tuple[tuple[int, LayerSemantics], ...]
     words: tuple[str, ...]
 
-    @property
-    def loss(self) -> str:
-        return self.losses[0]
-
     def describe(self) -> str:
         also = "".join(f" (equally: {w})" for w in self.words[1:])
         return f"the model with {self.words[0]} {on_layers(self.layers)}{also}"
@@ -232,9 +228,7 @@ def candidates(native: dict[int, LayerSemantics], head_dims: dict[int, int], *, 
     for loss in LOSSES:
         if loss == "documents_crossed" and not packed:
             continue
-        having = [i for i, sem in sorted(native.items())
-                  if (abs(sem.scaling - head_dims[i] ** -0.5) > 1e-12 * sem.scaling if loss == "scale_default"
-                      else _has(loss, sem, short))]
+        having = [i for i, sem in sorted(native.items()) if _has(loss, sem, short, head_dims[i])]
         subsets = [tuple(having)] + ([(i,) for i in having] if len(having) > 1 else [])
         for layers in subsets if having else ():
             sem = dict(native)
@@ -289,7 +283,7 @@ class Diagnosis:
         """The loss the figures equal ("none" for the native model), or None."""
         if self.truth.within:
             return "none"
-        return self.matches[0].candidate.loss if self.matches else None
+        return self.matches[0].candidate.losses[0] if self.matches else None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -347,7 +341,8 @@ def _distances(a, b) -> tuple[list[float], dict[str, float] | None]:
 class Diagnoser:
     """The recomputations of one model and batch, made once: the native truth, the exact
     recomputation (its distance to the truth is the noise of every quantity) and every
-    candidate's figures; `diagnose` then compares any observed figures with them.
+    candidate's logits (a candidate's gradients are computed only when its logits match, then
+    kept: `figures`); `diagnose` then compares any observed figures with them.
 
     `gradients=False` for an evaluation (no gradients observed). `tolerance`: the relative
     distance that counts as equal (default the float64 step budget of the micro-batches,
@@ -360,48 +355,60 @@ class Diagnoser:
 
     def __init__(self, model, tiny, micro_batches: list[dict], *, world_size: int, layout: str = "contiguous",
                  gradients: bool = True, tolerance: float | None = None):
+        self.model, self.micro_batches, self.gradients = model, micro_batches, gradients
         native = layer_semantics(tiny)
         head_dims = {layer.index: int(layer.head_dim) for layer in tiny.layers}
-        n = sum(int((shift_labels(mb["labels"]) != IGNORE).sum()) for mb in micro_batches)
+        n = max(1, sum(int((shift_labels(mb["labels"]) != IGNORE).sum()) for mb in micro_batches))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        exact = budgets(max(n, 1), dtype if dtype in REFERENCE_DTYPES else "float32", None)[1]
+        exact = budgets(n, dtype if dtype in REFERENCE_DTYPES else "float32", None)[1]
         self.tolerance = exact if tolerance is None else float(tolerance)
-        self.gradients = gradients
-
-        def figures(step, *args, **kwargs):
-            with torch.enable_grad() if gradients else torch.no_grad():
-                _, g, z = step(model, *args, micro_batches, **kwargs)
-            return z, g if gradients else None
-
-        self.truth = figures(native_step)
-        noise_z, noise_g = _distances(figures(semantic_step, native), self.truth)
+        self.truth = self._step(None)
+        noise_z, noise_g = _distances(self._step(native), self.truth)
         self.reproduced = max(noise_z)
         self.reproducible = self.reproduced <= exact
         packed = any(len(segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))) > 1 for mb in micro_batches)
-        self.shape_dependence = 0.0
-        if packed:  # other shapes through the model's own float32 steps (a CP run's shards are other shapes too)
-            shaped_z, shaped_g = _distances(figures(semantic_step, native, whole=True), self.truth)
-            rounding = budgets(max(n, 1), "float32", None)[1] / K_COND  # 2 n u of float32
-            if max([*shaped_z, *(shaped_g or {}).values()]) <= rounding:
-                noise_z = [max(a, b) for a, b in zip(noise_z, shaped_z)]
-                noise_g = None if noise_g is None else {k: max(v, shaped_g[k]) for k, v in noise_g.items()}
-            else:  # not rounding: the model computes something from the forward's own token index
-                self.shape_dependence = max(shaped_z)
-        # every row twice: the same figures (the global count doubles with the sum) through other matrix shapes,
-        # which moves what the model sums in float32 over the tokens (Gemma's norm weights) as a CP shard does
+        # other matrix shapes through the model's own float32 steps, as a CP run's shards are: one forward over
+        # a packed batch, and every row twice (the same figures: the global count doubles with the sum)
         doubled = [{k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
                    for mb in micro_batches]
-        with torch.enable_grad() if gradients else torch.no_grad():
-            _, g2, z2 = semantic_step(model, native, doubled)
-        twice_z, twice_g = _distances(([z[: len(z) // 2] for z in z2], g2 if gradients else None), self.truth)
-        noise_z = [max(a, b) for a, b in zip(noise_z, twice_z)]
-        noise_g = None if noise_g is None else {k: max(v, twice_g[k]) for k, v in noise_g.items()}
+        z2, g2 = self._step(native, doubled)
+        shapes = [([z[: len(z) // 2] for z in z2], g2)]
+        self.shape_dependence = 0.0
+        if packed:
+            whole = self._step(native, whole=True)
+            dz, dg = _distances(whole, self.truth)
+            if max([*dz, *(dg or {}).values()]) <= budgets(n, "float32", None)[1] / K_COND:  # 2 n u of float32
+                shapes.append(whole)
+            else:  # not rounding: the model computes something from the token's index in the forward
+                self.shape_dependence = max(dz)
+        for figures in shapes:
+            dz, dg = _distances(figures, self.truth)
+            noise_z = [max(a, b) for a, b in zip(noise_z, dz)]
+            noise_g = None if noise_g is None else {k: max(v, dg[k]) for k, v in noise_g.items()}
         self.noise = max(noise_z), max((noise_g or {0: 0.0}).values())
         self.tol_z = max(self.tolerance, 16 * max(noise_z))
         self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
-        found = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout, packed=packed)
-        self.candidates = [(c, figures(semantic_step, dict(c.semantics))) for c in found] if self.reproducible else []
+        self.candidates = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout,
+                                     packed=packed) if self.reproducible else []
+        self._logits = [self._step(dict(c.semantics), grad=False)[0] for c in self.candidates]
+        self._grads: dict[int, dict] = {}
+
+    def _step(self, layers, micro_batches=None, *, whole: bool = False, grad: bool | None = None):
+        """(logits, gradients or None) of the truth (layers None) or of a recomputation."""
+        grad = self.gradients if grad is None else grad
+        mbs = self.micro_batches if micro_batches is None else micro_batches
+        with torch.enable_grad() if grad else torch.no_grad():
+            _, g, z = native_step(self.model, mbs) if layers is None else semantic_step(self.model, layers, mbs,
+                                                                                          whole=whole)
+        return z, g if grad else None
+
+    def figures(self, candidate: Candidate):
+        """(logits, gradients or None) of a candidate (its gradients computed once, when asked)."""
+        i = self.candidates.index(candidate)
+        if self.gradients and i not in self._grads:
+            self._grads[i] = self._step(dict(candidate.semantics))[1]
+        return self._logits[i], self._grads.get(i)
 
     def _match(self, candidate, observed, figures) -> Match:
         dz, dg = _distances(observed, figures)
@@ -409,6 +416,8 @@ class Diagnoser:
         return Match(candidate, max(dz), None if dg is None else max(dg.values(), default=0.0), within)
 
     def diagnose(self, observed_logits, observed_grads) -> Diagnosis:
+        """The candidates the observed figures equal: every candidate's logits compared, the
+        gradients of those whose logits are within tolerance (the others' Match has grads None)."""
         if (observed_grads is not None) != self.gradients:
             raise ValueError(f"observed gradients {'given' if observed_grads is not None else 'absent'}, but the "
                              f"diagnoser was made with gradients={self.gradients}: make it to match the figures")
@@ -417,8 +426,11 @@ class Diagnoser:
         if not self.reproducible or truth.within:
             return Diagnosis((), truth, None, (), self.reproduced, self.reproducible, self.tolerance,
                              self.shape_dependence)
-        tried = sorted((self._match(c, observed, f) for c, f in self.candidates),
-                       key=lambda m: (max(m.logits, m.grads or 0.0), len(m.candidate.layers)))
+        tried = []
+        for c, z in zip(self.candidates, self._logits):
+            m = self._match(c, (observed[0], None), (z, None))
+            tried.append(self._match(c, observed, self.figures(c)) if m.within and self.gradients else m)
+        tried.sort(key=lambda m: (max(m.logits, m.grads or 0.0), len(m.candidate.layers)))
         matches = tuple(m for m in tried if m.within)
         return Diagnosis(matches, truth, tried[0] if tried else None, tuple(tried), self.reproduced,
                          self.reproducible, self.tolerance, self.shape_dependence)
@@ -434,7 +446,3 @@ def diagnose(model, tiny, micro_batches: list[dict], observed_logits, observed_g
     return Diagnoser(model, tiny, micro_batches, world_size=world_size, layout=layout,
                      gradients=observed_grads is not None, tolerance=tolerance).diagnose(observed_logits, observed_grads)
 
-
-__all__ = ["LOSSES", "SEMANTIC", "Candidate", "Diagnoser", "Diagnosis", "LayerSemantics", "Match", "candidates", "diagnose",
-           "layer_semantics", "local_key_length", "on_layers", "recomputed", "semantic_attention", "semantic_logits",
-           "semantic_step"]
