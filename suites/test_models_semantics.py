@@ -299,7 +299,7 @@ def test_a_planted_loss_is_named_with_its_layers(name, loss, layers):
     """The figures of the model computed with the loss (wobbled by 1e-15, as a float64 ring's)
     are diagnosed as that loss on exactly those layers, to ~1e-15."""
     *_, d = _diagnoser(name)
-    [planted] = [c for c in d.candidates if loss in c.losses and c.layers == layers]
+    [planted] = [c for c in d.candidates if loss in c.losses and len(c.parts) == 1 and c.layers == layers]
     figures = d.figures(planted)
     out = d.diagnose(*_ring_like(figures))
     assert out.matches and out.matches[0].candidate is planted, out.summary()
@@ -308,6 +308,19 @@ def test_a_planted_loss_is_named_with_its_layers(name, loss, layers):
     words = f"on layer {layers[0]}" if len(layers) == 1 else f"and {layers[-1]}"
     assert words in out.summary() and out.summary().startswith("your logits and gradients equal the model with")
     assert len(out.matches) == 1  # no other candidate is within the tolerance
+
+
+def test_two_losses_at_once_are_named_together():
+    """prime-rl PR #2828's glue lost the window and the scale at once: that pair, on all their
+    layers, is a candidate of its own and is named with both parts and their layers."""
+    *_, d = _diagnoser("gemma3")
+    [planted] = [c for c in d.candidates if c.parts == ("window_dropped", "scale_default")]
+    out = d.diagnose(*_ring_like(d.figures(planted)))
+    assert out.matched == "window_dropped+scale_default" and out.layers == (0, 1, 2, 3) and len(out.matches) == 1
+    assert ("the sliding windows removed on layers 0 and 2 and the scale head_dim^-0.5 (0.3536) instead of the "
+            "layers' own (0.25) on layers 0, 1, 2 and 3") in out.summary()
+    pairs = [c.parts for c in d.candidates if len(c.parts) == 2]
+    assert ("window_wider", "window_dropped") not in pairs and ("window_dropped", "documents_crossed") in pairs
 
 
 def test_the_window_dropped_only_on_short_shards_depends_on_the_ring():
@@ -320,12 +333,12 @@ def test_the_window_dropped_only_on_short_shards_depends_on_the_ring():
     native = {0: LayerSemantics(0.25, window=12), 1: LayerSemantics(0.25), 2: LayerSemantics(0.25, window=20)}
     dims = dict.fromkeys(native, HEAD_DIM)
     at4 = candidates(native, dims, seq_len=64, world_size=4, layout="contiguous", packed=False)
-    [short] = [c for c in at4 if "window_dropped_short_shard" in c.losses]
+    [short] = [c for c in at4 if "window_dropped_short_shard" in c.losses and len(c.parts) == 1]
     assert short.layers == (2,) and dict(short.semantics)[2].window is None and dict(short.semantics)[0].window == 12
     at2 = candidates(native, dims, seq_len=64, world_size=2, layout="contiguous", packed=False)
     assert not [c for c in at2 if "window_dropped_short_shard" in c.losses]
     model, tiny, mbs, d = _diagnoser("gemma3", world_size=8)
-    [planted] = [c for c in d.candidates if c.losses[0] == "window_dropped" and c.layers == (0, 2)]
+    [planted] = [c for c in d.candidates if c.parts == ("window_dropped",) and c.layers == (0, 2)]
     figures = d.figures(planted)
     out = d.diagnose(*_ring_like(figures))
     assert out.matches[0].candidate is planted and "window_dropped_short_shard" in planted.losses

@@ -30,26 +30,10 @@ from reference import dense_attention
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
 from ..step.verdict import K_COND, budgets, relative
+from .losses import LOSSES, Candidate, LayerSemantics, candidates, local_key_length, on_layers  # noqa: F401
 from .native import attention_implementation, native_step, run_documents, segments, step_with
 
 SEMANTIC = "ringcheck_semantics"
-LOSSES = ("window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard",
-          "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal")
-
-
-@dataclass(frozen=True)
-class LayerSemantics:
-    """What one layer's attention computes. `window`: transformers' W (key j visible to query i
-    iff i - W < j <= i); `chunk`: keys visible only within the query's chunk of that size
-    (counted from the document's start); `sinks`: the layer's learned sink logits join every
-    softmax; `documents`: packed documents are kept apart (False: attention crosses them)."""
-
-    scaling: float
-    window: int | None = None
-    chunk: int | None = None
-    sinks: bool = False
-    softcap: float | None = None
-    documents: bool = True
 
 
 def layer_semantics(tiny) -> dict[int, LayerSemantics]:
@@ -145,104 +129,6 @@ def semantic_step(model, layers: dict[int, LayerSemantics], micro_batches: list[
         return step_with(model, micro_batches, semantic_logits)
 
 
-# ---- the candidates: each known loss of semantics, on every layer having the feature and on each alone
-
-
-def _has(loss: str, sem: LayerSemantics, short: int, head_dim: int) -> bool:
-    """Whether `loss` changes a layer (`short`: the local key length of the shard-short rule)."""
-    return {"window_dropped": sem.window is not None, "window_wider": sem.window is not None,
-            "window_narrower": sem.window is not None and sem.window >= 2,
-            "window_dropped_short_shard": sem.window is not None and short <= sem.window,
-            "sinks_dropped": sem.sinks, "softcap_dropped": sem.softcap is not None,
-            "scale_default": abs(sem.scaling - head_dim ** -0.5) > 1e-12 * sem.scaling, "documents_crossed": True,
-            "mask_plain_causal": sem.window is not None or sem.chunk is not None}[loss]
-
-
-def _lose(loss: str, sem: LayerSemantics, head_dim: int) -> LayerSemantics:
-    """The layer's semantics with `loss` applied."""
-    if loss in ("window_dropped", "window_dropped_short_shard"):
-        return replace(sem, window=None)
-    if loss in ("window_wider", "window_narrower"):
-        return replace(sem, window=sem.window + (1 if loss == "window_wider" else -1))
-    return {"sinks_dropped": lambda: replace(sem, sinks=False), "softcap_dropped": lambda: replace(sem, softcap=None),
-            "scale_default": lambda: replace(sem, scaling=head_dim ** -0.5),
-            "documents_crossed": lambda: replace(sem, documents=False),
-            "mask_plain_causal": lambda: replace(sem, window=None, chunk=None)}[loss]()
-
-
-def _words(loss: str, native: dict[int, LayerSemantics], layers, head_dims, short: int, world_size: int) -> str:
-    w = sorted({native[i].window for i in layers if native[i].window is not None})
-    return {
-        "window_dropped": "the sliding windows removed",
-        "window_wider": "the sliding windows one token wider (W + 1, W = " + ", ".join(map(str, w)) + ")",
-        "window_narrower": "the sliding windows one token narrower (W - 1, W = " + ", ".join(map(str, w)) + ")",
-        "window_dropped_short_shard": f"the sliding windows removed where the shard is not longer than the window "
-                                      f"({short} keys per rank at P={world_size}, W = {', '.join(map(str, w))}), as "
-                                      f"a glue does that passes the window only when its local key length exceeds it",
-        "sinks_dropped": "the attention sinks (s_aux) dropped",
-        "softcap_dropped": "the attention logit softcap dropped",
-        "scale_default": "the scale head_dim^-0.5 (" + ", ".join(
-            f"{head_dims[i] ** -0.5:.4g}" for i in sorted(set(layers))[:1]) + ") instead of the layers' own (" + ", ".join(
-            sorted({f"{native[i].scaling:.4g}" for i in layers})) + ")",
-        "documents_crossed": "attention across the packed documents' boundaries",
-        "mask_plain_causal": "the sliding/chunked masks replaced by plain causal",
-    }[loss]
-
-
-def on_layers(layers) -> str:
-    """'on layer 3', 'on layers 0 and 2', 'on layers 0, 2 and 4'."""
-    xs = [str(i) for i in sorted(layers)]
-    return f"on layer {xs[0]}" if len(xs) == 1 else f"on layers {', '.join(xs[:-1])} and {xs[-1]}"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One recomputation: the native semantics with `losses` applied on `layers` (several losses
-    that come to the same computation are one candidate, e.g. a sliding window dropped and a
-    sliding mask replaced by plain causal)."""
-
-    losses: tuple[str, ...]
-    layers: tuple[int, ...]
-    semantics: tuple[tuple[int, LayerSemantics], ...]
-    words: tuple[str, ...]
-
-    def describe(self) -> str:
-        also = "".join(f" (equally: {w})" for w in self.words[1:])
-        return f"the model with {self.words[0]} {on_layers(self.layers)}{also}"
-
-
-def local_key_length(seq_len: int, world_size: int, layout: str) -> int:
-    """The keys a rank holds of a global sequence padded to the layout's multiple (P for
-    contiguous, 2P for zigzag): what a glue's attention sees as its key length."""
-    multiple = world_size * (2 if layout == "zigzag" else 1)
-    return -(-seq_len // multiple) * multiple // world_size
-
-
-def candidates(native: dict[int, LayerSemantics], head_dims: dict[int, int], *, seq_len: int, world_size: int,
-               layout: str, packed: bool) -> list[Candidate]:
-    """Every known loss (`LOSSES`) on all the layers having its feature and on each such layer
-    alone; documents_crossed only where a micro-batch is packed; scale_default only on layers whose
-    scaling is not head_dim^-0.5. Candidates with the same computation are merged."""
-    short = local_key_length(seq_len, world_size, layout)
-    merged: dict[tuple, Candidate] = {}
-    for loss in LOSSES:
-        if loss == "documents_crossed" and not packed:
-            continue
-        having = [i for i, sem in sorted(native.items()) if _has(loss, sem, short, head_dims[i])]
-        subsets = [tuple(having)] + ([(i,) for i in having] if len(having) > 1 else [])
-        for layers in subsets if having else ():
-            sem = dict(native)
-            sem.update({i: _lose(loss, native[i], head_dims[i]) for i in layers})
-            key = tuple(sorted(sem.items(), key=lambda kv: kv[0]))
-            words = _words(loss, native, layers, head_dims, short, world_size)
-            if key in merged:
-                c = merged[key]
-                merged[key] = replace(c, losses=c.losses + (loss,), words=c.words + (words,))
-            else:
-                merged[key] = Candidate((loss,), layers, key, (words,))
-    return list(merged.values())
-
-
 # ---- the diagnosis
 
 
@@ -280,10 +166,10 @@ class Diagnosis:
 
     @property
     def matched(self) -> str | None:
-        """The loss the figures equal ("none" for the native model), or None."""
+        """The loss the figures equal (two together joined by "+"; "none" for the native model), or None."""
         if self.truth.within:
             return "none"
-        return self.matches[0].candidate.losses[0] if self.matches else None
+        return self.matches[0].candidate.name if self.matches else None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -310,7 +196,8 @@ class Diagnosis:
     def to_dict(self) -> dict:
         def row(m: Match) -> dict:
             c = m.candidate
-            return {"losses": list(c.losses) if c else ["none"], "layers": list(c.layers) if c else [],
+            return {"name": c.name if c else "none", "losses": list(c.losses) if c else ["none"],
+                    "layers": list(c.layers) if c else [],
                     "logits": m.logits, "grads": m.grads, "within": m.within}
         return {"matched": self.matched, "layers": list(self.layers), "summary": self.summary(),
                 "reproduced": self.reproduced, "tolerance": self.tolerance, "truth": row(self.truth),
@@ -389,8 +276,9 @@ class Diagnoser:
         self.tol_z = max(self.tolerance, 16 * max(noise_z))
         self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
+        longest = max(b - a for mb in micro_batches for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens")))
         self.candidates = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout,
-                                     packed=packed) if self.reproducible else []
+                                     packed=packed, longest=longest) if self.reproducible else []
         self._logits = [self._step(dict(c.semantics), grad=False)[0] for c in self.candidates]
         self._grads: dict[int, dict] = {}
 
