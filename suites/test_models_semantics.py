@@ -453,3 +453,17 @@ def test_a_loss_is_named_through_the_models_own_float32_noise():
     out = d.diagnose([z[:1] for z in logits], grads)
     assert out.matched == "softcap_dropped" and out.layers == (0, 1) and len(out.matches) == 1, out.summary()
     assert d.tolerance < out.matches[0].grads
+
+
+@pytest.mark.parametrize("layers, words", [
+    (((12, None, False, None, HEAD_DIM ** -0.5),), "the recomputation fails (RuntimeError: attention "),
+    (((12, None, False, None, HEAD_DIM ** -0.5), (None, None, False, None, HEAD_DIM ** -0.5)), "off it"),
+])
+def test_semantics_that_do_not_reproduce_the_model_diagnose_nothing(layers, words):
+    """Layers that miss one of the model's attention modules, or say the wrong thing of one (a
+    Mistral's layer 1 has a window too): no candidate is tried, and the summary says why."""
+    model, mbs = _mistral(), [_batch()]
+    d = Diagnoser(model, _tiny(*layers), mbs, world_size=2)
+    out = d.diagnose([z * 1.001 for z in d.truth[0]], d.truth[1])
+    assert not d.reproducible and not d.candidates and out.matched is None
+    assert out.summary().startswith("no diagnosis by semantics") and words in out.summary()

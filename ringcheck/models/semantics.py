@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -30,7 +31,7 @@ from reference import dense_attention
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
 from ..step.verdict import K_COND, budgets, relative
-from .losses import LOSSES, Candidate, LayerSemantics, candidates, local_key_length, on_layers  # noqa: F401
+from .losses import LOSSES, Candidate, LayerSemantics, candidates, local_key_length, on_layers  # noqa: F401 (re-exported)
 from .native import attention_implementation, native_step, run_documents, segments, step_with
 
 SEMANTIC = "ringcheck_semantics"
@@ -163,6 +164,7 @@ class Diagnosis:
     reproducible: bool
     tolerance: float
     shape_dependence: float = 0.0
+    error: str = ""
 
     @property
     def matched(self) -> str | None:
@@ -178,8 +180,9 @@ class Diagnosis:
     def summary(self) -> str:
         what = "your logits" if self.truth.grads is None else "your logits and gradients"
         if not self.reproducible:
-            return (f"no diagnosis by semantics: the layers' semantics do not reproduce the native model (the "
-                    f"recomputation is {self.reproduced:.1e} off it, over the budget of an exact recomputation)")
+            why = (f"the recomputation fails ({self.error})" if self.error else f"the recomputation is "
+                   f"{self.reproduced:.1e} off it, over the budget of an exact recomputation")
+            return f"no diagnosis by semantics: the layers' semantics do not reproduce the native model ({why})"
         if self.truth.within:
             return f"{what} equal the native model ({self.truth.distance()}): no semantic is lost"
         if self.matches:
@@ -250,9 +253,17 @@ class Diagnoser:
         exact = budgets(n, dtype if dtype in REFERENCE_DTYPES else "float32", None)[1]
         self.tolerance = exact if tolerance is None else float(tolerance)
         self.truth = self._step(None)
-        noise_z, noise_g = _distances(self._step(native), self.truth)
+        self.error, self.shape_dependence, self.candidates, self._logits, self._grads = "", 0.0, [], [], {}
+        try:
+            noise_z, noise_g = _distances(self._step(native), self.truth)
+        except (RuntimeError, ValueError, TypeError) as exc:  # e.g. an attention module no layer describes
+            self.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            noise_z, noise_g = [math.inf], None
         self.reproduced = max(noise_z)
         self.reproducible = self.reproduced <= exact
+        self.noise, self.tol_z, self.tol_g = (self.reproduced, math.inf), self.tolerance, {}
+        if not self.reproducible:
+            return
         packed = any(len(segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))) > 1 for mb in micro_batches)
         # other matrix shapes through the model's own float32 steps, as a CP run's shards are: one forward over
         # a packed batch, and every row twice (the same figures: the global count doubles with the sum)
@@ -260,7 +271,6 @@ class Diagnoser:
                    for mb in micro_batches]
         z2, g2 = self._step(native, doubled)
         shapes = [([z[: len(z) // 2] for z in z2], g2)]
-        self.shape_dependence = 0.0
         if packed:
             whole = self._step(native, whole=True)
             dz, dg = _distances(whole, self.truth)
@@ -278,9 +288,8 @@ class Diagnoser:
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
         longest = max(b - a for mb in micro_batches for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens")))
         self.candidates = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout,
-                                     packed=packed, longest=longest) if self.reproducible else []
+                                     packed=packed, longest=longest)
         self._logits = [self._step(dict(c.semantics), grad=False)[0] for c in self.candidates]
-        self._grads: dict[int, dict] = {}
 
     def _step(self, layers, micro_batches=None, *, whole: bool = False, grad: bool | None = None):
         """(logits, gradients or None) of the truth (layers None) or of a recomputation."""
@@ -300,7 +309,7 @@ class Diagnoser:
 
     def _match(self, candidate, observed, figures) -> Match:
         dz, dg = _distances(observed, figures)
-        within = max(dz) <= self.tol_z and (dg is None or all(v <= self.tol_g[k] for k, v in dg.items()))
+        within = max(dz) <= self.tol_z and (dg is None or all(v <= self.tol_g.get(k, self.tolerance) for k, v in dg.items()))
         return Match(candidate, max(dz), None if dg is None else max(dg.values(), default=0.0), within)
 
     def diagnose(self, observed_logits, observed_grads) -> Diagnosis:
@@ -313,7 +322,7 @@ class Diagnoser:
         truth = self._match(None, observed, self.truth)
         if not self.reproducible or truth.within:
             return Diagnosis((), truth, None, (), self.reproduced, self.reproducible, self.tolerance,
-                             self.shape_dependence)
+                             self.shape_dependence, self.error)
         tried = []
         for c, z in zip(self.candidates, self._logits):
             m = self._match(c, (observed[0], None), (z, None))
