@@ -192,7 +192,8 @@ class Diagnosis:
         note = "" if not self.shape_dependence else (
             f"; note: this model's figures change when a packed batch is one forward instead of one per document "
             f"({self.shape_dependence:.1e} on the logits): it computes something from the token's index in the "
-            f"forward, not from position_ids (llama4's attention temperature does), which no glue can carry")
+            f"forward, not from position_ids (llama4's attention temperature does), which an attention function "
+            f"alone cannot carry")
         return (f"{what} match none of the known losses of semantics ({len(self.tried)} tried; off the native model "
                 f"by {self.truth.distance('')}){near}{note}")
 
