@@ -405,10 +405,10 @@ def test_the_diagnosis_refuses_figures_it_cannot_compare():
                            "mask_plain_causal"}
 
 
-def _tiny_diagnoser(name: str):
+def _tiny_diagnoser(name: str, cu=DOCS):
     """A Diagnoser of models-tiny's TinyModel (its layers' semantics, its build) at P=4."""
     tiny = tiny_model(name)
-    model, mb = tiny.build("eager"), _batch()
+    model, mb = tiny.build("eager"), _batch(cu)
     mb["input_ids"] %= tiny.vocab_size
     return model, tiny, [mb], Diagnoser(model, tiny, [mb], world_size=4)
 
@@ -428,10 +428,12 @@ def test_a_tiny_models_layers_reproduce_it_and_name_its_losses():
 
 def test_a_model_that_reads_the_forwards_own_index_is_said():
     """llama4's attention temperature (on its no-rope layers) reads the token's index in the
-    forward, not position_ids: one forward over a packed batch is not the documents' forwards
-    (2.6e-2 on the logits, tiny_model's floor_scale 12). No glue can carry that; the diagnosis
-    says so instead of widening its tolerance to it."""
-    model, tiny, mbs, d = _tiny_diagnoser("llama4_text")
+    forward, not position_ids: a document of 16 tokens put before the sequence in the same forward
+    moves the sequence's logits (1.3e-2, tiny_model's floor_scale 12), as a CP rank's shard does.
+    An attention function alone cannot carry that; the diagnosis says so instead of widening its
+    tolerance to it. gemma3_text's figures do not move at all."""
+    assert _tiny_diagnoser("gemma3_text", None)[3].shape_dependence == 0.0
+    model, tiny, mbs, d = _tiny_diagnoser("llama4_text", None)
     assert d.reproducible and d.shape_dependence > 1e-3 and d.tol_z <= d.tolerance
     z, g = d.truth
     out = d.diagnose([x * 1.001 for x in z], g)

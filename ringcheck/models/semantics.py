@@ -190,7 +190,7 @@ class Diagnosis:
         near = "" if self.nearest is None else (f"; the nearest is {self.nearest.candidate.describe()} "
                                                 f"({self.nearest.distance()})")
         note = "" if not self.shape_dependence else (
-            f"; note: this model's figures change when a packed batch is one forward instead of one per document "
+            f"; note: this model's figures change when other tokens come before a sequence in its forward "
             f"({self.shape_dependence:.1e} on the logits): it computes something from the token's index in the "
             f"forward, not from position_ids (llama4's attention temperature does), which an attention function "
             f"alone cannot carry")
@@ -275,13 +275,22 @@ class Diagnoser:
                    for mb in micro_batches]
         z2, g2 = self._step(native, doubled)
         shapes = [([z[: len(z) // 2] for z in z2], g2)]
+        rounding = budgets(n, "float32", None)[1] / K_COND  # 2 n u of float32
+        # a document of 16 tokens before every row, in one forward: the same figures for the rows' own tokens,
+        # unless the model computes something from a token's index in the forward (llama4's temperature)
+        with torch.no_grad(), recomputed(native, whole=True):
+            z = [semantic_logits(model, torch.cat([mb["input_ids"][:, :1].expand(-1, 16), mb["input_ids"]], 1),
+                                 torch.cat([torch.arange(16).expand(len(mb["input_ids"]), 16).to(mb["position_ids"]),
+                                            mb["position_ids"]], 1),
+                                 (0, 16, *[16 + b for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))]))
+                 for mb in micro_batches]
+        moved = max(_distances(([x[:, 16:] for x in z], None), (self.truth[0], None))[0])
+        self.shape_dependence = moved if moved > rounding else 0.0
         if packed:
             whole = self._step(native, whole=True)
             dz, dg = _distances(whole, self.truth)
-            if max([*dz, *(dg or {}).values()]) <= budgets(n, "float32", None)[1] / K_COND:  # 2 n u of float32
+            if max([*dz, *(dg or {}).values()]) <= rounding:
                 shapes.append(whole)
-            else:  # not rounding: the model computes something from the token's index in the forward
-                self.shape_dependence = max(dz)
         for figures in shapes:
             dz, dg = _distances(figures, self.truth)
             noise_z = [max(a, b) for a, b in zip(noise_z, dz)]
