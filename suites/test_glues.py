@@ -3,6 +3,7 @@ float64 reference per layer call (window, softcap, sinks, documents, chunks, a v
 of its own) at P = 2 and 4, zigzag and contiguous, and transformers' eager attention on tiny
 models' layers; the refusal path; the user-contract loader's errors."""
 
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,9 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from benchmarks.glue_models import MODELS, model_task
 from reference.dense import dense_grads
+from ringcheck.catalogue import glue_mutants
 from ringcheck.glues import Glue, GlueRefused, check_refusals, load_glue, refusals
 from ringcheck.glues.ours import GlueCallError, chunked_boundaries
 from ringcheck.ring.layouts import shard
@@ -230,77 +233,71 @@ def test_layout_applies_to_ringcheck_glue_only():
 # --- against transformers' eager attention on tiny models -----------------------------------
 
 LOGITS_BUDGET = 1e-5  # eager's softmax runs in float32 even in a float64 model (measured: 8e-7 gemma2, 5e-8 mistral, llama; 1e-16 the float64 softmaxes of gpt_oss, llama4)
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, attention_dropout=0.0)
-MODELS = {  # name -> (config class, options, documents); windows and chunks that cross the shards
-    "mistral": ("MistralConfig", dict(sliding_window=5), None),
-    "gemma2": ("Gemma2Config", dict(sliding_window=6, attn_logit_softcapping=0.5, query_pre_attn_scalar=20,
-                                    initializer_range=0.2, layer_types=["sliding_attention", "full_attention"]),
-               None),
-    "gpt_oss": ("GptOssConfig", dict(sliding_window=7, num_local_experts=2, num_experts_per_tok=1,
-                                     layer_types=["sliding_attention", "full_attention"]), None),
-    "llama4_text": ("Llama4TextConfig", dict(attention_chunk_size=6, intermediate_size_mlp=32, num_local_experts=2,
-                                             layer_types=["chunked_attention", "full_attention"],
-                                             no_rope_layers=[1, 0]), [0, 13, 32]),
-    "llama_docs": ("LlamaConfig", {}, [0, 9, 20, 32]),
-}
 
 
-def tiny_transformers_model(name: str, attn_implementation: str):
-    """A tiny random transformers model of MODELS (the same weights for any attention), float64,
-    sinks set to values that matter."""
-    import transformers
-    cls_name, options, _ = MODELS[name]
-    config = getattr(transformers, cls_name)(**SMALL, **options)
-    torch.manual_seed(0)
-    extra = {"experts_implementation": "eager"} if name in ("gpt_oss", "llama4_text") else {}
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                          dtype=torch.float64, **extra)
-    for layer in model.model.layers:
-        if hasattr(layer.self_attn, "sinks"):
-            layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, layer.self_attn.sinks.numel(), dtype=torch.float64)
-    return model.eval()
-
-
-def eager_logits(model, ids, cu):
-    """The truth: one device, whole sequences, each document its own forward (positions from 0)."""
-    bounds = [0, ids.shape[1]] if cu is None else cu
-    with torch.no_grad():
-        return torch.cat([model(input_ids=ids[:, s:e], position_ids=torch.arange(e - s)[None], use_cache=False).logits
-                          for s, e in zip(bounds, bounds[1:])], dim=1)
-
-
-def positions(cu, seq):
-    bounds = [0, seq] if cu is None else cu
-    return torch.cat([torch.arange(e - s) for s, e in zip(bounds, bounds[1:])])[None]
-
-
-def model_task(member, layout, names, glue_spec="ringcheck"):
-    """Each tiny model through the glue at CP = the group's size (this rank's logits) against
-    eager on one device (the same rows); the max difference per model."""
-    world = dist.get_world_size(member.group)
-    glue = load_glue(glue_spec, layout=layout if glue_spec == "ringcheck" else None)
-    impl = glue.install(member.group)
-    out = {}
-    for name in names:
-        cu = MODELS[name][2]
-        ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(5))
-        truth = eager_logits(tiny_transformers_model(name, "eager"), ids, cu)
-        model = tiny_transformers_model(name, impl)
-        if glue.prepare is not None:
-            glue.prepare(cu, member.group)
-
-        def cut(t):
-            return shard(t, layout=glue.layout, rank=member.rank, world_size=world, dim=1)
-
-        with torch.no_grad():
-            got = model(input_ids=cut(ids), position_ids=cut(positions(cu, SEQ)), use_cache=False).logits
-        out[name] = (got - cut(truth)).abs().max().item()
-    return out
+CORRECT = {name: spec for name, spec in MODELS.items() if name != "mistral_wide"}
 
 
 @pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "contiguous")])
 def test_ringcheck_glue_equals_eager_on_tiny_models(run_on_ring, world_size, layout):
-    for rank, errors in enumerate(run_on_ring(world_size, model_task, layout, list(MODELS))):
-        for name, err in errors.items():
+    for rank, errors in enumerate(run_on_ring(world_size, model_task, "ringcheck", layout, CORRECT)):
+        for name, (err, _) in errors.items():
             assert err <= LOGITS_BUDGET, f"rank {rank} {name} P={world_size} {layout}: logits {err:.3e} off eager"
+
+
+# --- the catalogue's mutant glues ------------------------------------------------------------
+
+MUTANT_MODELS = {  # each mutant on a model with the feature it loses
+    "window_dropped": "mistral", "window_wider": "mistral", "window_narrower": "mistral",
+    "window_dropped_short_shard": "mistral_wide", "sinks_dropped": "gpt_oss", "softcap_dropped": "gemma2",
+    "scale_default": "gemma2", "documents_crossed": "llama_docs", "mask_plain_causal": "llama4_text",
+}
+CAUGHT = 100 * LOGITS_BUDGET  # measured at P=4: 7e-2 (window_wider) to 1.8 (softcap_dropped), 7000x the budget
+
+
+def mutants_task(member, pairs):
+    return {mutant: model_task(member, f"ringcheck.catalogue.glue_mutants:{mutant}", None,
+                               {name: MODELS[name]})[name][0] for mutant, name in pairs.items()}
+
+
+def test_every_mutant_glue_differs_from_eager_where_the_model_has_its_feature(run_on_ring):
+    assert set(MUTANT_MODELS) == set(glue_mutants.LOSSES)
+    worst = {}
+    for errors in run_on_ring(4, mutants_task, MUTANT_MODELS):
+        for mutant, err in errors.items():
+            worst[mutant] = max(worst.get(mutant, 0.0), err)
+    missed = {m: f"{e:.1e}" for m, e in worst.items() if not e > CAUGHT}
+    assert not missed, f"mutant glues within {CAUGHT:.0e} of eager (not caught): {missed}"
+
+
+def test_a_mutant_glue_equals_the_correct_glue_where_the_model_lacks_its_feature(run_on_ring):
+    """sinks_dropped on a model without sinks is the correct glue: the mutants lose one feature only."""
+    errors = run_on_ring(2, mutants_task, {"sinks_dropped": "mistral", "window_dropped": "llama_docs"})
+    for rank in errors:
+        for mutant, err in rank.items():
+            assert err <= LOGITS_BUDGET, f"{mutant} changed a model without its feature ({err:.1e})"
+
+
+# --- ring-flash-attn's shipped adapter -------------------------------------------------------
+
+def test_ring_flash_attn_glue_runs_the_adapter_and_loses_the_window(run_on_ring):
+    """The adapter (ring-flash-attn 0.1.8, with ringcheck's two transformers 5.23 shims) carries
+    packed documents within bf16's noise (ringcheck's glue on the same bf16 model), and widens
+    mistral's window to flash's (W, W) (docs/findings/glues.md). bf16: both glues' errors."""
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        pytest.skip("ring-flash-attn is not installed (the extra `peers`)")
+    specs = {"llama_docs": MODELS["llama_docs"], "mistral": MODELS["mistral"]}
+    adapter = run_on_ring(2, model_task, "ring_flash_attn", None, specs, "bfloat16")
+    ours = run_on_ring(2, model_task, "ringcheck", "contiguous", specs, "bfloat16")
+    for rank, (a, b) in enumerate(zip(adapter, ours)):
+        assert a["llama_docs"][0] <= 2 * b["llama_docs"][0], f"rank {rank}: documents {a} vs bf16 noise {b}"
+        assert a["mistral"][0] > 10 * b["mistral"][0], f"rank {rank}: the window kept? {a} vs bf16 noise {b}"
+
+
+def test_ring_flash_attn_glue_refuses_softcap():
+    glue = load_glue("ring_flash_attn")
+    assert (glue.layout, glue.dtype) == ("contiguous", "bfloat16")
+    tiny = SimpleNamespace(name="gemma2", layers=(_layer(0, "sliding", window=8, softcap=50.0), _layer(1)))
+    assert refusals(glue, tiny) == [
+        "layer 0: softcap 50.0 (the adapter asserts softcap is None: llama3_flash_attn_varlen_func does not support "
+        "softcap yet) not carried by glue 'ring_flash_attn'"]

@@ -18,6 +18,8 @@ from typing import Any
 from ..spec import LAYOUTS
 from ..user_code import import_object
 
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
 
 class GlueRefused(ValueError):
     """The glue cannot carry a feature of one of the model's layers: raised before any rank starts
@@ -29,7 +31,10 @@ class GlueRefused(ValueError):
 class Glue:
     """One glue under test. `refuses(layer)` (a `LayerAttention` of `ringcheck.models.tiny`) lists
     the features of that layer the glue cannot carry (empty: it carries them all); None means the
-    glue did not say, and nothing is refused before the run (the run judges it)."""
+    glue did not say, and nothing is refused before the run (the run judges it). `dtype` is the
+    dtype the model is built in for this glue: "float64" (judged with the float64 budget), or a
+    narrower one for a glue whose kernels take nothing wider (flash: "bfloat16", judged with a
+    measured noise budget)."""
 
     name: str
     install: Callable[[Any], str]
@@ -37,6 +42,7 @@ class Glue:
     prepare: Callable | None = None
     describe: str = ""
     refuses: Callable[[Any], list[str]] | None = None
+    dtype: str = "float64"
 
 
 def refusals(glue: Glue, tiny: Any) -> list[str]:
@@ -102,5 +108,9 @@ def user_glue(spec: str) -> Glue:
     describe = getattr(obj, "describe", "") or f"the user's glue {spec}"
     if not isinstance(describe, str):
         raise TypeError(f"--glue {spec!r}: describe must be a str, got {type(describe).__name__}")
+    dtype = getattr(obj, "dtype", "float64")
+    if dtype not in DTYPES:
+        raise ValueError(f"--glue {spec!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)} (the dtype the model "
+                         f"is built in for your glue; float64 when the attribute is absent)")
     return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
-                describe=describe, refuses=refuses)
+                describe=describe, refuses=refuses, dtype=dtype)

@@ -98,11 +98,11 @@ class RingcheckGlue:
     """The state of one installed glue on one rank: its CP group, layout and the documents of the
     next forward. `attention` is the function registered with transformers."""
 
-    def __init__(self, layout: str):
+    def __init__(self, layout: str, name: str | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"the ringcheck glue shards with one of {', '.join(LAYOUTS)}, got layout={layout!r}")
         self.layout = layout
-        self.name = f"ringcheck_glue_{layout}"
+        self.name = name or f"ringcheck_glue_{layout}"   # the attn_implementation name install registers
         self.group = None
         self.cu_seqlens = None
 
@@ -116,6 +116,16 @@ class RingcheckGlue:
     def prepare(self, cu_seqlens, group) -> None:
         """The global document boundaries of the next forward (None: none)."""
         self.cu_seqlens = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
+
+    def ring_options(self, module, local_len: int, *, scaling, sliding_window, s_aux, softcap) -> dict:
+        """The layer's semantics as `ring_attention`'s keywords (the one place they are decided;
+        the catalogue's mutant glues each change one of them)."""
+        cu = self.cu_seqlens
+        chunk = chunk_of(module)
+        if chunk is not None:
+            cu = chunked_boundaries(cu, local_len * torch.distributed.get_world_size(self.group), chunk)
+        return dict(softmax_scale=scaling, window=window_of(module, sliding_window), cu_seqlens=cu, softcap=softcap,
+                    sinks=s_aux)
 
     def attention(self, module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
                   s_aux=None, softcap=None, is_causal=None, output_attentions=False, **kwargs):
@@ -141,15 +151,11 @@ class RingcheckGlue:
         if output_attentions:
             raise GlueCallError(f"glue {self.name}: {where}: output_attentions=True needs the attention weights, "
                                 f"which a ring never forms; use attn_implementation='eager' for them")
-        window = window_of(module, sliding_window)
-        chunk = chunk_of(module)
-        world = torch.distributed.get_world_size(self.group)
-        cu = self.cu_seqlens
-        if chunk is not None:
-            cu = chunked_boundaries(cu, query.shape[2] * world, chunk)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out = ring_attention(q, k, v, causal=True, softmax_scale=scaling, group=self.group, layout=self.layout,
-                             cu_seqlens=cu, window=window, softcap=softcap, sinks=s_aux, sinks_grad="partial")
+        options = self.ring_options(module, q.shape[1], scaling=scaling, sliding_window=sliding_window, s_aux=s_aux,
+                                    softcap=softcap)
+        out = ring_attention(q, k, v, causal=True, group=self.group, layout=self.layout, sinks_grad="partial",
+                             **options)
         return out, None
 
 
