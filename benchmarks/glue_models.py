@@ -23,7 +23,7 @@ MODELS = {  # name -> (config class, options, documents); windows and chunks tha
                                      layer_types=["sliding_attention", "full_attention"]), None),
     "llama4_text": ("Llama4TextConfig", dict(attention_chunk_size=6, intermediate_size_mlp=32, num_local_experts=2,
                                              layer_types=["chunked_attention", "full_attention"],
-                                             no_rope_layers=[1, 0]), [0, 13, 32]),
+                                             no_rope_layers=[1, 0], floor_scale=4), [0, 13, 32]),  # temperature bites
     "llama_docs": ("LlamaConfig", {}, [0, 9, 20, 32]),
     "mistral_wide": ("MistralConfig", dict(sliding_window=10), None),  # wider than a shard at P=4, narrower than 32
 }

@@ -22,7 +22,10 @@ What it carries, read from what transformers passes and from the layer module (n
   visible to query i iff both are in the same chunk of C tokens counted from their document's
   start (transformers remaps packed positions the same way), expressed as the ring's document
   boundaries refined by the chunks;
-- a value head dim of its own (the ring's v may differ from q and k).
+- a value head dim of its own (the ring's v may differ from q and k);
+- llama4's attention temperature tuning on its NoPE layers, which scales the queries by
+  positions counted within the shard before the call: rescaled to the tokens' positions in
+  their documents (`temperature_fix`).
 
 What it cannot carry is an error, never swallowed: dropout above 0 (the ring has none), a
 non-causal layer, the flash path's local varlen keywords (`cu_seq_lens_q`, ...: documents come
@@ -35,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..ring.api import ring_attention
+from ..ring.layouts import positions as shard_positions
 from ..spec import LAYOUTS
 from .contract import Glue
 
@@ -127,6 +131,29 @@ class RingcheckGlue:
         return dict(softmax_scale=scaling, window=window_of(module, sliding_window), cu_seqlens=cu, softcap=softcap,
                     sinks=s_aux)
 
+    def temperature_fix(self, module, query):
+        """llama4's attention temperature tuning, made global. Its NoPE layers scale each query by
+        log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 with p = arange(the hidden states'
+        length), before the attention call: under CP that is the shard's local index, not the
+        token's position (and it ignores position_ids, so the truth, each document its own forward,
+        counts from the document's start). The query rows are rescaled by global / local here."""
+        if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)):
+            return query
+        world = torch.distributed.get_world_size(self.group)
+        rank = torch.distributed.get_rank(self.group)
+        local_len = query.shape[2]
+        pos = shard_positions(layout=self.layout, rank=rank, world_size=world, seq_len=local_len * world)
+        if self.cu_seqlens is not None:
+            cu = torch.tensor(self.cu_seqlens)
+            starts = cu[(torch.searchsorted(cu, pos, right=True) - 1).clamp(0, len(cu) - 1)]
+            pos = pos - torch.minimum(starts, pos)   # the tail past the last boundary: padding, any scale
+
+        def scale(p):
+            return torch.log1p(torch.floor((p.to(torch.float64) + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+        ratio = scale(pos) / scale(torch.arange(local_len))
+        return query * ratio.to(query.dtype).view(1, 1, local_len, 1)
+
     def attention(self, module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
                   s_aux=None, softcap=None, is_causal=None, output_attentions=False, **kwargs):
         """transformers' attention signature: (batch, heads, local_seq, dim) in, (batch, local_seq,
@@ -151,6 +178,7 @@ class RingcheckGlue:
         if output_attentions:
             raise GlueCallError(f"glue {self.name}: {where}: output_attentions=True needs the attention weights, "
                                 f"which a ring never forms; use attn_implementation='eager' for them")
+        query = self.temperature_fix(module, query)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         options = self.ring_options(module, q.shape[1], scaling=scaling, sliding_window=sliding_window, s_aux=s_aux,
                                     softcap=softcap)
