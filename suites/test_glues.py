@@ -4,6 +4,7 @@ of its own) at P = 2 and 4, zigzag and contiguous, and transformers' eager atten
 models' layers; the refusal path; the user-contract loader's errors."""
 
 import importlib.util
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -149,7 +150,7 @@ def _layer(index, kind="full", window=None, chunk=None, sinks=False, softcap=Non
 def test_refusals_name_the_layer_and_the_feature():
     tiny = SimpleNamespace(name="toy", layers=(_layer(0, "sliding", window=8), _layer(1, "linear_attention"),
                                                _layer(2, "chunked", chunk=None)))
-    glue = load_glue("ringcheck")
+    glue = replace(load_glue("ringcheck"), refuses_calls=None)   # the layers' description alone
     lines = refusals(glue, tiny)
     assert lines == ["layer 1: attention kind 'linear_attention' (the glue carries full, sliding, chunked) not "
                      "carried by glue 'ringcheck'",
@@ -161,6 +162,41 @@ def test_refusals_name_the_layer_and_the_feature():
     assert refusals(glue, fine) == []
     check_refusals(glue, fine)
     assert refusals(Glue(name="silent", install=lambda g: "x"), tiny) == []   # a glue that does not say
+
+
+def test_call_refusals_name_what_the_calls_hand_over_or_withhold():
+    from ringcheck.glues.ours import HANDLED, NEUTRAL
+    from ringcheck.glues.survey import call_refusals
+    tiny = SimpleNamespace(name="toy", layers=(_layer(0, "sliding", window=8, sinks=True, softcap=2.0),
+                                               _layer(1, "chunked", chunk=4)))
+    module = _module({})
+    records = [{"layer": 0, "keywords": {"scaling": 0.5, "dropout": 0.1, "attn_bias": 1}, "is_causal": False,
+                "module": module},
+               {"layer": 1, "keywords": {"scaling": 0.5}, "is_causal": True, "module": _module({}, index=1)}]
+    assert call_refusals(tiny, records, NEUTRAL | HANDLED, "ringcheck's glue") == [
+        "layer 0: keyword(s) attn_bias handed to the attention, which ringcheck's glue does not know",
+        "layer 0: attention dropout 0.1 (the ring has none)",
+        "layer 0: non-causal attention",
+        "layer 0: a sliding window (W=8) the layer does not hand over (no sliding_window keyword, and "
+        "config.layer_types does not say sliding_attention)",
+        "layer 0: sinks the layer does not hand over (no s_aux keyword)",
+        "layer 0: a softcap (2.0) the layer does not hand over (no softcap keyword)",
+        "layer 1: chunks of 4 the glue cannot read from the layer (config.layer_types, config.attention_chunk_size)"]
+
+
+def test_refusals_survey_a_tiny_model_before_any_rank_starts():
+    """One forward on one device: the Proof's gpt_oss hands everything over; the same model
+    described with a softcap it does not hand over is refused, naming the layers."""
+    from ringcheck.models.tiny import tiny_model
+    tiny = tiny_model("gpt_oss")
+    glue = load_glue("ringcheck")
+    assert refusals(glue, tiny) == []
+    claimed = replace(tiny, layers=tuple(replace(layer, softcap=3.0) for layer in tiny.layers))
+    lines = refusals(glue, claimed)
+    assert lines == [f"layer {layer.index}: a softcap (3.0) the layer does not hand over (no softcap keyword) "
+                     f"(refused by glue 'ringcheck')" for layer in tiny.layers]
+    with pytest.raises(GlueRefused, match="layer 0: a softcap"):
+        check_refusals(glue, claimed)
 
 
 # --- the user's glue: PKG.MOD:OBJ ----------------------------------------------------------

@@ -34,7 +34,9 @@ class Glue:
     glue did not say, and nothing is refused before the run (the run judges it). `dtype` is the
     dtype the model is built in for this glue: "float64" (judged with the float64 budget), or a
     narrower one for a glue whose kernels take nothing wider (flash: "bfloat16", judged with a
-    measured noise budget)."""
+    measured noise budget). `refuses_calls(tiny)` (optional) returns finished lines ("layer i: ...")
+    about what the model's attention calls hand the glue, found by one forward on one device
+    (`ringcheck.glues.survey`)."""
 
     name: str
     install: Callable[[Any], str]
@@ -43,18 +45,19 @@ class Glue:
     describe: str = ""
     refuses: Callable[[Any], list[str]] | None = None
     dtype: str = "float64"
+    refuses_calls: Callable[[Any], list[str]] | None = None
 
 
 def refusals(glue: Glue, tiny: Any) -> list[str]:
     """One line per layer whose features `glue` cannot carry ("layer 3: sinks (s_aux) not carried
     by glue 'ring_flash_attn' (...)"); empty when it carries every layer of `tiny` (a
     `TinyModel`), or when the glue does not say what it refuses."""
-    if glue.refuses is None:
-        return []
     lines = []
-    for layer in tiny.layers:
+    for layer in tiny.layers if glue.refuses is not None else ():
         for feature in glue.refuses(layer):
             lines.append(f"layer {layer.index}: {feature} not carried by glue {glue.name!r}")
+    if glue.refuses_calls is not None:
+        lines.extend(f"{line} (refused by glue {glue.name!r})" for line in glue.refuses_calls(tiny))
     return lines
 
 

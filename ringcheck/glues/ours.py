@@ -30,7 +30,8 @@ What it carries, read from what transformers passes and from the layer module (n
 What it cannot carry is an error, never swallowed: dropout above 0 (the ring has none), a
 non-causal layer, the flash path's local varlen keywords (`cu_seq_lens_q`, ...: documents come
 through `prepare`), `output_attentions=True`, and any keyword it does not know (prime-rl's
-sinks bug was `s_aux` swallowed by `**kwargs`).
+sinks bug was `s_aux` swallowed by `**kwargs`); an unknown keyword whose value is None hands
+nothing over and is let through (a BERT-style decoder's `encoder_hidden_states=None`).
 """
 
 from __future__ import annotations
@@ -41,49 +42,16 @@ from ..ring.api import ring_attention
 from ..ring.layouts import positions as shard_positions
 from ..spec import LAYOUTS
 from .contract import Glue
-
-# keywords transformers 5.23 passes that carry no attention semantics (measured on the zoo's layers)
-NEUTRAL = frozenset({"position_ids", "use_cache", "output_router_logits", "output_hidden_states", "cache_position",
-                     "num_items_in_batch", "return_dict", "token_type_ids", "layer_idx", "past_key_values",
-                     "past_key_value", "position_embeddings", "attn_implementation"})
-LOCAL_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
-KINDS = ("full", "sliding", "chunked")
-
-
-class GlueCallError(TypeError):
-    """A call the glue cannot carry faithfully (an unknown keyword, dropout, a non-causal layer)."""
-
-
-def layer_type(module) -> str | None:
-    """The layer's entry of `config.layer_types` ("sliding_attention", "chunked_attention", ...) or None."""
-    config = getattr(module, "config", None)
-    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if types is None or index is None or not 0 <= index < len(types):
-        return None
-    return types[index]
-
-
-def window_of(module, sliding_window) -> tuple[int, int] | None:
-    """The ring's window (W - 1, 0) for transformers' W, or None (no window)."""
-    if sliding_window is None and layer_type(module) == "sliding_attention":
-        sliding_window = getattr(module.config, "sliding_window", None)
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise GlueCallError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window must be a positive int "
-                            f"(transformers' W: key j visible to query i iff i - W < j <= i), got {sliding_window!r}")
-    return (sliding_window - 1, 0)
-
-
-def chunk_of(module) -> int | None:
-    """llama4's attention chunk size C on its "chunked_attention" layers, else None."""
-    if layer_type(module) != "chunked_attention":
-        return None
-    chunk = getattr(module.config, "attention_chunk_size", None)
-    if not isinstance(chunk, int) or chunk < 1:
-        raise GlueCallError(f"layer {getattr(module, 'layer_idx', '?')} is chunked_attention but "
-                            f"config.attention_chunk_size is {chunk!r}; the glue needs the chunk size")
-    return chunk
+from .reading import (  # noqa: F401  (GlueCallError and the readers are part of this module's interface)
+    HANDLED,
+    KINDS,
+    LOCAL_VARLEN,
+    NEUTRAL,
+    GlueCallError,
+    chunk_of,
+    layer_type,
+    window_of,
+)
 
 
 def chunked_boundaries(cu_seqlens, seq_len: int, chunk: int) -> list[int]:
@@ -162,7 +130,7 @@ class RingcheckGlue:
         where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
         if self.group is None:
             raise RuntimeError(f"glue {self.name}: {where} called before install(group)")
-        unknown = sorted(set(kwargs) - NEUTRAL)
+        unknown = sorted(k for k, value in kwargs.items() if k not in NEUTRAL and value is not None)
         if unknown:
             local = [k for k in unknown if k in LOCAL_VARLEN]
             hint = (" (the flash path's local varlen keywords: give ringcheck's glue the global document "
@@ -207,4 +175,11 @@ def ringcheck_glue(layout: str = "contiguous") -> Glue:
                 describe=(f"ringcheck's glue ({layout}): transformers' AttentionInterface -> ringcheck's ring, "
                           f"carrying scaling, sliding windows, sinks (partial gradients), softcap, documents, "
                           f"chunks and a value head dim of its own"),
-                refuses=refuses)
+                refuses=refuses, refuses_calls=refuses_calls)
+
+
+def refuses_calls(tiny) -> list[str]:
+    """What the tiny model's attention calls hand over that ringcheck's glue cannot carry (one
+    forward on one device, `ringcheck.glues.survey`)."""
+    from .survey import call_refusals, survey  # builds the model: only when refusals are asked for
+    return call_refusals(tiny, survey(tiny), NEUTRAL | HANDLED, "ringcheck's glue")
