@@ -227,6 +227,11 @@ class BadName:
     install = staticmethod(lambda group: None)
 
 
+class BadDtype:
+    install = staticmethod(lambda group: "eager")
+    dtype = "int8"
+
+
 class BadPrepare:
     install = staticmethod(lambda group: "eager")
     prepare = 3
@@ -245,6 +250,7 @@ def test_user_glue_loads_its_contract():
     (f"{__name__}:NoInstall", TypeError, "no callable install"),
     (f"{__name__}:BadLayout", ValueError, "layout 'diagonal'"),
     (f"{__name__}:BadPrepare", TypeError, "prepare must be callable"),
+    (f"{__name__}:BadDtype", ValueError, "dtype 'int8' is not one of float64"),
     ("", TypeError, "non-empty str"),
 ])
 def test_user_glue_loader_errors_say_the_fix(spec, error, match):

@@ -111,9 +111,13 @@ def user_glue(spec: str) -> Glue:
     describe = getattr(obj, "describe", "") or f"the user's glue {spec}"
     if not isinstance(describe, str):
         raise TypeError(f"--glue {spec!r}: describe must be a str, got {type(describe).__name__}")
+    refuses_calls = getattr(obj, "refuses_calls", None)
+    if refuses_calls is not None and not callable(refuses_calls):
+        raise TypeError(f"--glue {spec!r}: refuses_calls must be callable as refuses_calls(tiny) -> list of lines, "
+                        f"got {type(refuses_calls).__name__}")
     dtype = getattr(obj, "dtype", "float64")
     if dtype not in DTYPES:
         raise ValueError(f"--glue {spec!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)} (the dtype the model "
                          f"is built in for your glue; float64 when the attribute is absent)")
     return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
-                describe=describe, refuses=refuses, dtype=dtype)
+                describe=describe, refuses=refuses, dtype=dtype, refuses_calls=refuses_calls)
