@@ -14,10 +14,10 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from benchmarks.glue_models import MODELS, model_task
-from reference.dense import dense_grads
 from ringcheck.catalogue import glue_mutants
 from ringcheck.glues import Glue, GlueRefused, check_refusals, load_glue, refusals
 from ringcheck.glues.ours import GlueCallError, chunked_boundaries
+from ringcheck.reference.dense import dense_grads
 from ringcheck.ring.layouts import shard
 
 SEQ = 32

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AttentionInterface
 
-from reference import dense_attention
+from ringcheck.reference import dense_attention
 
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
