@@ -31,9 +31,9 @@ from ..judge.precision import judge_precision
 from ..judge.verdict import TENSORS, Verdict
 from ..launch import RingError
 from ..ring.layouts import positions
-from ..spec import AttentionSpec, Budget
+from ..spec import TILES, AttentionSpec, Budget
 from .validate_rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
-from .validate_target import TILES, Target, ragged_cases, ragged_fit, scaled_cases
+from .validate_target import Target, ragged_cases, ragged_fit, scaled_cases
 
 CONTIGUOUS = "contiguous"
 LAYOUT_CALLS = ("fused_qkv", "kv_strides")

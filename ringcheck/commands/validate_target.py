@@ -29,7 +29,6 @@ SCALED_MIN_BATCH = 2  # the scaled-down cases' least batch
 # (docs/explanation/ragged-lengths.md). The first is the longest: the cases alternate long and
 # short in one process (`ragged_cases`), the calls that change length.
 RAGGED_LENGTHS = (130, 66)
-TILES = (16, 32, 64, 128)
 
 # each field's type, as a config may spell it: (python types accepted, words for the message)
 _INT, _FLOAT, _STR, _BOOL = (int,), (int, float), (str,), (bool,)

@@ -42,7 +42,7 @@ from . import variant_properties as vprops
 from . import wrapped_properties as wprops
 from .impl_promises import PROMISES, check_promise
 from .impl_runner import Refused
-from .strategies import cases
+from .strategies import cases, ragged_cases
 from .variant_strategies import variant_bounds, variant_cases, with_variant_options
 
 NOT_RUN = "not run: --ring-forward-only (the backward half of this property: dq, dk, dv)"
@@ -70,10 +70,11 @@ def pytest_generate_tests(metafunc):
 _REFUSALS: list[str] = []  # the adapter's refusals during the current search
 
 
-def _search(body) -> None:
+def _search(body, max_examples: int | None = None) -> None:
     """Run `body(data)` under Hypothesis with the loaded profile (--profile; derandomized under
-    torchrun, so every rank draws the same examples). Cases the implementation's own rules
-    refuse are drawn again; a property whose every case is refused is skipped with the reason.
+    torchrun, so every rank draws the same examples), at most `max_examples` examples where
+    given. Cases the implementation's own rules refuse are drawn again; a property whose every
+    case is refused is skipped with the reason.
 
     A failure shows the shrunk case and the `reproduce:` line of `_holds`, and nothing meant for
     ringcheck's own developers: no `@reproduce_failure` blob (a user cannot decorate a test of
@@ -82,7 +83,8 @@ def _search(body) -> None:
     _REFUSALS.clear()
     profile = settings.default
     search = settings(profile, suppress_health_check=[*profile.suppress_health_check, HealthCheck.filter_too_much],
-                      print_blob=False, phases=[phase for phase in profile.phases if phase is not Phase.explain])
+                      print_blob=False, phases=[phase for phase in profile.phases if phase is not Phase.explain],
+                      max_examples=min(profile.max_examples, max_examples or profile.max_examples))
     try:
         search(given(data=st.data())(body))()
     except Unsatisfiable:
@@ -247,6 +249,54 @@ def test_ring_size_and_layout_invariance(cfg, ring_impl, search_profile, part):
     if len(cfg.world_sizes) * len(cfg.plain_layouts) < 2:
         pytest.skip("one ring size and one layout: give --ring-world-sizes or --ring-layout more than one")
     _search(body)
+
+
+def ragged_examples(profile) -> int:
+    """Examples of each ragged-length test: a tenth of the profile's (a ragged shard costs a dozen
+    small cases), 3 at least (ci: 4)."""
+    return max(3, profile.max_examples // 10)
+
+
+def _ragged(cfg, bounds):
+    """Plain cases at ragged shards above 64 tokens per rank (`ragged_cases`), in the modes the
+    implementation runs."""
+    modes = [(layout, c) for layout in cfg.plain_layouts for c in (False, True) if cfg.runnable(layout, c)]
+    if not modes:
+        pytest.skip(f"--ring-impl {cfg.spec} runs none of the layouts {list(cfg.plain_layouts)}")
+
+    @st.composite
+    def draw(d):
+        p = d(st.sampled_from([q for q in cfg.world_sizes if q <= 4] or [min(cfg.world_sizes)]), label="ring size")
+        layout, c = d(st.sampled_from(modes), label="mode")
+        return d(ragged_cases(bounds, dtypes=cfg.dtypes, layouts=(layout,), causal=(c,), world_size=p))
+    return draw()
+
+
+def test_budget_at_ragged_shards(cfg, ring_impl, search_profile, part):
+    """Shards longer than a tile and not a multiple of it (above 64 tokens per rank, leaning to
+    a tile +/- a few): where a kernel's last, partial tile is dropped or masked wrong. Every
+    run, at every profile (ci too)."""
+    strategy = _ragged(cfg, search_profile.bounds)
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: props.check_budget(c, impl=ring_impl), "check_budget", case)
+    _search(body, max_examples=ragged_examples(search_profile))
+
+
+def test_calls_that_change_length(cfg, ring_impl, search_profile, part):
+    """One process calls the ring at a ragged shard, then a shorter one, then the long one
+    again: each within budget (a workspace kept from an earlier, longer call fails it)."""
+    strategy = _ragged(cfg, search_profile.bounds)
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        step = case.ring.chunks // case.ring.world_size
+        tokens = case.spec.seq_len // case.ring.world_size
+        shorter = step * data.draw(st.integers(1, (tokens - 1) // step), label="shorter tokens per rank")
+        _holds(cfg, lambda c, **p: props.check_changing_lengths(c, **p, impl=ring_impl), "check_changing_lengths",
+               case, shorter=shorter)
+    _search(body, max_examples=ragged_examples(search_profile))
 
 
 def test_determinism(cfg, ring_impl, search_profile, part):
