@@ -26,9 +26,6 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 # layouts that balance per document: they need the packed sequence's `cu_seqlens`
 DOC_LAYOUTS = ("zigzag_docs",)
 ALL_LAYOUTS = LAYOUTS + DOC_LAYOUTS
-# the tiles block kernels walk a shard in (flash-attn 64/128, Triton autotuned 16-128): the last,
-# partial tile of a shard longer than one and not a multiple of it is where kernels break
-TILES = (16, 32, 64, 128)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

@@ -18,11 +18,12 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from ringcheck.commands.validate import Target, validate
-from ringcheck.commands.validate_steps import ragged_rows_sampled
+from ringcheck.commands.validate_ragged import ragged_rows_sampled
 from ringcheck.commands.validate_target import RAGGED_LENGTHS, ragged_cases, ragged_fit
 from ringcheck.judge.check import Case, simulated_impl
+from ringcheck.judge.inputs import TILES
 from ringcheck.ring.layouts import positions
-from ringcheck.spec import TILES, AttentionSpec, RingSpec, Variant
+from ringcheck.spec import AttentionSpec, RingSpec, Variant
 from ringcheck.testing.properties import check_budget, check_changing_lengths
 from ringcheck.testing.strategies import PROFILES, tile_tokens
 from ringcheck.testing.strategies import ragged_cases as ragged_strategy

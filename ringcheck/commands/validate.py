@@ -12,7 +12,7 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
   case also as two calls before one backward on views of fused projections: forward and
   backward of every group against float64 and the same-dtype peer, and the precision class
   (`validate_steps`);
-- the ragged shards (`validate_steps.ragged_rows`): every distribution at tokens per rank
+- the ragged shards (`validate_ragged`): every distribution at tokens per rank
   longer than the tiles block kernels walk and a multiple of none (66, 130), on sampled query
   rows (every ragged tail among them) and every key, the lengths in turn in one process (long,
   short, long again: the calls that change length);
@@ -40,8 +40,9 @@ from ..harness.mesh import REPLICA
 from ..harness.settings import torch_threads
 from ..spec import Budget
 from .validate_promises import promise_rows, promise_steps
+from .validate_ragged import ragged_rows
 from .validate_rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
-from .validate_steps import Run, full_length_rows, mesh_row, ragged_rows, scaled_rows
+from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
 from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, ragged_cases, scaled_cases
 from .validate_wrapped import RECOMPUTE_ROW, compile_row, recompute_row
 

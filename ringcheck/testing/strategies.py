@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from ..judge.check import Case
 from ..judge.distributions import DISTRIBUTIONS, min_head_dim
-from ..spec import DTYPES, LAYOUTS, TILES, AttentionSpec, RingSpec, check_int, is_custom_layout
+from ..judge.inputs import TILES
+from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec, check_int, is_custom_layout
 from .profiles import PROFILES, Bounds, Profile
 
 __all__ = ["PROFILES", "TILES", "Bounds", "Profile", "cases", "ragged_cases", "tile_tokens", "tokens_per_rank",
