@@ -15,7 +15,7 @@ from ..judge.verdict import Verdict
 from ..launch import RingError
 from ..ring.layouts import positions
 from .validate_rows import NOT_RUN, CheckRow, same_results, summarise
-from .validate_steps import ALL_TENSORS, CONTIGUOUS, Run, judge_sampled, _label, judged_tensors, short
+from .validate_steps import ALL_TENSORS, CONTIGUOUS, Run, _label, judge_sampled, judged_tensors, short
 from .validate_target import ragged_cases, ragged_fit
 
 
