@@ -187,3 +187,15 @@ def test_documents_alone_stay_in_a_zigzag_only_rings_layout(cu, p):
     sub = document_case(case, 1)
     assert (sub.ring.layout, sub.ring.world_size) == ("zigzag", p)
     assert sub.spec.seq_len == 2 * p and sub.spec.variant.cu_seqlens == (0, 1)  # padded, the padding marked
+
+
+def test_ragged_lengths_flag_and_the_rerun_command(tmp_path):
+    from ringcheck.cli import rerun_command
+    from ringcheck.cli.validate import _ragged_lengths, read_config
+
+    assert _ragged_lengths("none") == () and _ragged_lengths("66,130") == (66, 130)
+    assert "--ragged-lengths 130,66" in rerun_command(Target(), 60.0)
+    assert "--ragged-lengths none" in rerun_command(Target(ragged_lengths=()), 60.0)
+    config = tmp_path / "target.toml"
+    config.write_text("ragged_lengths = []\n")
+    assert Target.from_mapping(read_config(str(config))).ragged_lengths == ()
