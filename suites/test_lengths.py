@@ -199,3 +199,17 @@ def test_ragged_lengths_flag_and_the_rerun_command(tmp_path):
     config = tmp_path / "target.toml"
     config.write_text("ragged_lengths = []\n")
     assert Target.from_mapping(read_config(str(config))).ragged_lengths == ()
+
+
+@pytest.mark.slow
+def test_the_ragged_rows_hold_every_variant_on_the_textbook_varlen_ring(ring_processes):
+    """Documents (zigzag_docs, padding), a window, softcap, sinks and a value head dim of its own
+    at the ragged shards: the correct ring passes both rows (each distribution a call of its own
+    with sinks)."""
+    target = Target(impl="ringcheck.catalogue.variant_textbook:textbook_varlen", seq_len=128, world_size=2,
+                    layout="zigzag_docs", documents="random:4", pad=16, window=(24, 0), softcap=20.0, sinks=True,
+                    head_dim_v=16, head_dim=16, heads=2, kv_heads=1, local_lengths=(4,), distributions=("normal",),
+                    sample_rows=4)
+    rows = {r.check: r for r in validate(target, ring_processes, recompute=False)}
+    assert rows[RAGGED_ROW].status == rows[CHANGING_ROW].status == "pass", (rows[RAGGED_ROW], rows[CHANGING_ROW])
+    assert "dsinks" in rows[RAGGED_ROW].tensors
