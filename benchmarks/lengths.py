@@ -9,7 +9,7 @@ only), in a subprocess, its report read back; each plugin run is ``pytest --ring
 --profile ci`` on the suite's two ragged-length tests (`test_budget_at_ragged_shards`,
 `test_calls_that_change_length`), its JUnit XML read back.
 
-    python -m benchmarks.lengths [--out reports/lengths] [--no-plugin] [--only NAME,...]
+    python -m benchmarks.lengths [--out reports/lengths] [--no-plugin] [--only NAME,...] [--resume]
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def run_validate(impl: str, flags: list[str], env: dict) -> dict:
         doc = json.loads(report.read_text())
     rows = {c["check"]: c for c in doc["checks"]}
 
-    def ratio(row):
-        return None if not row.get("budget") else row["error"] / row["budget"]
+    def ratio(row):  # the document writes an infinite error as a string
+        return None if not row.get("budget") else float(row["error"]) / float(row["budget"])
     pick = {key: next((r for name, r in rows.items() if name.startswith(key)), None) for key in (RAGGED, CHANGING)}
     return {"exit": done.returncode, "seconds": round(seconds, 1),
             "failing": [name for name, r in rows.items() if r["status"] == "fail"],
@@ -148,15 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "reports" / "lengths"))
     parser.add_argument("--no-plugin", action="store_true", help="validate only")
     parser.add_argument("--only", default=None, help="comma-separated ring names of RINGS (default: all)")
+    parser.add_argument("--resume", action="store_true", help="keep the rings already in OUT/lengths.json")
     args = parser.parse_args(argv)
     names = [n for n in RINGS if args.only is None or n in args.only.split(",")]
-    validate = {}
+    out = Path(args.out)
+    done = json.loads((out / "lengths.json").read_text()) if args.resume and (out / "lengths.json").is_file() else {}
+    validate, plugin = done.get("validate", {}), done.get("plugin", {})
     for name in names:
+        if name in validate:
+            continue
         impl, flags, env, _ = RINGS[name]
         validate[name] = run_validate(impl, flags, env)
         print(name, validate[name].get("failing", validate[name].get("error")), validate[name]["seconds"], flush=True)
-    plugin = {} if args.no_plugin else {impl: run_plugin(impl) for impl in PLUGIN_RINGS}
-    write(Path(args.out), validate, plugin)
+        write(out, validate, plugin)
+    for impl in () if args.no_plugin else PLUGIN_RINGS:
+        if impl not in plugin:
+            plugin[impl] = run_plugin(impl)
+            print(impl, plugin[impl].get("tests", plugin[impl].get("error")), flush=True)
+            write(out, validate, plugin)
+    write(out, validate, plugin)
     print(f"wrote {args.out}/README.md")
     return 0
 
