@@ -191,9 +191,9 @@ def test_documents_alone_stay_in_a_zigzag_only_rings_layout(cu, p):
 
 def test_ragged_lengths_flag_and_the_rerun_command(tmp_path):
     from ringcheck.cli import rerun_command
-    from ringcheck.cli.validate import _ragged_lengths, read_config
+    from ringcheck.cli.validate import ragged_lengths_flag, read_config
 
-    assert _ragged_lengths("none") == () and _ragged_lengths("66,130") == (66, 130)
+    assert ragged_lengths_flag("none") == () and ragged_lengths_flag("66,130") == (66, 130)
     assert "--ragged-lengths 130,66" in rerun_command(Target(), 60.0)
     assert "--ragged-lengths none" in rerun_command(Target(ragged_lengths=()), 60.0)
     config = tmp_path / "target.toml"

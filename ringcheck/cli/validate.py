@@ -52,7 +52,7 @@ DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the confi
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
 
 
-def _ragged_lengths(text: str) -> tuple[int, ...]:
+def ragged_lengths_flag(text: str) -> tuple[int, ...]:
     """--ragged-lengths: a comma-separated list of tokens per rank, or none."""
     return () if text.strip().lower() == "none" else list_of(int)(text)
 
@@ -275,7 +275,7 @@ def _add_validate(sub) -> None:
     p.add_argument("--sample-rows", dest="sample_rows", type=int, help="query rows checked at full length (default 16)")
     p.add_argument("--local-lengths", dest="local_lengths", type=list_of(int),
                    help="ring-local lengths of the scaled-down cases, tokens per rank (default 2,6,16)")
-    p.add_argument("--ragged-lengths", dest="ragged_lengths", type=_ragged_lengths,
+    p.add_argument("--ragged-lengths", dest="ragged_lengths", type=ragged_lengths_flag,
                    help="tokens per rank of the ragged shards: longer than the tiles kernels walk (16-128) and a "
                         "multiple of none, run long, short, long in one process (default 130,66; none: leave them "
                         "out)")
