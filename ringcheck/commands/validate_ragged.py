@@ -55,8 +55,8 @@ def _batch_of(x: Inputs, part: slice) -> Inputs:
 
 def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
     """The ragged shards (`ragged_cases`: every distribution at tokens per rank longer than the
-    tiles and a multiple of none) on the mesh, judged on sampled query rows (`ragged_rows_sampled`)
-    and every key; and the calls that change length: in one process the ring called long, short,
+    tiles and a multiple of none), judged on sampled query rows (`ragged_rows_sampled`) and every
+    key; and the calls that change length: in one process the ring called long, short,
     long again (the first call's inputs: its bits, or else judged on its own), each judged. One
     contiguous call per length, every distribution a slice of its batch judged on its own (its
     own budget: a distribution of large values never widens another's), on `full` (where the
@@ -123,7 +123,7 @@ def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
     if len(order) < 2:
         return [row, CheckRow("calls that change length", NOT_RUN,
                               detail=f"not run: one ragged length ({order[0]} tokens per rank)")], every
-    after = [v for judged in verdicts[1:] for v in judged]  # every call that came after another length
+    after = [v for judged in verdicts[1:] for v in judged]  # every call after the first (at another length)
     calls_row = summarise(changing, after, ALL_TENSORS)
     calls_row.detail += ("; the last call (the first call's inputs again, after a shorter one) gave " +
                          ("the same bits as the first (its verdict is the first's)" if again else
