@@ -41,8 +41,13 @@ RINGS = {
     "torch_cp": ("torch_cp", [], {}, ()),
     "ring_flash_attn:zigzag": ("ring_flash_attn:zigzag", STAND_IN, {}, ()),
     "yunchang:ring:zigzag": ("yunchang:ring:zigzag", STAND_IN, {}, ()),
-    **{name: (f"{LENGTHS}:{name}", [], {}, (RAGGED, CHANGING))
-       for name in ("tail_keys_forward", "tail_dkdv_backward", "tail_query_rows", "stale_workspace")},
+    **{name: (f"{LENGTHS}:{name}", [], {}, (RAGGED,))
+       for name in ("tail_keys_forward", "tail_dkdv_backward", "tail_query_rows")},
+    "stale_workspace": (f"{LENGTHS}:stale_workspace", [], {}, (CHANGING,)),
+    # every other case at one length in its processes (one distribution, one scaled length): the
+    # length change alone shows the stale workspace
+    "stale_workspace, one length elsewhere": (f"{LENGTHS}:stale_workspace", ["--distributions", "normal",
+                                                                             "--local-lengths", "2"], {}, (CHANGING,)),
     # under Triton's interpreter every kernel program runs in Python: a smaller target (two
     # distributions, 2/1 heads of 32, 512 tokens), the ragged shards as at the defaults
     "ringcheck triton (interpreter)": ("ringcheck", ["--backend", "triton", *TRITON_SMALL], TRITON, ()),
@@ -76,7 +81,7 @@ def run_validate(impl: str, flags: list[str], env: dict) -> dict:
     return {"exit": done.returncode, "seconds": round(seconds, 1),
             "failing": [name for name, r in rows.items() if r["status"] == "fail"],
             **{key: None if r is None else {"check": r["check"], "status": r["status"], "ratio": ratio(r),
-                                             "tensors": {t: round(v["ratio"], 3) for t, v in r["tensors"].items()},
+                                             "tensors": {t: round(float(v["ratio"]), 3) for t, v in r["tensors"].items()},
                                              "detail": r["detail"][:DETAIL_CHARS]}
                for key, r in pick.items()}}
 
