@@ -229,6 +229,7 @@ REGISTRIES = {
     "ringcheck.catalogue.embedded_mutants": ("EMBEDDED_MUTANTS", ("gather_textbook",)),
     "ringcheck.catalogue.wrapped_mutants": ("WRAPPED_MUTANTS", ("textbook_nondeterministic",)),
     "ringcheck.catalogue.promise_mutants": ("PROMISE_MUTANTS", ()),
+    "ringcheck.catalogue.length_mutants": ("LENGTH_MUTANTS", ()),
 }
 
 

@@ -26,7 +26,8 @@ from ringcheck.spec import AttentionSpec, RingSpec
 
 EMBEDDED = "ringcheck.catalogue.embedded_mutants"
 SMALL = dict(seq_len=256, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16", causal=True, layout="zigzag",
-             world_size=4, local_lengths=(2, 6), sample_rows=8, distributions=("normal",))
+             world_size=4, local_lengths=(2, 6), sample_rows=8, distributions=("normal",),
+             ragged_lengths=())  # the ragged rows: suites/test_lengths.py
 LAYOUTS_ROW = "input layouts: fused qkv views, k/v strides, non-contiguous dout"
 TWO_CALLS_ROW = "two calls before backward"
 

@@ -211,7 +211,7 @@ def test_validate_reports_the_precision_rows_and_fails_a_narrowed_dq(ring_proces
     backward row fails it by >= 3x on dq alone; the forward row passes."""
     target = Target(seq_len=64, world_size=2, heads=4, kv_heads=2, head_dim=32, dtype="float16", causal=True,
                     layout="zigzag", impl="ringcheck.catalogue.precision_mutants:narrow_dq_bfloat16",
-                    local_lengths=(16,), sample_rows=4, distributions=("normal", "outlier"))
+                    local_lengths=(16,), sample_rows=4, distributions=("normal", "outlier"), ragged_lengths=())
     rows = {r.check: r for r in validate(target, ring_processes, recompute=False)}
     forward = rows["precision forward  vs flash-style kernel (local 16)"]
     backward = rows["precision backward vs flash-style kernel (local 16)"]

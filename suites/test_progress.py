@@ -63,8 +63,9 @@ def test_validate_notes_reach_the_command_that_drives_the_ring():
     with LocalRings(timeout=60) as rings:
         rows = validate(target, rings, progress=got.append)
     assert all(r.passed for r in rows)
-    assert len(got) == validate_steps(target) == 6
+    assert len(got) == validate_steps(target) == 9  # 2 scaled cases, 3 ragged calls (130, 66, 130), 4 more
     assert got[:2] == ["normal, 2 tokens per rank", "normal, 6 tokens per rank"]
+    assert got[2:5] == [f"ragged shards: {n} tokens per rank, 1 distribution(s)" for n in (130, 66, 130)]
     assert "full length 32" in got and "determinism" in got and "recompute under activation checkpointing" in got
 
 
@@ -72,9 +73,10 @@ def test_validate_off_a_terminal_prints_no_progress(capsys, tmp_path):
     code = cli.main(["validate", *SMALL, "--report", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == cli.EXIT_OK
-    assert "validating" not in out and "tokens per rank" not in out and "determinism (two" in out
+    note = "normal, 2 tokens per rank"  # a progress note (the ragged rows' names say "tokens per rank" too)
+    assert "validating" not in out and note not in out and "determinism (two" in out
     doc = json.loads((tmp_path / "validate.json").read_text())
-    assert "validating" not in json.dumps(doc) and "tokens per rank" not in (tmp_path / "validate.md").read_text()
+    assert "validating" not in json.dumps(doc) and note not in (tmp_path / "validate.md").read_text()
 
 
 def test_quiet_is_a_flag_of_every_long_command():

@@ -21,6 +21,7 @@ from ringcheck.adapters import Impl, load_impl
 from ringcheck.catalogue.mutants import MUTANTS
 from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from ringcheck.commands.validate import CheckRow, Target, report_dict, validate
+from ringcheck.commands.validate_target import RAGGED_LENGTHS
 from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, meta
 from ringcheck.judge.check import token_owners
 from ringcheck.judge.verdict import judge
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # a small target of the catalogue's family: causal zig-zag, GQA, bf16, 4 ranks
 SMALL = dict(seq_len=256, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16", causal=True,
              layout="zigzag", world_size=4, local_lengths=(2, 6, 16), sample_rows=8,
-             distributions=("normal", "sink"))
+             distributions=("normal", "sink"), ragged_lengths=())  # the ragged rows: suites/test_lengths.py
 
 # what each mutant needs to show itself (everything else: SMALL)
 SPECIAL = {
@@ -57,9 +58,10 @@ def _failed(rows):
 
 @pytest.mark.parametrize("impl", ["ringcheck", "ringcheck.catalogue.mutants:textbook"])
 def test_correct_rings_pass(ring_processes, impl):
-    rows = _rows(ring_processes, impl=impl)
+    rows = _rows(ring_processes, impl=impl, ragged_lengths=RAGGED_LENGTHS)
     assert not _failed(rows), "\n".join(f"{r.check}: {r.detail}" for r in rows if r.status == "fail")
     checks = [r.check for r in rows]
+    assert "ragged shards (66, 130 tokens per rank)" in checks
     assert any(c.startswith("forward  full length 256") for c in checks)
     assert "determinism (two runs, same bits)" in checks and "no NaN/Inf" in checks
 

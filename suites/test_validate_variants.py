@@ -16,7 +16,8 @@ from ringcheck.launch import RingError
 
 VARIANT_TARGET = dict(seq_len=128, world_size=4, layout="zigzag_docs", documents="random:4", pad=16,
                       window=(24, 0), softcap=20.0, sinks=True, head_dim_v=16, head_dim=32,
-                      local_lengths=(4,), distributions=("normal", "near-uniform", "outlier"), sample_rows=8)
+                      local_lengths=(4,), distributions=("normal", "near-uniform", "outlier"), sample_rows=8,
+                      ragged_lengths=())  # the ragged rows with every variant: suites/test_lengths.py
 
 
 # implementations under the --impl contract that each drop one variant (module-level: the ranks import them)
@@ -107,7 +108,7 @@ def test_the_report_says_which_variants_were_validated(tmp_path):
 _FLAGS = {"cu_seqlens": dict(documents="7,17,1,23", pad=16), "window": dict(window=(5, 0)),
           "softcap": dict(softcap=0.5), "sinks": dict(sinks=True)}
 MUTANT_TARGET = dict(seq_len=64, world_size=4, head_dim=16, local_lengths=(4,), distributions=("normal", "wide"),
-                     sample_rows=8)
+                     sample_rows=8, ragged_lengths=())
 
 
 def _mutant_target(name: str) -> Target:

@@ -23,7 +23,8 @@ from ringcheck.render.terminal import print_check_rows
 
 WRAPPED = "ringcheck.catalogue.wrapped_mutants"
 SMALL = dict(seq_len=64, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16", causal=True, layout="zigzag",
-             world_size=2, local_lengths=(2,), sample_rows=4, distributions=("normal",))
+             world_size=2, local_lengths=(2,), sample_rows=4, distributions=("normal",),
+             ragged_lengths=())  # the ragged rows: suites/test_lengths.py
 
 
 def _rows(ring_processes, **changes):

@@ -25,6 +25,30 @@ from ringcheck.ring.layouts import positions
 
 LAYOUT = "zigzag"
 BUCKET = 8  # the `drops_remainder` bug works in buckets of this many tokens
+TILE = 64  # the tail bugs (`ringcheck.catalogue.length_mutants`) walk a shard in tiles of this many tokens
+
+
+def tiled(n: int) -> int:
+    """How many of a shard's `n` tokens a block kernel with the grid `n // TILE` (not
+    `cdiv(n, TILE)`) reaches: all of them in one tile or less, and at a multiple of the tile;
+    the ragged last tile is left out otherwise."""
+    return n if n <= TILE else n // TILE * TILE
+
+
+_RECEIVED: dict = {}  # the `stale_workspace` bug's receive workspace, per process, sized by the longest call yet
+
+
+def _workspace(kv, n: int):
+    """The `stale_workspace` bug: the K/V block received into a module-level workspace kept from
+    earlier calls (grown, never shrunk) and read to the workspace's length, not the call's: the
+    tail past `n` holds an earlier, longer call's keys. (k, v, how many keys were read)."""
+    key = (kv[0].shape[0], kv[0].shape[2], kv[0].shape[3], kv[1].shape[3])
+    held = _RECEIVED.get(key)
+    if held is None or held[0].shape[1] < n:
+        held = _RECEIVED[key] = [torch.zeros(t.shape, dtype=torch.float32) for t in kv]
+    for buffer, t in zip(held, kv):
+        buffer[:, :n] = t.float()
+    return held[0], held[1], held[0].shape[1]
 
 
 # ---------------------------------------------------------------- communication
@@ -154,10 +178,21 @@ class _Ring(torch.autograd.Function):
             src = (rank - step) % world
             if step < world - 1:
                 requests, incoming = _exchange(group, kv, bugs)
-            s = _scores(q, kv[0].float(), _visible(rank, src, world, n, causal, bugs), scale, bugs)
+            keys, values, mask = kv[0].float(), kv[1].float(), _visible(rank, src, world, n, causal, bugs)
+            if "stale_workspace" in bugs and step > 0:  # reads the workspace to its length, stale tail and all
+                keys, values, held = _workspace(kv, n)
+                if held > n:
+                    mask = torch.cat([torch.ones(n, n, dtype=torch.bool) if mask is None else mask,
+                                      torch.ones(n, held - n, dtype=torch.bool)], dim=1)
+            s = _scores(q, keys, mask, scale, bugs)
+            if "tail_keys_forward" in bugs:  # the key tiles' grid is n // TILE: the ragged last tile never read
+                s[..., tiled(n):] = float("-inf")
             block_lse = torch.logsumexp(s, -1)
             p = torch.exp(s - block_lse.masked_fill(torch.isneginf(block_lse), 0.0).unsqueeze(-1))
-            block_out = torch.einsum("bhqk,bkhd->bqhd", p, _kv_heads(kv[1].float(), h, bugs))
+            block_out = torch.einsum("bhqk,bkhd->bqhd", p, _kv_heads(values, h, bugs))
+            if "tail_query_rows" in bugs:  # the query tiles' grid is n // TILE: the ragged last tile never written
+                block_out[:, tiled(n):] = 0.0
+                block_lse[..., tiled(n):] = float("-inf")
             out, lse = _merge(out, lse, block_out, block_lse, bugs)
             if "low_precision_partial" in bugs:  # partial output kept in the input dtype
                 out = out.to(dtype).float()
@@ -210,6 +245,8 @@ class _Ring(torch.autograd.Function):
             s = _scores(q, k_s, _visible(rank, src, world, n, causal, bugs), scale, bugs)
             row_lse = block_lses[step] if "block_lse_backward" in bugs else lse
             p = torch.exp(s - row_lse.masked_fill(torch.isneginf(row_lse), 0.0).unsqueeze(-1))
+            if "tail_query_rows" in bugs:  # the backward's query tiles: the same grid, the tail rows never read
+                p[..., tiled(n):, :] = 0.0
             kk, vv = _kv_heads(k_s, h, bugs), _kv_heads(v_s, h, bugs)
             dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
             dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
@@ -223,6 +260,8 @@ class _Ring(torch.autograd.Function):
             else:
                 dk = dk.view(b, n, kvh, group_size, d).sum(3)
                 dv = dv.view(b, n, kvh, group_size, dv.shape[-1]).sum(3)
+            if "tail_dkdv_backward" in bugs:  # the dK/dV program's grid over key tiles is n // TILE
+                dk[:, tiled(n):], dv[:, tiled(n):] = 0.0, 0.0
             dkv = [dkv[0] + dk, dkv[1] + dv]
             last = step == world - 1
             if last and "dkdv_not_home" in bugs:
@@ -293,4 +332,5 @@ CATALOGUES = {
     "ringcheck.catalogue.embedded_mutants": "EMBEDDED_MUTANTS",
     "ringcheck.catalogue.wrapped_mutants": "WRAPPED_MUTANTS",
     "ringcheck.catalogue.promise_mutants": "PROMISE_MUTANTS",
+    "ringcheck.catalogue.length_mutants": "LENGTH_MUTANTS",
 }

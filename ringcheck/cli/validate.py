@@ -45,11 +45,16 @@ from .common import (
 _VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v")  # `VariantOptions`
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
-                 "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad",
+                 "ragged_lengths", "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad",
                  "compile")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
+
+
+def ragged_lengths_flag(text: str) -> tuple[int, ...]:
+    """--ragged-lengths: a comma-separated list of tokens per rank, or none."""
+    return () if text.strip().lower() == "none" else list_of(int)(text)
 
 
 def read_config(path_text: str) -> dict:
@@ -129,6 +134,8 @@ def rerun_command(target: Target, timeout: float, *, torchrun: bool = False, wor
             flags += ["--quick"] if tuple(value) == QUICK_LENGTHS else [flag, ",".join(map(str, value))]
         elif name == "distributions":
             flags += [flag, ",".join(value)]
+        elif name == "ragged_lengths":
+            flags += [flag, ",".join(map(str, value)) or "none"]
         elif name == "sinks_grad" and not target.sinks:
             continue
         else:
@@ -268,6 +275,10 @@ def _add_validate(sub) -> None:
     p.add_argument("--sample-rows", dest="sample_rows", type=int, help="query rows checked at full length (default 16)")
     p.add_argument("--local-lengths", dest="local_lengths", type=list_of(int),
                    help="ring-local lengths of the scaled-down cases, tokens per rank (default 2,6,16)")
+    p.add_argument("--ragged-lengths", dest="ragged_lengths", type=ragged_lengths_flag,
+                   help="tokens per rank of the ragged shards: longer than the tiles kernels walk (16-128) and a "
+                        "multiple of none, run long, short, long in one process (default 130,66; none: leave them "
+                        "out)")
     p.add_argument("--distributions", type=list_of(str),
                    help="logit distributions of the scaled-down cases (default: every registered one)")
     p.add_argument("--quick", action="store_true",

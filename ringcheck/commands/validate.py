@@ -12,6 +12,10 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
   case also as two calls before one backward on views of fused projections: forward and
   backward of every group against float64 and the same-dtype peer, and the precision class
   (`validate_steps`);
+- the ragged shards (`validate_ragged`): every distribution at tokens per rank
+  longer than the tiles block kernels walk and a multiple of none (66, 130), on sampled query
+  rows (every ragged tail among them) and every key, the lengths in turn in one process (long,
+  short, long again: the calls that change length);
 - at the full target length (on the target world: a ring that is the whole world, or the
   mesh), sampled query rows against the row-sampled reference (never an N x N matrix);
 - NaN/Inf anywhere; determinism (two runs, same bits); output shape and dtype; what the mesh
@@ -36,9 +40,10 @@ from ..harness.mesh import REPLICA
 from ..harness.settings import torch_threads
 from ..spec import Budget
 from .validate_promises import promise_rows, promise_steps
+from .validate_ragged import ragged_rows
 from .validate_rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
 from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
-from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, scaled_cases
+from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, ragged_cases, scaled_cases
 from .validate_wrapped import RECOMPUTE_ROW, compile_row, recompute_row
 
 __all__ = ["SCALED_MIN_BATCH", "CheckRow", "Placement", "Target", "check_variant_keywords", "placement",
@@ -89,7 +94,7 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
 def validate_steps(target: Target, promises=(), recompute: bool = True) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism,
     recompute (asked for, and not under --forward-only), compile (with it) and the promises measured."""
-    return (len(scaled_cases(target)) + 3 + (recompute and not target.forward_only) + target.compile
+    return (len(scaled_cases(target)) + len(ragged_cases(target)) + 3 + (recompute and not target.forward_only) + target.compile
             + promise_steps(promises))
 
 
@@ -119,11 +124,13 @@ def _rows(target, processes, options, where, budget, progress, stand_in, promise
     run = Run(target, Runner(processes, options), where.scaled, budget,
               progress if getattr(processes, "is_main", True) else None)
     rows = scaled_rows(run)
+    ragged, ragged_verdicts = ragged_rows(run, where.full)
     full, full_verdicts = full_length_rows(run, where.full)
     determinism = run.determinism_row()
     wrapped = [recompute_row(run, determinism.passed) if recompute else not_asked(RECOMPUTE_ROW),
                compile_row(run, determinism.passed)]
-    return [*([stand_in] if stand_in else []), *rows, *full, finite_row([*run.verdicts, *full_verdicts]),
+    return [*([stand_in] if stand_in else []), *rows, *ragged, *full,
+            finite_row([*run.verdicts, *ragged_verdicts, *full_verdicts]),
             determinism, *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
             balance_row(target, target.world_size), *promise_rows(target, run.runner, promises, require, run.note,
                                                                   cheap=True)]

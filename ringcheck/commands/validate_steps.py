@@ -307,6 +307,21 @@ def _certify_row_reference(spec: AttentionSpec, sparse: Inputs, rows: torch.Tens
                     f"normwise relative difference of out, lse, dq at rows {few.tolist()}")
 
 
+def judge_sampled(run: Run, spec: AttentionSpec, whole: Results, x: Inputs, rows: torch.Tensor, refs, tensors,
+                   group: str, batch: slice = slice(None)) -> Verdict:
+    """One group's contiguous results (`whole`; of the batch elements `batch`) on sampled query
+    rows (`rows`; dk and dv of every key) against the row references `refs` (float64,
+    same-dtype peer) of `x`, those batch elements' inputs."""
+    lse = whole.lse if whole.lse is not None else torch.zeros(whole.out.shape[0], whole.out.shape[2],
+                                                               whole.out.shape[1])
+    got = Results(whole.out[batch, rows], lse[batch][:, :, rows], None if whole.dq is None else whole.dq[batch, rows],
+                  *(None if t is None else t[batch] for t in (whole.dk, whole.dv)), whole.dsinks,
+                  whole.dsinks_parts, whole.sinks_grad)
+    verdict = judge_rows(spec, run.target.ring, got, *refs, rows, tensors, run.budget, x)
+    verdict.group = group
+    return verdict
+
+
 def full_length_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
     """The full target length on sampled rows (dq of the rows, dk and dv of every key) on every
     group of `full` (alone where the scaled cases had to go alone), and the certification of
@@ -324,16 +339,8 @@ def full_length_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict
     references = [(row_results(spec, x, rows, low=False), row_results(spec, x, rows, low=True)) for x in sparse]
     runs = pending()
     tensors = judged_tensors(run.returns_lse, target.forward_only)
-    verdicts = []
-    for grun, x, (true_rows, peer_rows) in zip(runs, sparse, references):
-        whole = grun.calls[CONTIGUOUS]
-        lse = whole.lse if whole.lse is not None else torch.zeros(whole.out.shape[0], whole.out.shape[2],
-                                                                   whole.out.shape[1])
-        got = Results(whole.out[:, rows], lse[:, :, rows], None if whole.dq is None else whole.dq[:, rows],
-                      whole.dk, whole.dv, whole.dsinks, whole.dsinks_parts, whole.sinks_grad)
-        verdict = judge_rows(spec, target.ring, got, true_rows, peer_rows, rows, tensors, run.budget, x)
-        verdict.group = _label(grun, full)
-        verdicts.append(verdict)
+    verdicts = [judge_sampled(run, spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors, _label(grun, full))
+                for grun, x, refs in zip(runs, sparse, references)]
     where = f" on {full.rings} CP groups of mesh {full.text}" if full.rings > 1 else ""
     return [certified,
             summarise(f"forward  full length {spec.seq_len}, {len(rows)} rows{where}", verdicts, ("out", "lse")),

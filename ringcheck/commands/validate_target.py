@@ -23,6 +23,12 @@ from ..ring.loops import check_sinks_grad
 from ..spec import AttentionSpec, RingSpec, is_custom_layout
 
 SCALED_MIN_BATCH = 2  # the scaled-down cases' least batch
+# The ragged shards' tokens per rank: longer than the tiles block kernels walk (16, 32, 64, 128)
+# and a multiple of none of them (66 = 64 + 2, 130 = 128 + 2; their zig-zag chunks 33 and 65 are
+# odd), so a kernel whose grid is `n // TILE` leaves a ragged tile out at each
+# (docs/explanation/ragged-lengths.md). The first is the longest: the cases alternate long and
+# short in one process (`ragged_cases`), the calls that change length.
+RAGGED_LENGTHS = (130, 66)
 
 # each field's type, as a config may spell it: (python types accepted, words for the message)
 _INT, _FLOAT, _STR, _BOOL = (int,), (int, float), (str,), (bool,)
@@ -34,6 +40,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {  # name -> (types
     "world_size": (_INT, "an integer", False), "impl": (_STR, "a string", False),
     "backend": (_STR, "a string", False), "seed": (_INT, "an integer", False),
     "sample_rows": (_INT, "an integer", False), "local_lengths": ((list, tuple), "a list of integers", False),
+    "ragged_lengths": ((list, tuple), "a list of integers (empty: none)", False),
     "distributions": ((list, tuple), "a list of strings", True), "documents": (_STR, 'a string ("LEN,LEN,..." or '
                                                                                     '"random:K")', True),
     "pad": (_INT, "an integer", False), "window": ((list, tuple), "a list of two integers [LEFT, RIGHT]", True),
@@ -42,7 +49,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {  # name -> (types
     "forward_only": (_BOOL, "true or false", False), "mesh": (_STR, 'a string like "dp=2,cp=4"', True),
     "sinks_grad": (_STR, 'a string ("partial" or "reduced")', False), "compile": (_BOOL, "true or false", False),
 }
-_ITEMS = {"local_lengths": int, "distributions": str, "window": int}
+_ITEMS = {"local_lengths": int, "ragged_lengths": int, "distributions": str, "window": int}
 
 
 def check_keys(values: dict[str, Any], known, source: str) -> None:
@@ -90,6 +97,7 @@ class Target:
     seed: int = 0
     sample_rows: int = 16
     local_lengths: tuple[int, ...] = (2, 6, 16)
+    ragged_lengths: tuple[int, ...] = RAGGED_LENGTHS  # tokens per rank of the ragged shards; () leaves them out
     distributions: tuple[str, ...] | None = None  # None: every registered distribution
     # attention variants (`VariantOptions`; none by default): the training configuration
     documents: str | None = None
@@ -130,6 +138,10 @@ class Target:
             if n < 1 or (self.layout in ("zigzag", "zigzag_docs") and n % 2):
                 raise ValueError(f"local length {n} does not fit the {self.layout} layout "
                                  f"(zigzag needs an even number of tokens per rank)")
+        for n in self.ragged_lengths:
+            if n < 2:
+                raise ValueError(f"ragged length {n}: the ragged shards need 2 tokens per rank or more (pass "
+                                 f"--ragged-lengths none to leave them out)")
         for name in self.distributions or ():
             if name not in DISTRIBUTIONS:
                 raise ValueError(f"distribution {name!r} is unknown; choose from {sorted(DISTRIBUTIONS)}")
@@ -187,7 +199,7 @@ class Target:
         normalised = {key.replace("-", "_"): value for key, value in values.items()}
         check_keys(normalised, [f.name for f in dataclasses.fields(cls)], source)
         check_types(normalised, source=source)
-        for key in ("local_lengths", "distributions", "window"):
+        for key in ("local_lengths", "ragged_lengths", "distributions", "window"):
             if isinstance(normalised.get(key), list):
                 normalised[key] = tuple(normalised[key])
         return cls(**normalised)
@@ -209,14 +221,59 @@ def check_variant_keywords(impl: Impl, target: Target) -> None:
 WHOLE_SEQUENCE_ONLY = ("late-max",)
 
 
-def scaled_cases(target: Target) -> list[Case]:
-    """The scaled-down cases: every distribution at every ring-local length, at the target's
-    batch (2 at least), heads, dtype, layout and variant."""
+def _distributions(target: Target) -> tuple[str, ...]:
     dists = target.distributions or tuple(DISTRIBUTIONS)
     if target.full_spec().variant.masks_tokens:
         dists = tuple(d for d in dists if d not in WHOLE_SEQUENCE_ONLY) or ("normal",)
+    return dists
+
+
+def scaled_cases(target: Target) -> list[Case]:
+    """The scaled-down cases: every distribution at every ring-local length, at the target's
+    batch (2 at least), heads, dtype, layout and variant."""
+    dists = _distributions(target)
     cases = []
     for i, (dist_name, n) in enumerate(itertools.product(dists, target.local_lengths)):
         spec = target.spec(n * target.world_size, target.scaled_batch, seed=target.seed + i)
         cases.append(Case(spec, target.ring, seed=target.seed + i, distribution=dist_name, backend=target.backend))
     return cases
+
+
+RAGGED_SEED = 7_000_003  # the ragged cases' seed offset (other data than the scaled cases')
+
+
+def ragged_fit(target: Target) -> tuple[tuple[int, ...], list[str]]:
+    """The ragged lengths the target's layout (and variant) can hold, and a sentence for each it
+    cannot (left out, and said so in the row: a layout is never handed a shard it cannot hold)."""
+    fit, left_out = [], []
+    for n in target.ragged_lengths:
+        try:
+            target.ring.check_seq_len(n * target.world_size)
+            target.spec(n * target.world_size, target.scaled_batch)
+        except ValueError as exc:
+            left_out.append(f"{n} tokens per rank left out: {str(exc).splitlines()[0]}")
+            continue
+        fit.append(n)
+    return tuple(fit), left_out
+
+
+def ragged_cases(target: Target) -> list[list[Case]]:
+    """The ragged shards, as the calls that run them: every distribution at each ragged length
+    (longest first, then the others in turn), then the first call again (its inputs: the same
+    bits expected), so that one rank process calls the ring long, short, long again. Each call
+    holds every distribution's case at that length: one call, each distribution a slice of its
+    batch, judged on its own (`validate_steps.ragged_rows`); with sinks (one per head, shared by
+    the batch) each distribution is a call of its own."""
+    lengths, _ = ragged_fit(target)
+    if not lengths:
+        return []
+    calls, dists = [], _distributions(target)
+    # a bundle's batch is its distributions' (2 at least, as every scaled case's): one element each
+    batch = target.scaled_batch if target.sinks or len(dists) < SCALED_MIN_BATCH else 1
+    for n in sorted(set(lengths), reverse=True):
+        seed = target.seed + RAGGED_SEED + n
+        spec = target.spec(n * target.world_size, batch, seed=seed)
+        bundle = [Case(spec, target.ring, seed=seed + i, distribution=d, backend=target.backend)
+                  for i, d in enumerate(dists)]
+        calls += [[case] for case in bundle] if target.sinks else [bundle]
+    return [*calls, calls[0]] if len(set(lengths)) > 1 else calls

@@ -39,6 +39,11 @@ def make_inputs(spec: AttentionSpec, *, seed: int, distribution: str = "normal",
     return Inputs(*(t.to(dt).to(device) for t in (q, k, v, dout)), sinks=sinks)
 
 
+# the tiles block kernels walk a shard in (flash-attn 64/128, Triton autotuned 16-128): the last,
+# partial tile of a shard longer than one and not a multiple of it is where kernels break
+TILES = (16, 32, 64, 128)
+
+
 def sample_rows(seq_len: int, count: int, seed: int) -> torch.Tensor:
     """`count` query rows of a sequence (at most seq_len): the first and the last, plus random
     others, sorted, without repeats; the same for every rank."""

@@ -35,15 +35,18 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from ..judge.check import Case
-from ..spec import DOC_LAYOUTS, AttentionSpec, RingSpec
+from ..spec import AttentionSpec, RingSpec
 from . import embedded_properties as eprops
 from . import properties as props
 from . import variant_properties as vprops
 from . import wrapped_properties as wprops
+from .impl_draws import plain as _plain
+from .impl_draws import ragged as _ragged
+from .impl_draws import ragged_examples
+from .impl_draws import variants as _variants
 from .impl_promises import PROMISES, check_promise
 from .impl_runner import Refused
-from .strategies import cases
-from .variant_strategies import variant_bounds, variant_cases, with_variant_options
+from .variant_strategies import variant_bounds, with_variant_options
 
 NOT_RUN = "not run: --ring-forward-only (the backward half of this property: dq, dk, dv)"
 A = (1.0, -1.0, 0.5, 2.0)  # coefficients of the linearity property
@@ -70,10 +73,11 @@ def pytest_generate_tests(metafunc):
 _REFUSALS: list[str] = []  # the adapter's refusals during the current search
 
 
-def _search(body) -> None:
+def _search(body, max_examples: int | None = None) -> None:
     """Run `body(data)` under Hypothesis with the loaded profile (--profile; derandomized under
-    torchrun, so every rank draws the same examples). Cases the implementation's own rules
-    refuse are drawn again; a property whose every case is refused is skipped with the reason.
+    torchrun, so every rank draws the same examples), at most `max_examples` examples where
+    given. Cases the implementation's own rules refuse are drawn again; a property whose every
+    case is refused is skipped with the reason.
 
     A failure shows the shrunk case and the `reproduce:` line of `_holds`, and nothing meant for
     ringcheck's own developers: no `@reproduce_failure` blob (a user cannot decorate a test of
@@ -82,7 +86,8 @@ def _search(body) -> None:
     _REFUSALS.clear()
     profile = settings.default
     search = settings(profile, suppress_health_check=[*profile.suppress_health_check, HealthCheck.filter_too_much],
-                      print_blob=False, phases=[phase for phase in profile.phases if phase is not Phase.explain])
+                      print_blob=False, phases=[phase for phase in profile.phases if phase is not Phase.explain],
+                      max_examples=min(profile.max_examples, max_examples or profile.max_examples))
     try:
         search(given(data=st.data())(body))()
     except Unsatisfiable:
@@ -106,49 +111,6 @@ def _holds(cfg, check, name: str, case, **params) -> None:
     except (RuntimeError, ValueError, TypeError) as exc:  # the implementation raised, died or broke the contract
         raise AssertionError(f"{name} could not run {case.describe()}: {type(exc).__name__}: {exc}\n"
                              f"  reproduce: {cfg.repro(name, case, **params)}") from None
-
-
-def _plain(cfg, bounds, *, causal=(False, True), min_group=1):
-    """Plain cases on the run's ring sizes, layouts and dtypes, in the modes the implementation runs."""
-    modes = [(layout, c) for layout in cfg.plain_layouts for c in causal if cfg.runnable(layout, c)]
-    if not modes:
-        pytest.skip(f"--ring-impl {cfg.spec} runs none of the layouts {list(cfg.plain_layouts)} "
-                    f"{'causal' if causal == (True,) else 'bidirectional' if causal == (False,) else ''}")
-    if min_group > bounds.max_heads:
-        pytest.skip(f"grouped-query cases need max_heads >= {min_group} (profile bounds {bounds})")
-
-    @st.composite
-    def draw(d):
-        p = d(st.sampled_from(cfg.world_sizes), label="ring size")
-        layout, c = d(st.sampled_from(modes), label="mode")
-        return d(cases(bounds, dtypes=cfg.dtypes, layouts=(layout,), causal=(c,), world_size=p, min_group=min_group))
-    return draw()
-
-
-def _variants(cfg, bounds, needs=(), **features):
-    """Variant cases with only the features whose keywords the implementation takes."""
-    took = cfg.accepts(("cu_seqlens", "window", "softcap", "sinks"))
-    missing = [n for n in needs if n not in took]
-    if missing:
-        pytest.skip(f"--ring-impl {cfg.spec} takes no {', '.join(missing)}= keyword (the --impl contract's "
-                    f"optional variant keywords)")
-    features.setdefault("documents", (False, True) if "cu_seqlens" in took else (False,))
-    features.setdefault("windowed", (False, True) if "window" in took else (False,))
-    features.setdefault("softcapped", (False, True) if "softcap" in took else (False,))
-    features.setdefault("sinks", (None, "normal") if "sinks" in took else (None,))
-    features.setdefault("own_v_dim", (False,))  # a value head dim of its own: its own test
-    layouts = tuple(x for x in cfg.layouts if x not in DOC_LAYOUTS or "cu_seqlens" in took)
-    modes = [(layout, c) for layout in layouts for c in (False, True)
-             if cfg.runnable("zigzag" if layout in DOC_LAYOUTS else layout, c)]
-    if not modes:
-        pytest.skip(f"--ring-impl {cfg.spec} runs none of the layouts {list(cfg.layouts)}")
-
-    @st.composite
-    def draw(d):
-        p = d(st.sampled_from(cfg.world_sizes), label="ring size")
-        layout, c = d(st.sampled_from(modes), label="mode")
-        return d(variant_cases(bounds, dtypes=cfg.dtypes, layouts=(layout,), causal=(c,), world_size=p, **features))
-    return draw()
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +209,33 @@ def test_ring_size_and_layout_invariance(cfg, ring_impl, search_profile, part):
     if len(cfg.world_sizes) * len(cfg.plain_layouts) < 2:
         pytest.skip("one ring size and one layout: give --ring-world-sizes or --ring-layout more than one")
     _search(body)
+
+
+def test_budget_at_ragged_shards(cfg, ring_impl, search_profile, part):
+    """Shards longer than a tile and not a multiple of it (above 64 tokens per rank, leaning to
+    a tile +/- a few): where a kernel's last, partial tile is dropped or masked wrong. Every
+    run, at every profile (ci too)."""
+    strategy = _ragged(cfg, search_profile.bounds)
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        _holds(cfg, lambda c: props.check_budget(c, impl=ring_impl), "check_budget", case)
+    _search(body, max_examples=ragged_examples(search_profile))
+
+
+def test_calls_that_change_length(cfg, ring_impl, search_profile, part):
+    """One process calls the ring at a ragged shard, then a shorter one, then the long one
+    again: each within budget (a workspace kept from an earlier, longer call fails it)."""
+    strategy = _ragged(cfg, search_profile.bounds)
+
+    def body(data):
+        case = data.draw(strategy, label="case")
+        step = case.ring.chunks // case.ring.world_size
+        tokens = case.spec.seq_len // case.ring.world_size
+        shorter = step * data.draw(st.integers(1, (tokens - 1) // step), label="shorter tokens per rank")
+        _holds(cfg, lambda c, **p: props.check_changing_lengths(c, **p, impl=ring_impl), "check_changing_lengths",
+               case, shorter=shorter)
+    _search(body, max_examples=ragged_examples(search_profile))
 
 
 def test_determinism(cfg, ring_impl, search_profile, part):

@@ -383,6 +383,27 @@ def check_ring_invariance(case: Case, world_size: int, layout: str, impl=simulat
                       world_size=world_size, layout=layout)
 
 
+def check_changing_lengths(case: Case, shorter: int, impl=simulated_impl) -> None:
+    """One process calls the ring at the case's shard, then at `shorter` tokens per rank, then
+    at the case's again (other data each time): each call within budget of its own float64
+    truth. A ring that keeps a workspace sized by an earlier call (a receive buffer, a cached
+    mask) and reads its stale tail fails the shorter call; one that keeps the shorter call's,
+    the last."""
+    p, tokens = case.ring.world_size, case.spec.seq_len // case.ring.world_size
+    if not 1 <= shorter < tokens or (shorter * p) % case.ring.chunks:
+        raise ValueError(f"shorter={shorter} must be fewer tokens per rank than the case's {tokens} and fit its "
+                         f"{case.ring.layout} layout (a multiple of {case.ring.chunks // p} per rank)")
+    short = Case(case.spec.replace(seq_len=shorter * p), case.ring, case.seed + 1, case.distribution, case.backend)
+    calls = ((case, case.seed), (short, short.seed), (case, case.seed + 2))
+    runs = [(c, x, _run(c, x, impl)) for c, seed in calls for x in (_inputs(c, seed=seed),)]  # every run first
+    for i, (c, x, got) in enumerate(runs):
+        verdict = _verdict(c, x, got)
+        if not verdict.passed:
+            before = "" if i == 0 else f", after a call at {runs[i - 1][0].spec.seq_len // p}"
+            raise failure("check_changing_lengths", case, f"call {i + 1} of 3 ({c.spec.seq_len // p} tokens per "
+                          f"rank{before}) over budget:\n" + verdict.message(), shorter=shorter)
+
+
 def check_determinism(case: Case, impl=simulated_impl) -> None:
     """Two runs of one case give the same bits in every tensor (on the same ring)."""
     x = _inputs(case)

@@ -21,10 +21,14 @@ from hypothesis import strategies as st
 
 from ..judge.check import Case
 from ..judge.distributions import DISTRIBUTIONS, min_head_dim
+from ..judge.inputs import TILES
 from ..spec import DTYPES, LAYOUTS, AttentionSpec, RingSpec, check_int, is_custom_layout
 from .profiles import PROFILES, Bounds, Profile
 
-__all__ = ["PROFILES", "Bounds", "Profile", "cases", "tokens_per_rank", "world_sizes"]
+__all__ = ["PROFILES", "TILES", "Bounds", "Profile", "cases", "ragged_cases", "tile_tokens", "tokens_per_rank",
+           "world_sizes"]
+NEAR_TILE = 3  # how far from a tile `tile_tokens` leans (tile - 3 .. tile + 3)
+RAGGED_ABOVE = 64  # the ragged tests' shards are longer than this (one flash-attn tile)
 
 
 def world_sizes(max_world_size: int) -> st.SearchStrategy[int]:
@@ -35,17 +39,44 @@ def world_sizes(max_world_size: int) -> st.SearchStrategy[int]:
                      st.integers(1, max_world_size))
 
 
+def tile_tokens(low: int, high: int) -> st.SearchStrategy[int]:
+    """Tokens per rank in low..high, leaning to a tile of `TILES` +/- `NEAR_TILE` tokens (where a
+    kernel's last, partial tile is one token, or a few, or none): half the draws there, half
+    anywhere; shrinking goes towards `low`."""
+    check_int("low", low)
+    near = [t for t in TILES if t + NEAR_TILE >= low and t - NEAR_TILE <= high]
+    anywhere = st.integers(low, high)
+    if not near:
+        return anywhere
+    return st.one_of(anywhere, st.sampled_from(near).flatmap(
+        lambda t: st.integers(max(low, t - NEAR_TILE), min(high, t + NEAR_TILE))))
+
+
+def _tokens(draw, bounds: Bounds, p: int, layout: str, ragged: bool) -> int:
+    """Tokens per rank: up to max_tokens_per_rank; with `ragged`, above `RAGGED_ABOVE` up to
+    max(72, max_ragged_tokens); where max_ragged_tokens is the larger (nightly, deep), a third
+    of the draws lean to the tiles up to it, within the profile's sequence length. Even for
+    zigzag (two equal chunks per rank)."""
+    step = 2 if layout == "zigzag" else 1
+    if ragged:
+        tokens = draw(tile_tokens(RAGGED_ABOVE + 1, max(72, bounds.max_ragged_tokens)), label="tokens per rank")
+        return tokens + tokens % step
+    most = min(bounds.max_ragged_tokens, bounds.max_world_size * bounds.max_tokens_per_rank // p)
+    if most > bounds.max_tokens_per_rank and draw(st.integers(0, 2)) == 2:
+        tokens = draw(tile_tokens(1, most), label="tokens per rank")
+        return max(step, tokens - tokens % step)
+    return step * draw(st.integers(1, bounds.max_tokens_per_rank // step))
+
+
 @st.composite
-def _cases(draw, bounds: Bounds, dtypes, distributions, layouts, causal, backends, world_size, min_group):
+def _cases(draw, bounds: Bounds, dtypes, distributions, layouts, causal, backends, world_size, min_group,
+           ragged=False):
     distribution = draw(st.sampled_from(distributions))
     is_causal = draw(st.sampled_from(causal))
     layout = draw(st.sampled_from(layouts))
     p = world_size if world_size is not None else draw(world_sizes(bounds.max_world_size))
     ring = RingSpec(p, layout)
-    if layout == "zigzag":  # two equal chunks per rank
-        tokens = 2 * draw(st.integers(1, bounds.max_tokens_per_rank // 2))
-    else:
-        tokens = draw(st.integers(1, bounds.max_tokens_per_rank))
+    tokens = _tokens(draw, bounds, p, layout, ragged)
     kv_heads = draw(st.integers(1, bounds.max_heads // min_group))
     group = draw(st.integers(min_group, bounds.max_heads // kv_heads))
     low = min_head_dim(distribution, ring)
@@ -74,13 +105,17 @@ def _choices(name: str, values, allowed) -> tuple:
 
 def cases(bounds: Bounds = Bounds(), *, dtypes=tuple(DTYPES), distributions=tuple(DISTRIBUTIONS),
           layouts=LAYOUTS, causal=(False, True), backends=("torch",),
-          world_size: int | None = None, min_group: int = 1) -> st.SearchStrategy[Case]:
+          world_size: int | None = None, min_group: int = 1, ragged: bool = False) -> st.SearchStrategy[Case]:
     """Cases within `bounds`: every combination of mode (causal and layout), GQA ratio, odd
     and even head dims, tokens per rank from 1 (even for zigzag), dtype and distribution.
 
     `world_size` pins the ring size (a distributed run can only use its own); otherwise it
     is drawn by `world_sizes`. `min_group` > 1 draws only grouped-query attention (heads a
     multiple >= min_group of kv_heads).
+
+    Where the profile's max_ragged_tokens exceeds max_tokens_per_rank (nightly, deep), a third
+    of the draws take longer shards, leaning to a tile +/- a few tokens (`tile_tokens`). With
+    `ragged`, every draw is a ragged shard longer than 64 tokens per rank (`ragged_cases`).
 
     Shrinking goes towards the first distribution, bidirectional, the first layout, one rank,
     one token per rank, one head, head_dim 1, the first dtype, batch 1 and seed 0, so a
@@ -101,7 +136,23 @@ def cases(bounds: Bounds = Bounds(), *, dtypes=tuple(DTYPES), distributions=tupl
     if "zigzag" in layouts and bounds.max_tokens_per_rank < 2:
         raise ValueError("the zigzag layout needs 2 tokens per rank: raise max_tokens_per_rank "
                          "or leave zigzag out of layouts")
-    return _cases(bounds, dtypes, distributions, layouts, causal, backends, world_size, min_group)
+    return _cases(bounds, dtypes, distributions, layouts, causal, backends, world_size, min_group, ragged)
+
+
+RAGGED_SIZES = Bounds(max_world_size=4, max_tokens_per_rank=8, max_batch=2, max_heads=4, max_head_dim=32)
+
+
+def ragged_cases(bounds: Bounds = Bounds(), **kwargs) -> st.SearchStrategy[Case]:
+    """Cases whose shards are longer than a tile of 64 and lean to a tile +/- a few tokens (up
+    to max(72, bounds.max_ragged_tokens) per rank), on rings of up to 4 ranks with the small
+    shapes of `RAGGED_SIZES` (a ragged shard costs what a dozen small cases do): where kernels'
+    last, partial tiles break. The drawn "tokens per rank" is shown with the case."""
+    small = Bounds(max_world_size=min(bounds.max_world_size, RAGGED_SIZES.max_world_size),
+                   max_tokens_per_rank=bounds.max_tokens_per_rank, max_batch=min(bounds.max_batch, 2),
+                   max_heads=min(bounds.max_heads, RAGGED_SIZES.max_heads),
+                   max_head_dim=min(bounds.max_head_dim, RAGGED_SIZES.max_head_dim),
+                   max_ragged_tokens=bounds.max_ragged_tokens)
+    return cases(small, ragged=True, **kwargs)
 
 
 def tokens_per_rank(case: Case) -> int:

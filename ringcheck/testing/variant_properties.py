@@ -169,12 +169,26 @@ def check_variant_budget(case: Case, impl=simulated_impl) -> None:
 # ---- documents -------------------------------------------------------------------------------
 
 def document_case(case: Case, length: int) -> Case:
-    """One document of `length` tokens alone, as its own sequence (no cu_seqlens), with the
-    case's window, softcap, sinks, dtype and mask: on the case's ring where the length fits its
-    layout (zigzag for zigzag_docs), else on one rank."""
+    """One document of `length` tokens alone, as its own sequence, with the case's window,
+    softcap, sinks, dtype and mask, on the case's ring and layout (zigzag for zigzag_docs): a
+    ring run alone stays in the layout it was declared with. Where the length does not fit the
+    layout (1 token on a zig-zag ring, which needs 2 per rank), the document is padded to the
+    layout's next multiple, cu_seqlens=(0, length) marking the padding (inert: its rows and
+    keys are checked exactly 0 / -inf), so the sub-case's seq_len may exceed `length`."""
     layout = "zigzag" if case.ring.layout in DOC_LAYOUTS else case.ring.layout
     ring = RingSpec(case.ring.world_size, layout)
-    return _with(case, ring=ring if length % ring.chunks == 0 else RingSpec(1), seq_len=length, cu_seqlens=None)
+    padded = -(-length // ring.chunks) * ring.chunks
+    return _with(case, ring=ring, seq_len=padded, cu_seqlens=None if padded == length else (0, length))
+
+
+def document_inputs(x: Inputs, start: int, end: int, sub: Case) -> Inputs:
+    """Tokens `start`..`end - 1` of `x`, padded with zeros to `sub`'s length (`document_case`)."""
+    pad = sub.spec.seq_len - (end - start)
+
+    def cut(t):
+        part = t[:, start:end]
+        return part if not pad else torch.cat([part, part.new_zeros(part.shape[0], pad, *part.shape[2:])], dim=1)
+    return Inputs(*(cut(t) for t in (x.q, x.k, x.v, x.dout)), sinks=x.sinks)
 
 
 def check_documents_are_separate(case: Case, impl=simulated_impl) -> None:
@@ -196,18 +210,20 @@ def check_documents_are_separate(case: Case, impl=simulated_impl) -> None:
     for a, b in pairwise(cu):
         if b > a:
             sub = document_case(case, b - a)
-            xs = Inputs(*(t[:, a:b] for t in (x.q, x.k, x.v, x.dout)), sinks=x.sinks)
+            xs = document_inputs(x, a, b, sub)
             alone.append((a, b, sub, xs, _run(sub, xs, impl)))
     _expect_padding(check, case, packed, cu[-1])
     vp = _verdict(case, x, packed)
     dsinks, dsinks_allowed = 0.0, (vp["dsinks"].max_allowed if packed.dsinks is not None else 0.0)
     for a, b, sub, xs, got in alone:
         vs = _verdict(sub, xs, got)
+        padded = f", padded to {sub.spec.seq_len}" if sub.spec.seq_len > b - a else ""
+        _expect_padding(check, sub, got, b - a)
         for name in present(packed, TENSORS):
             _expect_within(check, case, f"{name} of document tokens {a}..{b - 1} (packed vs alone on "
-                           f"P={sub.ring.world_size} {sub.ring.layout})",
-                           _tokens(name, packed.get(name), torch.arange(a, b)), got.get(name),
-                           _budget_allowed(vp, vs, name))
+                           f"P={sub.ring.world_size} {sub.ring.layout}{padded})",
+                           _tokens(name, packed.get(name), torch.arange(a, b)),
+                           _tokens(name, got.get(name), torch.arange(b - a)), _budget_allowed(vp, vs, name))
         if x.sinks is not None and got.dsinks is not None:
             dsinks, dsinks_allowed = dsinks + got.dsinks.double(), dsinks_allowed + vs["dsinks"].max_allowed
     if x.sinks is not None and packed.dsinks is not None:
