@@ -22,17 +22,17 @@ import torch
 
 from ringcheck.reference import mp_attention
 
-from ..harness import TWO_CALLS, Mesh, Runner
-from ..harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
-from ..harness.runner import SECOND, TWO_CALLS_ON_VIEWS
-from ..judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
-from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
-from ..judge.precision import judge_precision
-from ..judge.verdict import TENSORS, Verdict
-from ..launch import RingError
-from ..spec import AttentionSpec, Budget
-from .validate_rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
-from .validate_target import Target, scaled_cases
+from ...harness import TWO_CALLS, Mesh, Runner
+from ...harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
+from ...harness.runner import SECOND, TWO_CALLS_ON_VIEWS
+from ...judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
+from ...judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
+from ...judge.precision import judge_precision
+from ...judge.verdict import TENSORS, Verdict
+from ...launch import RingError
+from ...spec import AttentionSpec, Budget
+from .rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
+from .target import Target, scaled_cases
 
 CONTIGUOUS = "contiguous"
 LAYOUT_CALLS = ("fused_qkv", "kv_strides")

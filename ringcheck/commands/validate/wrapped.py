@@ -25,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..harness import TWO_CALLS
-from ..harness.runner import SECOND
-from ..harness.wrappers import COMPILE_INFO, COMPILED, MODES, differing
-from ..launch import RingError
-from .validate_rows import NOT_RUN, CheckRow, summarise
-from .validate_steps import ALL_TENSORS, CONTIGUOUS, TWO_CALLS_ROW, Run, _Judge, _label, judged_tensors, short
+from ...harness import TWO_CALLS
+from ...harness.runner import SECOND
+from ...harness.wrappers import COMPILE_INFO, COMPILED, MODES, differing
+from ...launch import RingError
+from .rows import NOT_RUN, CheckRow, summarise
+from .steps import ALL_TENSORS, CONTIGUOUS, TWO_CALLS_ROW, Run, _Judge, _label, judged_tensors, short
 
 RECOMPUTE_ROW = "recompute: two layers under torch.utils.checkpoint"
 COMPILE_ROW = "compile: torch.compile of a function calling the ring"
