@@ -15,7 +15,7 @@ from ...judge.verdict import Verdict
 from ...launch import RingError
 from ...ring.layouts import positions
 from .rows import NOT_RUN, CheckRow, same_results, summarise
-from .steps import ALL_TENSORS, CONTIGUOUS, Run, _label, judge_sampled, judged_tensors, short
+from .steps import ALL_TENSORS, CONTIGUOUS, Run, group_label, judge_sampled, judged_tensors, short
 from .target import ragged_cases, ragged_fit
 
 
@@ -109,7 +109,7 @@ def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
                 x = _batch_of(whole, part)
                 refs = (row_results(case.spec, x, rows, low=False), row_results(case.spec, x, rows, low=True))
                 verdict = judge_sampled(run, case.spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors,
-                                         _label(grun, mesh), part)
+                                         group_label(grun, mesh), part)
                 verdict.case = f"{case.describe()}, call {i + 1} of {len(calls)}, {len(rows)} sampled rows"
                 judged.append(verdict)
         verdicts.append(judged)
