@@ -13,7 +13,7 @@ import math
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ringcheck.commands.bench_tasks import (
+from ringcheck.commands.bench.tasks import (
     BenchCase,
     call,
     case_inputs,

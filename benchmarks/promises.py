@@ -7,7 +7,7 @@ with its reason), and each mutant is caught by its own row in every run, by no o
     .venv/bin/python -m benchmarks.promises --runs 1 --ring-sizes 2 --loads 0 --out /tmp/promises
     .venv/bin/python -m benchmarks.promises --render                          # promises.md from its JSON
 
-For every system, ring size, load and run it calls `ringcheck.commands.validate_promises.
+For every system, ring size, load and run it calls `ringcheck.commands.validate.promises.
 promise_rows` (what `ringcheck validate --overlap` adds to its table) at validate's default shape
 (batch 2, 4 heads over 2 K/V heads, head dim 64, zig-zag causal, local lengths 6 and 16) on local
 gloo rings of at most 8 processes (the memory of a ring of 8 is compared on rings of 4 and 8). `--loads 0,2` runs each once idle and once beside 2 processes
@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from ringcheck.commands.validate_promises import (
+from ringcheck.commands.validate.promises import (
     HIDDEN_SHARE,
     MEMORY_BLOCKS,
     PROMISES,
     TRAFFIC_RATIO,
     promise_rows,
 )
-from ringcheck.commands.validate_target import Target
+from ringcheck.commands.validate.target import Target
 from ringcheck.harness import ImplOptions, Runner
 from ringcheck.launch import LocalRings
 

@@ -28,17 +28,16 @@ import time
 from pathlib import Path
 
 from ringcheck.commands import validate as validate_module
-from ringcheck.commands import validate_steps
-from ringcheck.commands.validate import Target, validate
+from ringcheck.commands.validate import Target, steps, validate
 from ringcheck.harness import Mesh
 from ringcheck.launch import LocalRings
 
 CONFIGS = ("clean room", "+ batch 2", "+ mesh", "+ views, two calls")  # each adds one part
 
 
-def _contiguous_only(*args, **kwargs) -> validate_steps.Run:
-    run = validate_steps.Run(*args, **kwargs)
-    run.calls = (validate_steps.CONTIGUOUS,)
+def _contiguous_only(*args, **kwargs) -> steps.Run:
+    run = steps.Run(*args, **kwargs)
+    run.calls = (steps.CONTIGUOUS,)
     return run
 
 

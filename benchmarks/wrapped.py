@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ringcheck.commands.validate import Target, validate
-from ringcheck.commands.validate_wrapped import COMPILE_ROW, RECOMPUTE_ROW
+from ringcheck.commands.validate.wrapped import COMPILE_ROW, RECOMPUTE_ROW
 from ringcheck.launch import LocalRings, RingError
 from ringcheck.launch.start import preload_in_workers
 

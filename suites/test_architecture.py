@@ -54,6 +54,8 @@ def _under(module: str, *prefixes: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
+# the commands that are packages: the entry in __init__.py, its parts beside it (issue 44)
+COMMAND_PACKAGES = ("validate", "drift", "bench")
 # (who, may not import, why)
 RULES = [
     (("ringcheck",), ("suites", "benchmarks"), "the library never imports the suites or the tools"),
@@ -91,6 +93,11 @@ RULES = [
     (("ringcheck.judge.results",), ("ringcheck.judge.check", "ringcheck.judge.conventions",
                                     "ringcheck.judge.scores", "ringcheck.judge.precision"),
      "what every judge shares sits below them all"),
+    (("ringcheck.commands",), ("ringcheck.cli", "ringcheck.render", "ringcheck.testing"),
+     "the commands compute below the CLI, the reports and the test kit that present and use them"),
+    *((("ringcheck.commands." + me,), tuple(f"ringcheck.commands.{c}" for c in COMMAND_PACKAGES if c != me),
+       "one command's package imports no other's: what two commands share moves below them")
+      for me in COMMAND_PACKAGES),
 ]
 ENTRY_IMPORTERS = ("ringcheck.__main__",)  # `python -m ringcheck` is the entry too
 PRESENTATION = ("rich", "matplotlib", "PIL")
@@ -229,6 +236,44 @@ def test_no_module_imports_upward_into_the_commands_or_the_entry():
     assert _broken_rules("ringcheck.measure.memory", [(1, "ringcheck.commands.validate", False)])
     assert not _broken_rules("ringcheck.__main__", [(1, "ringcheck.entry", False)])
     assert not _broken_rules("ringcheck.entry", [(1, "ringcheck.launch.start", False)])
+
+
+def _imports_of_the_entry(path: Path, name: str) -> list[str]:
+    """The imports by a part of a command's package (`ringcheck.commands.validate.steps`) of the
+    package's own entry, its __init__.py: the names it takes from the package itself rather than
+    from a module beside it (`from . import Target`, `from ringcheck.commands.validate import
+    validate`). The entry imports its parts, so a part that imported it would close a circle."""
+    package = next((f"ringcheck.commands.{c}" for c in COMMAND_PACKAGES
+                    if name.startswith(f"ringcheck.commands.{c}.")), None)
+    if package is None:
+        return []
+    parts = {p.stem for p in (ROOT / "ringcheck" / "commands" / package.rsplit(".", 1)[1]).glob("*.py")}
+    return [f"{name}:{line} imports {module}" for line, module, _ in _imports_of(path, name)
+            if module == package or _under(module, package)
+            and module[len(package) + 1:].split(".")[0] not in parts]
+
+
+def test_the_parts_of_a_command_sit_below_its_entry(tmp_path):
+    """Each command package's modules import modules beside them, never the package's entry;
+    a planted part that does, in either spelling, is named, and one that imports a part is not."""
+    found = [b for path in _modules() for b in _imports_of_the_entry(path, _name(path))]
+    assert not found, "a part of a command imports its entry (move what both need into a part):\n" + \
+        "\n".join(found)
+    planted = tmp_path / "part.py"
+    planted.write_text("from . import Target\nfrom ringcheck.commands.validate import validate\n"
+                       "from .target import Target\nfrom . import rows\n")
+    assert [b.split(":")[1] for b in _imports_of_the_entry(planted, "ringcheck.commands.validate.part")] == \
+        ["1 imports ringcheck.commands.validate.Target", "2 imports ringcheck.commands.validate"]
+
+
+def test_one_command_imports_no_other_commands_package():
+    """drift taking validate's target (or bench validate's rows) would tie two commands' rooms:
+    named. step, a flat module above validate, may use validate's `Target`."""
+    assert _broken_rules("ringcheck.commands.drift", [(1, "ringcheck.commands.validate.target", False)])
+    assert _broken_rules("ringcheck.commands.bench.tasks", [(1, "ringcheck.commands.drift", False)])
+    assert _broken_rules("ringcheck.commands.validate.rows", [(1, "ringcheck.cli.common", False)])
+    assert not _broken_rules("ringcheck.commands.step", [(1, "ringcheck.commands.validate.target", False)])
+    assert not _broken_rules("ringcheck.commands.validate", [(1, "ringcheck.commands.validate.steps", False)])
 
 
 def _circles() -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""Smoke tests of `ringcheck bench` (ringcheck/commands/bench.py, bench_tasks.py): a tiny grid, the document's keys,
+"""Smoke tests of `ringcheck bench` (ringcheck/commands/bench/): a tiny grid, the document's keys,
 ratios, errors beside the times, the no-comm driver, zig-zag balance. Never on timings."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringcheck.commands.bench import BENCH_MODES, BenchSpec, add_ratios, run_balance
-from ringcheck.commands.bench_tasks import (
+from ringcheck.commands.bench.tasks import (
     SDPA,
     SIMULATED,
     BenchCase,

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from ringcheck.cli import main
 from ringcheck.commands.drift import DriftSpec, Implementation, run_drift, run_simulated, seeds_for_fit
-from ringcheck.commands.drift_model import expected_model, fit_group, fit_slope, step_truths, t_quantile
-from ringcheck.commands.drift_summary import judgement, summarise
+from ringcheck.commands.drift.model import expected_model, fit_group, fit_slope, step_truths, t_quantile
+from ringcheck.commands.drift.summary import judgement, summarise
 from ringcheck.documents import (
     DRIFT_SCHEMA,
     DRIFT_SCHEMA_VERSION,

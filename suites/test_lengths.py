@@ -18,8 +18,8 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from ringcheck.commands.validate import Target, validate
-from ringcheck.commands.validate_ragged import ragged_rows_sampled
-from ringcheck.commands.validate_target import RAGGED_LENGTHS, ragged_cases, ragged_fit
+from ringcheck.commands.validate.ragged import ragged_rows_sampled
+from ringcheck.commands.validate.target import RAGGED_LENGTHS, ragged_cases, ragged_fit
 from ringcheck.judge.check import Case, simulated_impl
 from ringcheck.judge.inputs import TILES
 from ringcheck.ring.layouts import positions

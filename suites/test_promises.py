@@ -1,4 +1,4 @@
-"""validate's measurement rows (ringcheck/commands/validate_promises.py) and their instruments
+"""validate's measurement rows (ringcheck/commands/validate/promises.py) and their instruments
 (ringcheck/measure/comm.py, model.py): what a ring must hold and move, the counts of every
 torch.distributed API against bytes known in advance, the delay held on a transfer, and each
 exact mutant of ringcheck/catalogue/promise_mutants.py caught by its own row and no other, on the
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ringcheck.cli import main
-from ringcheck.commands.validate_promises import (
+from ringcheck.commands.validate.promises import (
     COMMUNICATION,
     MEMORY,
     OVERLAP,
@@ -21,8 +21,8 @@ from ringcheck.commands.validate_promises import (
     parse_require,
     promise_rows,
 )
-from ringcheck.commands.validate_rows import CheckRow
-from ringcheck.commands.validate_target import Target
+from ringcheck.commands.validate.rows import CheckRow
+from ringcheck.commands.validate.target import Target
 from ringcheck.harness import ImplOptions, Runner
 from ringcheck.measure.comm import CommCounter, union
 from ringcheck.measure.model import hops, ideal_bytes, minimum_traffic

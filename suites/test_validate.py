@@ -21,7 +21,7 @@ from ringcheck.adapters import Impl, load_impl
 from ringcheck.catalogue.mutants import MUTANTS
 from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from ringcheck.commands.validate import CheckRow, Target, report_dict, validate
-from ringcheck.commands.validate_target import RAGGED_LENGTHS
+from ringcheck.commands.validate.target import RAGGED_LENGTHS
 from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, meta
 from ringcheck.judge.check import token_owners
 from ringcheck.judge.verdict import judge

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from ringcheck.commands.validate import Target, report_dict, validate
-from ringcheck.commands.validate_wrapped import COMPILE_ROW, RECOMPUTE_ROW
+from ringcheck.commands.validate.wrapped import COMPILE_ROW, RECOMPUTE_ROW
 from ringcheck.documents import VALIDATE_SCHEMA, dumps, loads
 from ringcheck.render.html import validate_html
 from ringcheck.render.markdown import validate_markdown

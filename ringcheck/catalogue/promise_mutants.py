@@ -1,6 +1,6 @@
 """Rings that are exact and break one of the ring's other promises, under the `--impl` contract
 (zig-zag shards, like `mutants`): each gives the right values, passes every exactness check of
-validate, and is caught by one measurement row of it (`ringcheck.commands.validate_promises`):
+validate, and is caught by one measurement row of it (`ringcheck.commands.validate.promises`):
 
 - ``all_gather_kv`` (memory): an all-gather context parallel ring. It gathers every rank's K/V
   (one ``all_gather`` of the packed K/V, started before it computes its own block, so the

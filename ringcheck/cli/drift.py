@@ -28,7 +28,7 @@ from ..commands.drift import (
     run_drift,
     seeds_for_fit,
 )
-from ..commands.drift_model import MIN_FIT_SAMPLES
+from ..commands.drift.model import MIN_FIT_SAMPLES
 from ..documents import DRIFT_SCHEMA, diff_documents, exact_differences, load, require_same_spec
 from ..flash_stand_in import install as install_flash_stand_in
 from ..harness import Mesh

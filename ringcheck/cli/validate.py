@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ..adapters import load_impl
 from ..commands.validate import Target, check_variant_keywords, placement, report_dict, validate, validate_steps
-from ..commands.validate_promises import DEFAULT_PROMISES, OVERLAP, parse_require
-from ..commands.validate_rows import stand_in_row
-from ..commands.validate_target import check_keys, check_types
+from ..commands.validate.promises import DEFAULT_PROMISES, OVERLAP, parse_require
+from ..commands.validate.rows import stand_in_row
+from ..commands.validate.target import check_keys, check_types
 from ..harness import Mesh
 from ..launch import RingError, open_ring
 from ..render.files import write_validate_reports

@@ -28,7 +28,7 @@ from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
 from ..step.noise import NOISE_RUNS, narrowed_words, noise_cases, noise_unit
 from ..step.run import StepConfig, build_model, cannot_run, diagnosis_task, ring_positions, step_task
 from ..step.verdict import K_COND, budgets, data_row, judge_case, loss_rounding, relative, unit_roundoff
-from .validate_target import Target
+from .validate.target import Target
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
 # rings known to compute float64 inputs in float64 throughout (ours on its torch backends)

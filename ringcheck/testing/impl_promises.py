@@ -1,5 +1,5 @@
 """The ring's promises in the plugin's suite (`pytest --ring-impl`): validate's measurement rows
-(`ringcheck.commands.validate_promises`: memory, communication, overlap) as one test each.
+(`ringcheck.commands.validate.promises`: memory, communication, overlap) as one test each.
 
 A measurement is not a property: a ring off a promise is exact, and a test run must not cry wolf
 over a design choice (an all-gather ring is O(N) on purpose). So a test reports what it measured
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 
-PROMISES = ("memory", "communication", "overlap")  # as ringcheck.commands.validate_promises names them
+PROMISES = ("memory", "communication", "overlap")  # as ringcheck.commands.validate.promises names them
 
 
 def _require(text: str) -> tuple[str, ...]:
     # start-up time: the measurement rows (and torch) are imported only when the option is given
-    from ..commands.validate_promises import parse_require
+    from ..commands.validate.promises import parse_require
 
     try:
         return parse_require(text)
@@ -49,8 +49,8 @@ def check_promise(cfg, processes, promise: str, *, required: bool) -> None:
     # start-up time: pytest and the measurement rows only where a promise test runs
     import pytest
 
-    from ..commands.validate_promises import FLAG, promise_rows  # start-up time, as above
-    from ..commands.validate_target import Target
+    from ..commands.validate.promises import FLAG, promise_rows  # start-up time, as above
+    from ..commands.validate.target import Target
     from ..harness import ImplOptions, Runner
 
     p = max(cfg.world_sizes)

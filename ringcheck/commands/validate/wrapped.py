@@ -25,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..harness import TWO_CALLS
-from ..harness.runner import SECOND
-from ..harness.wrappers import COMPILE_INFO, COMPILED, MODES, differing
-from ..launch import RingError
-from .validate_rows import NOT_RUN, CheckRow, summarise
-from .validate_steps import ALL_TENSORS, CONTIGUOUS, TWO_CALLS_ROW, Run, _Judge, _label, judged_tensors, short
+from ...harness import TWO_CALLS
+from ...harness.runner import SECOND
+from ...harness.wrappers import COMPILE_INFO, COMPILED, MODES, differing
+from ...launch import RingError
+from .rows import NOT_RUN, CheckRow, summarise
+from .steps import ALL_TENSORS, CONTIGUOUS, TWO_CALLS_ROW, Judge, Run, group_label, judged_tensors, short
 
 RECOMPUTE_ROW = "recompute: two layers under torch.utils.checkpoint"
 COMPILE_ROW = "compile: torch.compile of a function calling the ring"
@@ -150,7 +150,7 @@ def _compare_layers(run: Run, runs, plain, raised) -> _Compared:
         for mode in (m for m in MODES if m not in raised):
             for layer, got, without, x in zip(LAYERS, grun.calls[mode], plain[grun.index],
                                               _layer_inputs(inputs, second, grun.index)):
-                compared.add(MODES[mode], layer, grun, _label(grun, run.mesh), got, without, x)
+                compared.add(MODES[mode], layer, grun, group_label(grun, run.mesh), got, without, x)
     return compared
 
 
@@ -181,7 +181,7 @@ def recompute_row(run: Run, deterministic: bool) -> CheckRow:
             f"see '{TWO_CALLS_ROW}'"))
     if compared.differ and deterministic:
         deterministic = _reproduces(run, TWO_CALLS, runs)
-    checked, plain = compared.judged(_Judge(run, case, judged_tensors(run.returns_lse)), not deterministic)
+    checked, plain = compared.judged(Judge(run, case, judged_tensors(run.returns_lse)), not deterministic)
     row = summarise(RECOMPUTE_ROW, checked, ALL_TENSORS) if checked else CheckRow(RECOMPUTE_ROW, "pass")
     row.figures = {"case": case.describe(), "layers": 2, "deterministic": deterministic,
                    "comparison": "bits" if deterministic else "budget rule",
@@ -250,11 +250,11 @@ def compile_row(run: Run, deterministic: bool) -> CheckRow:
                  else grun.calls[SECOND])
         for call, got, want, x in zip(("call 1", "call 2"), grun.calls[COMPILED], eager,
                                       _layer_inputs(inputs, second, grun.index)):
-            compared.add("compiled", call, grun, _label(grun, run.mesh), got, want, x)
+            compared.add("compiled", call, grun, group_label(grun, run.mesh), got, want, x)
     if compared.differ and deterministic and backend == "aot_eager":
         deterministic = _reproduces(run, CONTIGUOUS, runs)
     bits = deterministic and backend == "aot_eager"
-    checked, _ = compared.judged(_Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only)), not bits)
+    checked, _ = compared.judged(Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only)), not bits)
     row = summarise(COMPILE_ROW, checked, ALL_TENSORS) if checked else CheckRow(COMPILE_ROW, "pass")
     row.figures = {**figures, "comparison": "bits" if bits else "budget rule",
                    "differ": compared.to_json().get("compiled", {})}

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..judge.check import TENSORS, Case, Results, judge_results
-from ..judge.inputs import Inputs
-from ..judge.metrics import abs_error, max_ulp_error, relative_to_roundoff
-from ..ring.layouts import positions
-from ..spec import AttentionSpec, Budget, RingSpec
+from ...judge.check import TENSORS, Case, Results, judge_results
+from ...judge.inputs import Inputs
+from ...judge.metrics import abs_error, max_ulp_error, relative_to_roundoff
+from ...ring.layouts import positions
+from ...spec import AttentionSpec, Budget, RingSpec
 
 # The model and its flags. Stated once, here; the reports print these texts and numbers.
 FIT_MIN_P = 2

@@ -27,16 +27,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..harness import Mesh, Runner
-from ..judge.check import Case
-from ..judge.inputs import make_inputs
-from ..launch import RingError
-from ..measure.calls import overlap_figures, promise_task
-from ..measure.model import Shapes, hops, ideal_bytes, minimum_traffic
-from ..spec import RingSpec
-from .validate_rows import FLAG, CheckRow
-from .validate_steps import short
-from .validate_target import Target
+from ...harness import Mesh, Runner
+from ...judge.check import Case
+from ...judge.inputs import make_inputs
+from ...launch import RingError
+from ...measure.calls import overlap_figures, promise_task
+from ...measure.model import Shapes, hops, ideal_bytes, minimum_traffic
+from ...spec import RingSpec
+from .rows import FLAG, CheckRow
+from .steps import short
+from .target import Target
 
 MEMORY, COMMUNICATION, OVERLAP = "memory", "communication", "overlap"
 PROMISES = (MEMORY, COMMUNICATION, OVERLAP)

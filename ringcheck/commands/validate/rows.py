@@ -11,26 +11,26 @@ from typing import Any
 
 import torch
 
-from ..judge.check import Results, seq_dim, spec_floors, token_owners
-from ..judge.inputs import Inputs
-from ..judge.sinks import judge_sinks
-from ..judge.verdict import Verdict, judge
-from ..ring.layouts import work_counts
-from ..spec import AttentionSpec, Budget, RingSpec
+from ...judge.check import Results, seq_dim, spec_floors, token_owners
+from ...judge.inputs import Inputs
+from ...judge.sinks import judge_sinks
+from ...judge.verdict import Verdict, judge
+from ...ring.layouts import work_counts
+from ...spec import AttentionSpec, Budget, RingSpec
 
 
 @dataclass
 class CheckRow:
     """One row of the verdict table. status: "pass", "fail", "info" (never gates), "not run", or
     "flag": a measurement that found the ring off one of its promises (memory, communication,
-    overlap; `validate_promises`), which gates only when `required` (``--require``).
+    overlap; `promises`), which gates only when `required` (``--require``).
 
     Rows that judge tensors also carry `tensors`: per tensor in order, {"passed", "ratio" (the
     worst error / budget over the row's cases), "ranks" (the ranks holding elements over
     budget)}, `failing_ranks`, the union of those ranks, and `failing_groups`, the CP groups
     of a mesh (in words, with their global ranks) whose results failed; `detail` locates the
     worst element. `figures`: what a row measured beyond the tensors, by name (the recompute
-    and compile rows: `ringcheck.commands.validate_wrapped`), empty for the others."""
+    and compile rows: `ringcheck.commands.validate.wrapped`), empty for the others."""
 
     check: str
     status: str
@@ -156,7 +156,7 @@ def stand_in_row(requested: bool) -> CheckRow | None:
     if not requested:
         return None
     # start-up time: the stand-in is imported only when asked for
-    from ..flash_stand_in import install
+    from ...flash_stand_in import install
 
     return CheckRow("flash-attn stand-in", "info", detail=install().describe())
 

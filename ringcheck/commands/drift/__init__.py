@@ -25,7 +25,7 @@ random walk of P roundings). Flags (`RULES`):
   tensor by at least one rounding of its output dtype (see `RULES["bias"]`);
 - ``nonfinite``: NaN/Inf where the truth is finite.
 
-The summary (`ringcheck.commands.drift_summary.summarise`) counts per accumulation the groups
+The summary (`ringcheck.commands.drift.summary.summarise`) counts per accumulation the groups
 flagged, judged and too weak to judge, and gives the verdict on the ring under test: "flagged",
 "pass" (no flag, and at least one slope decided), or "no verdict" (no group could be judged:
 never a PASS; the command exits 2 and names the ring sizes and seeds that would judge it).
@@ -46,10 +46,10 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
-from ..documents import DRIFT_SCHEMA, header
-from ..harness import ImplOptions, Mesh, Runner
-from ..harness.embedding import check_witnesses, default_mesh, group_inputs
-from ..judge.check import (
+from ...documents import DRIFT_SCHEMA, header
+from ...harness import ImplOptions, Mesh, Runner
+from ...harness.embedding import check_witnesses, default_mesh, group_inputs
+from ...judge.check import (
     MODES,
     TENSORS,
     Case,
@@ -59,14 +59,14 @@ from ..judge.check import (
     simulated_impl,
     truth,
 )
-from ..judge.distributions import DISTRIBUTIONS
-from ..judge.inputs import Inputs, make_inputs
-from ..judge.variant_options import VariantOptions
-from ..ring.backends import BACKENDS
-from ..ring.layouts import positions
-from ..ring.loops import ACCUMULATIONS, StepObserver
-from ..spec import DTYPES, AttentionSpec, Budget, RingSpec
-from .drift_model import (
+from ...judge.distributions import DISTRIBUTIONS
+from ...judge.inputs import Inputs, make_inputs
+from ...judge.variant_options import VariantOptions
+from ...ring.backends import BACKENDS
+from ...ring.layouts import positions
+from ...ring.loops import ACCUMULATIONS, StepObserver
+from ...spec import DTYPES, AttentionSpec, Budget, RingSpec
+from .model import (
     FIT_MIN_P,
     PER_HEAD_RULE,
     RULES,
@@ -79,7 +79,7 @@ from .drift_model import (
     step_truths,
     tensor_metrics,
 )
-from .drift_summary import AS_IMPLEMENTED, UNDER_TEST, fit_seeds, summarise
+from .summary import AS_IMPLEMENTED, UNDER_TEST, fit_seeds, summarise
 
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_RING_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -1,5 +1,5 @@
 """validate's ragged shards: every distribution at tokens per rank longer than the tiles block
-kernels walk and a multiple of none (`validate_target.RAGGED_LENGTHS`, 66 and 130), judged on
+kernels walk and a multiple of none (`target.RAGGED_LENGTHS`, 66 and 130), judged on
 sampled query rows that hold every rank's ragged tails and on every key; and the calls that
 change length (long, short, long again in one process). docs/explanation/ragged-lengths.md says
 why these lengths."""
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from ..harness import Mesh
-from ..judge.check import Case, row_results
-from ..judge.inputs import TILES, Inputs, sample_rows, with_sampled_rows
-from ..judge.verdict import Verdict
-from ..launch import RingError
-from ..ring.layouts import positions
-from .validate_rows import NOT_RUN, CheckRow, same_results, summarise
-from .validate_steps import ALL_TENSORS, CONTIGUOUS, Run, _label, judge_sampled, judged_tensors, short
-from .validate_target import ragged_cases, ragged_fit
+from ...harness import Mesh
+from ...judge.check import Case, row_results
+from ...judge.inputs import TILES, Inputs, sample_rows, with_sampled_rows
+from ...judge.verdict import Verdict
+from ...launch import RingError
+from ...ring.layouts import positions
+from .rows import NOT_RUN, CheckRow, same_results, summarise
+from .steps import ALL_TENSORS, CONTIGUOUS, Run, group_label, judge_sampled, judged_tensors, short
+from .target import ragged_cases, ragged_fit
 
 
 def ragged_rows_sampled(case: Case, count: int, seed: int) -> torch.Tensor:
@@ -109,7 +109,7 @@ def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
                 x = _batch_of(whole, part)
                 refs = (row_results(case.spec, x, rows, low=False), row_results(case.spec, x, rows, low=True))
                 verdict = judge_sampled(run, case.spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors,
-                                         _label(grun, mesh), part)
+                                         group_label(grun, mesh), part)
                 verdict.case = f"{case.describe()}, call {i + 1} of {len(calls)}, {len(rows)} sampled rows"
                 judged.append(verdict)
         verdicts.append(judged)

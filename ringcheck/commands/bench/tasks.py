@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..adapters import load_impl
-from ..judge.check import Case, Results, row_results
-from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
-from ..measure.calls import overlap_run
-from ..measure.memory import peak_bytes
-from ..ring import simulate_ring
-from ..ring.comm import timed_waits
-from ..ring.layouts import positions, shard
-from ..spec import AttentionSpec, RingSpec
+from ...adapters import load_impl
+from ...judge.check import Case, Results, row_results
+from ...judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
+from ...measure.calls import overlap_run
+from ...measure.memory import peak_bytes
+from ...ring import simulate_ring
+from ...ring.comm import timed_waits
+from ...ring.layouts import positions, shard
+from ...spec import AttentionSpec, RingSpec
 
 OURS = "ringcheck"
 SIMULATED = "ringcheck:simulated"

@@ -11,8 +11,8 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
   groups at once (by default two interleaved rings, cp=P,tp=2, each on its own data), each
   case also as two calls before one backward on views of fused projections: forward and
   backward of every group against float64 and the same-dtype peer, and the precision class
-  (`validate_steps`);
-- the ragged shards (`validate_ragged`): every distribution at tokens per rank
+  (`steps`);
+- the ragged shards (`ragged`): every distribution at tokens per rank
   longer than the tiles block kernels walk and a multiple of none (66, 130), on sampled query
   rows (every ragged tail among them) and every key, the lengths in turn in one process (long,
   short, long again: the calls that change length);
@@ -21,9 +21,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
 - NaN/Inf anywhere; determinism (two runs, same bits); output shape and dtype; what the mesh
   found (a ring that passes alone and fails inside the mesh); the layout's per-rank work
   balance (information, not a gate);
-- the ring as training wraps it (`validate_wrapped`): two layers under activation checkpointing
+- the ring as training wraps it (`wrapped`): two layers under activation checkpointing
   against the same without (recompute), and, with `compile`, torch.compile against eager.
-- the ring's other promises, measured (`validate_promises`): memory O(N/P) and communication
+- the ring's other promises, measured (`promises`): memory O(N/P) and communication
   at the ring's minimum by default, overlap with ``--overlap``; a FLAG there gates only the
   promises named by ``--require``.
 """
@@ -34,17 +34,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ..documents import VALIDATE_SCHEMA, header
-from ..harness import ImplOptions, Mesh, Runner
-from ..harness.mesh import REPLICA
-from ..harness.settings import torch_threads
-from ..spec import Budget
-from .validate_promises import promise_rows, promise_steps
-from .validate_ragged import ragged_rows
-from .validate_rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
-from .validate_steps import Run, full_length_rows, mesh_row, scaled_rows
-from .validate_target import SCALED_MIN_BATCH, Target, check_variant_keywords, ragged_cases, scaled_cases
-from .validate_wrapped import RECOMPUTE_ROW, compile_row, recompute_row
+from ...documents import VALIDATE_SCHEMA, header
+from ...harness import ImplOptions, Mesh, Runner
+from ...harness.mesh import REPLICA
+from ...harness.settings import torch_threads
+from ...spec import Budget
+from .promises import promise_rows, promise_steps
+from .ragged import ragged_rows
+from .rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
+from .steps import Run, full_length_rows, mesh_row, scaled_rows
+from .target import SCALED_MIN_BATCH, Target, check_variant_keywords, ragged_cases, scaled_cases
+from .wrapped import RECOMPUTE_ROW, compile_row, recompute_row
 
 __all__ = ["SCALED_MIN_BATCH", "CheckRow", "Placement", "Target", "check_variant_keywords", "placement",
            "report_dict", "scaled_cases", "validate", "validate_steps"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .drift_model import CONFIDENCE, FIT_MIN_P, FLAGS, MIN_FIT_SAMPLES, MIN_FIT_SIZES
+from .model import CONFIDENCE, FIT_MIN_P, FLAGS, MIN_FIT_SAMPLES, MIN_FIT_SIZES
 
 # "float32" is the ring under test (the default merge of our simulated ring; its control,
 # "input", rounds the running output to the input dtype at every hop)

@@ -22,17 +22,17 @@ import torch
 
 from ringcheck.reference import mp_attention
 
-from ..harness import TWO_CALLS, Mesh, Runner
-from ..harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
-from ..harness.runner import SECOND, TWO_CALLS_ON_VIEWS
-from ..judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
-from ..judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
-from ..judge.precision import judge_precision
-from ..judge.verdict import TENSORS, Verdict
-from ..launch import RingError
-from ..spec import AttentionSpec, Budget
-from .validate_rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
-from .validate_target import Target, scaled_cases
+from ...harness import TWO_CALLS, Mesh, Runner
+from ...harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
+from ...harness.runner import SECOND, TWO_CALLS_ON_VIEWS
+from ...judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
+from ...judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
+from ...judge.precision import judge_precision
+from ...judge.verdict import TENSORS, Verdict
+from ...launch import RingError
+from ...spec import AttentionSpec, Budget
+from .rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
+from .target import Target, scaled_cases
 
 CONTIGUOUS = "contiguous"
 LAYOUT_CALLS = ("fused_qkv", "kv_strides")
@@ -163,11 +163,13 @@ class Run:
                                                            if self.mesh.rings > 1 else ""))
 
 
-def _label(run, mesh: Mesh) -> str:
+def group_label(run, mesh: Mesh) -> str:
+    """Which CP group a verdict is of, shared by every row that judges groups: empty on a lone
+    ring, where there is nothing to tell apart, the group's name inside a mesh."""
     return run.name if mesh.rings > 1 else ""
 
 
-class _Judge:
+class Judge:
     """One case's judging: the references of each input once, every call judged against them."""
 
     def __init__(self, run: Run, case: Case, tensors):
@@ -194,7 +196,7 @@ class _Tally:
     identical: int = 0
     total: int = 0
 
-    def add(self, judge: _Judge, got: Results, same_as: tuple[Results, Verdict] | None, x: Inputs, label: str,
+    def add(self, judge: Judge, got: Results, same_as: tuple[Results, Verdict] | None, x: Inputs, label: str,
             what: str) -> None:
         """One call's results: the same bits as the contiguous run (`same_as`: its results and
         verdict) add nothing of their own to judge (the contiguous rows hold their verdict), others
@@ -247,11 +249,11 @@ def scaled_rows(run: Run) -> list[CheckRow]:
             sent = run.submit(cases[i + 1])
         run.first = run.first or (case, inputs, second, runs)
         run.returns_lse = runs[0].calls[CONTIGUOUS].lse is not None
-        judge = _Judge(run, case, judged_tensors(run.returns_lse, target.forward_only))
-        contiguous = [judge.budget(grun.calls[CONTIGUOUS], inputs[g], _label(grun, run.mesh))
+        judge = Judge(run, case, judged_tensors(run.returns_lse, target.forward_only))
+        contiguous = [judge.budget(grun.calls[CONTIGUOUS], inputs[g], group_label(grun, run.mesh))
                       for g, grun in enumerate(runs)]
         for g, grun in enumerate(runs):
-            x, label, got, verdict = inputs[g], _label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
+            x, label, got, verdict = inputs[g], group_label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
             if g == 0:  # the precision class judges the kernel's roundings: one group's data tells them
                 precision = judge_precision(case, got, judge.refs_of(x)[0], x, tensors=judge.tensors)
                 precision.group = label
@@ -267,7 +269,7 @@ def scaled_rows(run: Run) -> list[CheckRow]:
                 continue
             run.detail(case, inputs, second, runs, run.allowed)
         for g, grun in enumerate(runs):
-            x, label, got, verdict = inputs[g], _label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
+            x, label, got, verdict = inputs[g], group_label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
             for call in LAYOUT_CALLS:
                 if call in grun.calls:
                     layouts.add(judge, grun.calls[call], (got, verdict), x, label, call.replace("_", " "))
@@ -339,7 +341,7 @@ def full_length_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict
     references = [(row_results(spec, x, rows, low=False), row_results(spec, x, rows, low=True)) for x in sparse]
     runs = pending()
     tensors = judged_tensors(run.returns_lse, target.forward_only)
-    verdicts = [judge_sampled(run, spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors, _label(grun, full))
+    verdicts = [judge_sampled(run, spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors, group_label(grun, full))
                 for grun, x, refs in zip(runs, sparse, references)]
     where = f" on {full.rings} CP groups of mesh {full.text}" if full.rings > 1 else ""
     return [certified,
@@ -370,7 +372,7 @@ def mesh_row(run: Run, where) -> CheckRow:
             f"{run.runner.processes.size} ranks, a ring alone needs a world of {case.ring.world_size}")
     run.note("the failing case alone")
     alone = run.runner.run(case, [inputs[g]], Mesh.ring(case.ring.world_size))[0].calls[CONTIGUOUS]
-    judge = _Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only))
+    judge = Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only))
     passed = judge.budget(alone, inputs[g], "").passed
     text = embedding_message(mesh, failing or ["the only group"], passed, run.alone_words)
     return CheckRow(label, "fail" if passed else "info", detail=f"[{case.describe()}] {text}")

@@ -13,14 +13,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapters import Impl, require_variant_keywords
-from ..harness import Mesh
-from ..judge.check import Case
-from ..judge.distributions import DISTRIBUTIONS
-from ..judge.variant_options import VariantOptions
-from ..ring.layouts import positions
-from ..ring.loops import check_sinks_grad
-from ..spec import AttentionSpec, RingSpec, is_custom_layout
+from ...adapters import Impl, require_variant_keywords
+from ...harness import Mesh
+from ...judge.check import Case
+from ...judge.distributions import DISTRIBUTIONS
+from ...judge.variant_options import VariantOptions
+from ...ring.layouts import positions
+from ...ring.loops import check_sinks_grad
+from ...spec import AttentionSpec, RingSpec, is_custom_layout
 
 SCALED_MIN_BATCH = 2  # the scaled-down cases' least batch
 # The ragged shards' tokens per rank: longer than the tiles block kernels walk (16, 32, 64, 128)
@@ -262,7 +262,7 @@ def ragged_cases(target: Target) -> list[list[Case]]:
     (longest first, then the others in turn), then the first call again (its inputs: the same
     bits expected), so that one rank process calls the ring long, short, long again. Each call
     holds every distribution's case at that length: one call, each distribution a slice of its
-    batch, judged on its own (`validate_steps.ragged_rows`); with sinks (one per head, shared by
+    batch, judged on its own (`ragged.ragged_rows`); with sinks (one per head, shared by
     the batch) each distribution is a call of its own."""
     lengths, _ = ragged_fit(target)
     if not lengths:

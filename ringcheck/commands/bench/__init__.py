@@ -43,18 +43,18 @@ import torch
 from ringcheck.reference import dense_grads
 from ringcheck.reference.mp import mp_attention
 
-from ..documents import BENCH_SCHEMA, header
-from ..harness import Mesh
-from ..measure.calls import overlap_figures
-from ..ring import (
+from ...documents import BENCH_SCHEMA, header
+from ...harness import Mesh
+from ...measure.calls import overlap_figures
+from ...ring import (
     NoCommDriver,
     RankShard,
     make_config,
 )
-from ..ring.backends import get_backend
-from ..ring.layouts import shard, work_counts
-from ..ring.loops import forward_loop
-from .bench_tasks import (
+from ...ring.backends import get_backend
+from ...ring.layouts import shard, work_counts
+from ...ring.loops import forward_loop
+from .tasks import (
     LOCAL,
     OURS,
     PEERS,
