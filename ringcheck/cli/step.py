@@ -73,7 +73,7 @@ def _add_step(sub) -> None:
     p.add_argument("--mesh", metavar="DIM=N,...", help="the device mesh, one dim named cp (e.g. dp=2,cp=2); the "
                                                        "reference is the same mesh with cp=1")
     p.add_argument("--layout", default=None, help="sequence layout of the shards (default zigzag; with --model the "
-                                                  "glue's own: ringcheck's glue takes zigzag and contiguous)")
+                                                  "glue's own: ringcheck's glue contiguous, or zigzag, ...)")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
                    help="default dtype of the model and the step (default float64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the cases (default 0)")

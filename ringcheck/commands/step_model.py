@@ -41,18 +41,17 @@ from ..step.cases import CASES
 from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
-# transformers' eager attention computes its softmax in float32 even in a float64 model: the truth's
-# stated precision, unless ringcheck.models.native says otherwise (TRUTH_DTYPE)
-DEFAULT_TRUTH_DTYPE = "float32"
 
 
 def truth_dtype(config: ModelStepConfig) -> str:
-    """The dtype the truth's attention is exact to: `ringcheck.models.native.TRUTH_DTYPE` where the
-    native module states one, else float32 (eager's softmax); never wider than the step's."""
+    """The dtype the truth is exact to: the step's. transformers' eager computes its softmax in
+    float32 even in a float64 model, but the truth runs it under `native.float64_softmax`
+    (docs/explanation/native-truth.md: the truth then equals a float64 attention computed from
+    the layers' semantics to about 1e-16). A `TRUTH_DTYPE` the native module states wins."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from ..models import native
 
-    stated = getattr(native, "TRUTH_DTYPE", DEFAULT_TRUTH_DTYPE)
+    stated = getattr(native, "TRUTH_DTYPE", config.dtype)
     return stated if unit_roundoff(stated) >= unit_roundoff(config.dtype) else config.dtype
 
 

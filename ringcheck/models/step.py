@@ -102,19 +102,11 @@ class ModelStepConfig:
 
 def glue_of(config: ModelStepConfig):
     """The glue of `config` (`ringcheck.glues.load_glue`), in `config.layout` where one is asked
-    for: a glue that offers other layouts has `with_layout(layout)`; one that does not runs only
-    its own (ValueError naming it)."""
+    for (ringcheck's glue takes its ring's layouts; another glue only its own: ValueError)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from ..glues import load_glue
 
-    glue = load_glue(config.glue)
-    if config.layout is None or config.layout == glue.layout:
-        return glue
-    with_layout = getattr(glue, "with_layout", None)
-    if not callable(with_layout):
-        raise ValueError(f"--glue {config.glue} shards in its own layout, {glue.layout}, and offers no other: drop "
-                         f"--layout {config.layout} (or pass --layout {glue.layout})")
-    return with_layout(config.layout)
+    return load_glue(config.glue, layout=config.layout)
 
 
 def tiny_of(config: ModelStepConfig):
