@@ -37,6 +37,7 @@ from ..models.step import (
     reference_task,
     tiny_of,
 )
+from ..models.step_noise import K_NOISE
 from ..step.cases import CASES
 from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
 
@@ -116,7 +117,12 @@ def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, con
     shapes_agree = len(logits) == len(want) and all(a.shape == b.shape for a, b in zip(logits, want))
     logits_err = max((relative(a, b) for a, b in zip(logits, want)), default=0.0) if shapes_agree else math.inf
     loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
-    grads = [] if CASES[name].evaluate else gradient_rows(ranks, ref["grads"], budget)
+    grads, floored = [], []
+    for pname, want in ({} if CASES[name].evaluate else ref["grads"]).items():
+        floor = K_NOISE * ref.get("noise", {}).get(pname, 0.0)  # the truth's own rounding (step_noise)
+        if floor > budget:
+            floored.append({"name": pname, "noise": floor / K_NOISE, "budget": floor})
+        grads += gradient_rows(ranks, {pname: want}, max(budget, floor))
     out = [g for g in grads if not g["ratio"] <= 1]
     passed = loss_err <= loss_budget and logits_err <= budget and not out
     first = out[0] if out else None
@@ -125,6 +131,7 @@ def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, con
                      "ratio": loss_err / loss_budget},
             "logits": {"error": logits_err, "budget": budget, "ratio": logits_err / budget},
             "gradient_budget": budget, "worst_gradient": max((g["error"] for g in grads), default=0.0),
+            "noise_floored": floored,
             "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
             "gradients": grads}
 
@@ -143,7 +150,7 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
     kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
     ring = processes.run_groups(mesh.plan(first, families=True), model_step_task, config, names, **kw)
     one = GroupPlan(((first,),), label="the truth: transformers' eager attention at CP=1")
-    ref = processes.run_groups(one, reference_task, config, names, mesh.rings, **kw)[0][0]
+    ref = processes.run_groups(one, reference_task, config, names, mesh.rings, checked.glue.layout, **kw)[0][0]
     ring_errors = _failed_cases(ring)
     rows = []
     for name in names:
@@ -222,7 +229,10 @@ def model_rule_words(config: ModelStepConfig, truth: str) -> dict[str, Any]:
                      "kept apart (ringcheck.models.native.native_step)",
             "loss": "|L_P - L_1| <= 2 n max(K_COND u, u_truth) |L_1|, n the case's target positions",
             "logits": "||z_P - z_1|| <= 2 n max(K_COND u, u_truth) ||z_1||, every micro-batch",
-            "gradients": "per parameter, every rank: ||g_P - g_1|| <= 2 n max(K_COND u, u_truth) ||g_1||"}
+            "gradients": "per parameter, every rank: ||g_P - g_1|| <= max(2 n max(K_COND u, u_truth), K_NOISE x noise) "
+                         "||g_1||, noise the parameter's relative change when the truth's loss is summed over the "
+                         "ranks' targets part by part (the model's own float32 steps, e.g. Gemma's norms)",
+            "k_noise": K_NOISE}
 
 
 def model_report_dict(config: ModelStepConfig, judged: dict[str, Any], command: str,

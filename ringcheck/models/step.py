@@ -41,6 +41,7 @@ from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec, check_int
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
+from .step_noise import split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
 MODEL_DTYPES = ("float64", "float32")
@@ -255,10 +256,12 @@ def _as_list(logits, count: int) -> list[torch.Tensor]:
     return list(logits)
 
 
-def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int) -> dict[str, Any]:
-    """The truth on one rank: `native_step` on every case's whole batch (every replica's rows)."""
+def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str) -> dict[str, Any]:
+    """The truth on one rank: `native_step` on every case's whole batch (every replica's rows),
+    and per parameter the truth's own rounding noise (`ringcheck.models.step_noise`: the targets
+    split as the ranks of `layout` hold them)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
-    from .native import NATIVE, native_step
+    from .native import NATIVE, native_logits, native_step
 
     tiny = tiny_of(config)
     out, errors = {}, {}
@@ -268,12 +271,16 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
                 batches = case_batches(config, tiny, name, dp)
                 loss, grads, logits = native_step(model, batches)
+                noise = {} if CASES[name].evaluate else truth_noise(split_gradients(
+                    model, batches, native_logits, layout=layout, world_size=config.world_size,
+                    total=count_targets(batches)), grads)
             except Exception as exc:
                 errors[name] = _error_words(exc)
                 continue
             out[name] = {"loss": float(loss), "logits": [t.detach().double().cpu() for t in _as_list(logits, len(batches))],
                          "grads": {} if CASES[name].evaluate else
-                         {n: None if g is None else g.detach().double().cpu() for n, g in grads.items()}}
+                         {n: None if g is None else g.detach().double().cpu() for n, g in grads.items()},
+                         "noise": noise}
     return {"cases": out, "errors": errors}
 
 
