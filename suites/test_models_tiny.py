@@ -1,0 +1,144 @@
+"""The tiny models (issue 42, item 1): every layer described as transformers really calls it, the
+semantics that decide attention kept and biting, the same weights whatever the attention path, and
+the models an attention glue cannot make context-parallel refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ringcheck.models import ModelRefused, tiny_model, zoo_names
+from ringcheck.models.zoo import PROBE, disagreements, expected_visibility, probe, register_probe
+
+NAMED = ("llama", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "exaone4", "granite",
+         "deepseek_v3", "llama4_text")
+# what each must keep: (kinds in layer order, window, chunk, sinks, softcap, scaling, heads, kv, head_dim, v)
+EXPECTED = {
+    "llama": (("full", "full"), None, None, False, None, 128 ** -0.5, 4, 4, 128, 128),
+    "qwen3": (("full", "full"), None, None, False, None, 128 ** -0.5, 4, 4, 128, 128),
+    "mistral": (("sliding", "sliding"), 12, None, False, None, 128 ** -0.5, 4, 1, 128, 128),
+    "gemma2": (("sliding", "full", "sliding"), 12, None, False, 2.0, 256 ** -0.5, 4, 2, 256, 256),
+    "gemma3_text": (("sliding", "full", "sliding"), 12, None, False, None, 256 ** -0.5, 4, 2, 256, 256),
+    "gpt_oss": (("sliding", "full", "sliding"), 12, None, True, None, 64 ** -0.5, 8, 1, 64, 64),
+    "cohere2": (("sliding", "full", "sliding"), 12, None, False, None, 128 ** -0.5, 4, 4, 128, 128),
+    "exaone4": (("sliding", "full", "sliding"), 12, None, False, None, 128 ** -0.5, 4, 4, 128, 128),
+    "granite": (("full", "full"), None, None, False, None, 1.0, 4, 4, 128, 128),
+    "deepseek_v3": (("full", "full"), None, None, False, None, 192 ** -0.5, 4, 4, 192, 128),
+    "llama4_text": (("chunked", "full", "chunked"), None, 12, False, None, 128 ** -0.5, 5, 1, 128, 128),
+}
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_the_layers_are_what_transformers_hands_the_attention(name):
+    """A probe registered through AttentionInterface records every call (scaling, sliding_window, s_aux,
+    softcap, shapes, the mask's visibility): it agrees with `layers`, and `layers` keeps the semantics."""
+    tiny = tiny_model(name)
+    assert disagreements(tiny, probe(tiny)) == []
+    kinds, window, chunk, sinks, softcap, scaling, heads, kv, hd, vd = EXPECTED[name]
+    assert tuple(x.kind for x in tiny.layers) == kinds
+    for x in tiny.layers:
+        assert x.window == (window if x.kind == "sliding" else None)
+        assert x.chunk == (chunk if x.kind == "chunked" else None)
+        assert (x.sinks, x.softcap, x.heads, x.kv_heads, x.head_dim, x.v_head_dim) == (sinks, softcap, heads, kv,
+                                                                                        hd, vd)
+        assert x.scaling == pytest.approx(scaling, rel=1e-12)
+    assert tiny.vocab_size == 128 and tiny.seq_len == 64
+
+
+def test_the_probe_names_a_described_layer_that_is_wrong():
+    """The check can fail: a window one wider, a lost sink, a default scale are each named."""
+    import dataclasses
+
+    tiny = tiny_model("gpt_oss")
+    records = probe(tiny)
+    wrong = dataclasses.replace(tiny.layers[0], window=13, sinks=False, scaling=1.0)
+    bad = disagreements(dataclasses.replace(tiny, layers=(wrong, *tiny.layers[1:])), records)
+    assert any("sliding_window 12 passed, 13 described" in b for b in bad)
+    assert any("s_aux" in b for b in bad) and any("scaling" in b for b in bad)
+    assert any("mask differs" in b for b in bad)
+    assert expected_visibility(tiny.layers[0], 64)[40].nonzero().flatten().tolist() == list(range(29, 41))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+IDS = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name, paths", [("gemma3_text", ("eager", "sdpa", PROBE)), ("gpt_oss", ("eager", PROBE))])
+def test_the_same_seed_gives_the_same_weights_whatever_the_attention(name, paths):
+    """(gpt_oss and gemma2 refuse sdpa: transformers says so when asked.)"""
+    register_probe()
+    tiny = tiny_model(name)
+    models = [tiny.build(path, seed=3) for path in paths]
+    first, *rest = (dict(m.named_parameters()) for m in models)
+    for other in rest:
+        assert first.keys() == other.keys() and all(torch.equal(first[k], other[k]) for k in first)
+    assert torch.equal(_logits(models[0], IDS), _logits(models[-1], IDS))  # the probe computes eager's attention
+    a = first
+    assert all(p.dtype == torch.float64 for p in a.values())
+    other = dict(tiny.build("eager", seed=4).named_parameters())
+    assert not torch.equal(a["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_sinks_and_softcap_bite():
+    """Measured: dropping gpt_oss's sinks moves the logits by 38% (relative L2), dropping gemma2's
+    scaled softcap by 22%; a cap of 50 on the default init moved nothing."""
+    tiny = tiny_model("gpt_oss")
+    model = tiny.build("eager")
+    assert model.config._experts_implementation == "eager"  # grouped_mm refuses float64
+    a = _logits(model, IDS)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.fill_(-1e4)
+    assert (a - _logits(model, IDS)).norm() > 0.1 * a.norm()
+    model = tiny_model("gemma2").build("eager")
+    a = _logits(model, IDS)
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert (a - _logits(model, IDS)).norm() > 0.1 * a.norm()
+
+
+def test_dropout_is_switched_off_and_said():
+    tiny = tiny_model("seed_oss")
+    assert tiny.config.attention_dropout == 0.0 and "attention_dropout" in tiny.disabled
+    assert "0.1 -> 0.0" in tiny.disabled["attention_dropout"]
+    model = tiny.build("eager")
+    assert model.training
+    assert torch.equal(_logits(model, IDS), _logits(model, IDS))
+
+
+@pytest.mark.parametrize("name, said", [("qwen3_next", "linear_attention"), ("mamba", "state-space")])
+def test_token_mixing_layers_are_refused_by_name(name, said):
+    with pytest.raises(ModelRefused, match=f"layers 0,.*{said}"):
+        tiny_model(name)
+
+
+def test_a_users_config_json_with_special_ids_outside_the_vocab(tmp_path):
+    """cohere2's eos 255001 and a made-up pad 200000 move inside the 128-token vocab, distinct, said."""
+    from transformers import AutoConfig
+
+    data = AutoConfig.for_model("cohere2").to_dict()
+    data.update(pad_token_id=200000, sliding_window=512)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    tiny = tiny_model(str(path))
+    c = tiny.config
+    assert tiny.name == "cohere2" and tiny.scaled["eos_token_id"] == (255001, c.eos_token_id)
+    assert tiny.scaled["pad_token_id"] == (200000, c.pad_token_id) and c.bos_token_id == 5
+    assert {c.pad_token_id, c.eos_token_id} == {126, 127}
+    assert tiny.scaled["sliding_window"] == (512, 12)
+    with pytest.raises(ValueError, match="no such file"):
+        tiny_model(str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match="close names: qwen2"):
+        tiny_model("qwen2x")
+
+
+def test_the_zoo_is_every_causal_lm():
+    names = zoo_names()
+    assert len(names) > 150 and set(NAMED) <= set(names)
