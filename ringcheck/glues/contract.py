@@ -1,0 +1,116 @@
+"""The glue contract: what `ringcheck step --model` needs from the code between a transformers
+model's attention layers and a ring, and the loader of `--glue`.
+
+A glue is the piece that context-parallel training failures hide in (a window, the sinks, the
+scale or the document boundaries lost on the way to the ring), so ringcheck judges it alone:
+`install(group)` runs on every rank once the CP group exists and returns the
+`attn_implementation` name the model is built with; `prepare(cu_seqlens, group)` hands it the
+global document boundaries before every forward; `layout` says how the step must shard the
+sequence for its ring. docs/reference/glue-contract.md is the user's page of this contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec import LAYOUTS
+from ..user_code import import_object
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+class GlueRefused(ValueError):
+    """The glue cannot carry a feature of one of the model's layers: raised before any rank starts
+    (the command's exit 2), naming the layers and the features, instead of judging a model whose
+    attention the glue would change."""
+
+
+@dataclass(frozen=True)
+class Glue:
+    """One glue under test. `refuses(layer)` (a `LayerAttention` of `ringcheck.models.tiny`) lists
+    the features of that layer the glue cannot carry (empty: it carries them all); None means the
+    glue did not say, and nothing is refused before the run (the run judges it). `dtype` is the
+    dtype the model is built in for this glue: "float64" (judged with the float64 budget), or a
+    narrower one for a glue whose kernels take nothing wider (flash: "bfloat16", judged with a
+    measured noise budget)."""
+
+    name: str
+    install: Callable[[Any], str]
+    layout: str = "contiguous"
+    prepare: Callable | None = None
+    describe: str = ""
+    refuses: Callable[[Any], list[str]] | None = None
+    dtype: str = "float64"
+
+
+def refusals(glue: Glue, tiny: Any) -> list[str]:
+    """One line per layer whose features `glue` cannot carry ("layer 3: sinks (s_aux) not carried
+    by glue 'ring_flash_attn' (...)"); empty when it carries every layer of `tiny` (a
+    `TinyModel`), or when the glue does not say what it refuses."""
+    if glue.refuses is None:
+        return []
+    lines = []
+    for layer in tiny.layers:
+        for feature in glue.refuses(layer):
+            lines.append(f"layer {layer.index}: {feature} not carried by glue {glue.name!r}")
+    return lines
+
+
+def check_refusals(glue: Glue, tiny: Any) -> None:
+    """`GlueRefused` with every refusal of `refusals(glue, tiny)`, or nothing."""
+    lines = refusals(glue, tiny)
+    if lines:
+        raise GlueRefused(f"glue {glue.name!r} cannot carry the attention of {tiny.name}; not run, so that no "
+                          f"verdict is given on attention it would change:\n  " + "\n  ".join(lines))
+
+
+def _checked_install(install: Callable[[Any], str], where: str) -> Callable[[Any], str]:
+    """`install` whose result is checked: the attn_implementation name, a non-empty str."""
+
+    def run(group) -> str:
+        name = install(group)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"glue {where}: install(group) must return the attn_implementation name (a non-empty "
+                            f"str) the model is built with, got {name!r}")
+        return name
+
+    return run
+
+
+def user_glue(spec: str) -> Glue:
+    """The user's glue `PKG.MOD:OBJ`: an object (or module) with `install(group) -> str`, optional
+    `layout` (contiguous when absent) and `prepare(cu_seqlens, group)`, optional `refuses(layer)`
+    and `describe`."""
+    head, sep, tail = spec.partition(":")
+    if not sep or not head or not tail:
+        raise ValueError(f"--glue {spec!r}: a glue is 'ringcheck', 'ring_flash_attn' or your own as "
+                         f"'package.module:object' (an object with install(group) -> attn_implementation name)")
+    obj = import_object(spec, f"--glue {spec!r}")
+    install = getattr(obj, "install", None)
+    if not callable(install):
+        raise TypeError(f"--glue {spec!r}: {type(obj).__name__} {tail!r} has no callable install(group); a glue "
+                        f"defines install(group) -> str, which registers its attention and returns the "
+                        f"attn_implementation name (see docs/reference/glue-contract.md)")
+    layout = getattr(obj, "layout", "contiguous")
+    if layout not in LAYOUTS:
+        raise ValueError(f"--glue {spec!r}: layout {layout!r} is not one ringcheck can shard; use one of "
+                         f"{', '.join(LAYOUTS)} (contiguous when the attribute is absent)")
+    prepare = getattr(obj, "prepare", None)
+    if prepare is not None and not callable(prepare):
+        raise TypeError(f"--glue {spec!r}: prepare must be callable as prepare(cu_seqlens, group), got "
+                        f"{type(prepare).__name__}")
+    refuses = getattr(obj, "refuses", None)
+    if refuses is not None and not callable(refuses):
+        raise TypeError(f"--glue {spec!r}: refuses must be callable as refuses(layer) -> list of features, got "
+                        f"{type(refuses).__name__}")
+    describe = getattr(obj, "describe", "") or f"the user's glue {spec}"
+    if not isinstance(describe, str):
+        raise TypeError(f"--glue {spec!r}: describe must be a str, got {type(describe).__name__}")
+    dtype = getattr(obj, "dtype", "float64")
+    if dtype not in DTYPES:
+        raise ValueError(f"--glue {spec!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)} (the dtype the model "
+                         f"is built in for your glue; float64 when the attribute is absent)")
+    return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
+                describe=describe, refuses=refuses, dtype=dtype)

@@ -1,0 +1,303 @@
+"""The glues of `ringcheck step --model` (ringcheck.glues): ringcheck's own glue equals the dense
+float64 reference per layer call (window, softcap, sinks, documents, chunks, a value head dim
+of its own) at P = 2 and 4, zigzag and contiguous, and transformers' eager attention on tiny
+models' layers; the refusal path; the user-contract loader's errors."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from benchmarks.glue_models import MODELS, model_task
+from reference.dense import dense_grads
+from ringcheck.catalogue import glue_mutants
+from ringcheck.glues import Glue, GlueRefused, check_refusals, load_glue, refusals
+from ringcheck.glues.ours import GlueCallError, chunked_boundaries
+from ringcheck.ring.layouts import shard
+
+SEQ = 32
+BUDGET = 1e-12   # float64 ring vs float64 dense: both exact to ~1e-15 on O(1) values (measured <= 4e-16)
+
+# (name, options of one layer call): transformers' keywords, documents, the module's config
+CALLS = {
+    "sliding": dict(sliding_window=7),
+    "sliding_docs": dict(sliding_window=5, cu=[0, 11, 20, 30]),
+    "sinks_sliding": dict(sliding_window=9, sinks=True),
+    "softcap_scaling": dict(softcap=0.3, scaling=0.7),
+    "chunked_docs": dict(chunk=6, cu=[0, 13, 32]),
+    "value_dim": dict(dv=5, sinks=True),
+}
+
+
+def _module(opts, index=0):
+    types = ["chunked_attention" if opts.get("chunk") else "full_attention"]
+    config = SimpleNamespace(layer_types=types, attention_chunk_size=opts.get("chunk"), sliding_window=None)
+    return SimpleNamespace(layer_idx=index, is_causal=True, config=config)
+
+
+def _expected(opts, q, k, v, sinks):
+    """The dense float64 reference in the ring's terms (the glue's translation is what is tested:
+    W -> (W - 1, 0), chunks -> documents written out here by hand)."""
+    cu = opts.get("cu")
+    if opts.get("chunk"):
+        cu = {6: {(0, 13, 32): [0, 6, 12, 13, 19, 25, 31, 32]}}[opts["chunk"]][tuple(cu)]
+    w = opts.get("sliding_window")
+    return dict(causal=True, softmax_scale=opts.get("scaling", 0.25), cu_seqlens=cu,
+                window=None if w is None else (w - 1, 0), softcap=opts.get("softcap"), sinks=sinks)
+
+
+def glue_call_task(member, layout, names):
+    """Each call through the glue's registered function on this rank's shard; the max error of
+    out, dq, dk, dv (this rank's rows) and dsinks (the sum of the ranks' partial shares) against
+    the dense float64 reference."""
+    glue = load_glue("ringcheck", layout=layout)
+    impl = glue.install(member.group)
+    from transformers import AttentionInterface
+    fn = AttentionInterface()[impl]
+    errors = {}
+    for name in names:
+        opts = CALLS[name]
+        g = torch.Generator().manual_seed(len(name))
+        b, h, kvh, d, dv = 2, 4, 2, 8, opts.get("dv", 8)
+        q, k = (torch.randn(b, SEQ, n, d, generator=g, dtype=torch.float64) for n in (h, kvh))
+        v = torch.randn(b, SEQ, kvh, dv, generator=g, dtype=torch.float64)
+        dout = torch.randn(b, SEQ, h, dv, generator=g, dtype=torch.float64)
+        sinks = torch.randn(h, generator=g, dtype=torch.float64) * 2 if opts.get("sinks") else None
+        want = dense_grads(q, k, v, dout, **_expected(opts, q, k, v, sinks))
+
+        def cut(t):
+            return shard(t, layout=layout, rank=member.rank, world_size=dist.get_world_size(member.group), dim=1)
+
+        lq, lk, lv = (cut(t).transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+        ls = None if sinks is None else sinks.clone().requires_grad_(True)
+        glue.prepare(opts.get("cu"), member.group)
+        kw = {key: opts[key] for key in ("sliding_window", "softcap") if key in opts}
+        if ls is not None:
+            kw["s_aux"] = ls
+        out, weights = fn(_module(opts), lq, lk, lv, None, scaling=opts.get("scaling", 0.25), dropout=0.0,
+                          position_ids=None, **kw)
+        leaves = [lq, lk, lv] + ([ls] if ls is not None else [])
+        grads = torch.autograd.grad(out, leaves, cut(dout))
+        err = max((out - cut(want[0])).abs().max().item(),
+                  *((gr.transpose(1, 2) - cut(w)).abs().max().item() for gr, w in zip(grads[:3], want[2:5])))
+        if ls is not None:
+            total = grads[3].clone()
+            dist.all_reduce(total, group=member.group)
+            err = max(err, (total - want[5]).abs().max().item())
+        errors[name] = (err, weights is None, tuple(out.shape))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [4, 2])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ringcheck_glue_calls_equal_dense_reference(run_on_ring, world_size, layout):
+    for rank, errors in enumerate(run_on_ring(world_size, glue_call_task, layout, list(CALLS))):
+        for name, (err, no_weights, shape) in errors.items():
+            assert err <= BUDGET, f"rank {rank} {layout} P={world_size} {name}: max error {err:.3e} > {BUDGET}"
+            assert no_weights, f"{name}: the glue returned attention weights (a ring never forms them)"
+            assert shape[1] == SEQ // world_size and shape[2] == 4, f"{name}: output {shape} is not (b, s, h, dv)"
+
+
+def test_chunked_boundaries_count_from_each_document():
+    assert chunked_boundaries(None, 20, 8) == [0, 8, 16, 20]
+    assert chunked_boundaries([0, 13, 32], 32, 6) == [0, 6, 12, 13, 19, 25, 31, 32]
+    assert chunked_boundaries([0, 5, 10], 12, 8) == [0, 5, 10]     # the tail past 10 stays padding
+
+
+def _bare_glue():
+    glue = load_glue("ringcheck")
+    from ringcheck.glues.ours import RingcheckGlue
+    state = glue.install.__self__
+    assert isinstance(state, RingcheckGlue)
+    state.group = object()       # calls below fail before any exchange
+    return state
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(s_aux_typo=1), "s_aux_typo"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 4])), "prepare"),
+    (dict(dropout=0.1), "dropout"),
+    (dict(output_attentions=True), "output_attentions"),
+    (dict(is_causal=False), "not causal"),
+    (dict(sliding_window=0), "sliding_window"),
+])
+def test_ringcheck_glue_call_errors_never_swallowed(kwargs, match):
+    state = _bare_glue()
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
+    with pytest.raises(GlueCallError, match=match):
+        state.attention(_module({}), q, q, q, None, scaling=0.5, **kwargs)
+
+
+def test_chunked_layer_without_a_size_is_an_error():
+    state = _bare_glue()
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
+    module = _module({"chunk": 4})
+    module.config.attention_chunk_size = None
+    with pytest.raises(GlueCallError, match="attention_chunk_size"):
+        state.attention(module, q, q, q, None, scaling=0.5)
+
+
+def _layer(index, kind="full", window=None, chunk=None, sinks=False, softcap=None):
+    return SimpleNamespace(index=index, kind=kind, window=window, chunk=chunk, sinks=sinks, softcap=softcap,
+                           scaling=0.25, heads=4, kv_heads=2, head_dim=8, v_head_dim=8)
+
+
+def test_refusals_name_the_layer_and_the_feature():
+    tiny = SimpleNamespace(name="toy", layers=(_layer(0, "sliding", window=8), _layer(1, "linear_attention"),
+                                               _layer(2, "chunked", chunk=None)))
+    glue = load_glue("ringcheck")
+    lines = refusals(glue, tiny)
+    assert lines == ["layer 1: attention kind 'linear_attention' (the glue carries full, sliding, chunked) not "
+                     "carried by glue 'ringcheck'",
+                     "layer 2: a chunked layer without a chunk size not carried by glue 'ringcheck'"]
+    with pytest.raises(GlueRefused, match="layer 1: attention kind"):
+        check_refusals(glue, tiny)
+    fine = SimpleNamespace(name="ok", layers=(_layer(0, "sliding", window=8, sinks=True, softcap=3.0),
+                                              _layer(1, "chunked", chunk=4)))
+    assert refusals(glue, fine) == []
+    check_refusals(glue, fine)
+    assert refusals(Glue(name="silent", install=lambda g: "x"), tiny) == []   # a glue that does not say
+
+
+# --- the user's glue: PKG.MOD:OBJ ----------------------------------------------------------
+
+class GoodGlue:
+    layout = "zigzag"
+    describe = "a test glue"
+
+    @staticmethod
+    def install(group):
+        return "eager"
+
+    @staticmethod
+    def prepare(cu_seqlens, group):
+        return None
+
+
+class NoInstall:
+    layout = "contiguous"
+
+
+class BadLayout:
+    layout = "diagonal"
+    install = staticmethod(lambda group: "eager")
+
+
+class BadName:
+    install = staticmethod(lambda group: None)
+
+
+class BadPrepare:
+    install = staticmethod(lambda group: "eager")
+    prepare = 3
+
+
+def test_user_glue_loads_its_contract():
+    glue = load_glue(f"{__name__}:GoodGlue")
+    assert (glue.layout, glue.describe, glue.install(None)) == ("zigzag", "a test glue", "eager")
+    assert glue.prepare is GoodGlue.prepare
+
+
+@pytest.mark.parametrize("spec, error, match", [
+    ("my_glue", ValueError, "package.module:object"),
+    ("no_such_pkg_xyz.mod:G", ValueError, "cannot import module 'no_such_pkg_xyz.mod'"),
+    (f"{__name__}:Missing", ValueError, "has no attribute 'Missing'"),
+    (f"{__name__}:NoInstall", TypeError, "no callable install"),
+    (f"{__name__}:BadLayout", ValueError, "layout 'diagonal'"),
+    (f"{__name__}:BadPrepare", TypeError, "prepare must be callable"),
+    ("", TypeError, "non-empty str"),
+])
+def test_user_glue_loader_errors_say_the_fix(spec, error, match):
+    with pytest.raises(error, match=match):
+        load_glue(spec)
+
+
+def test_user_glue_install_must_return_a_name():
+    glue = load_glue(f"{__name__}:BadName")
+    with pytest.raises(TypeError, match="attn_implementation name"):
+        glue.install(None)
+
+
+def test_layout_applies_to_ringcheck_glue_only():
+    assert load_glue("ringcheck", layout="zigzag").layout == "zigzag"
+    with pytest.raises(ValueError, match="applies only"):
+        load_glue(f"{__name__}:GoodGlue", layout="contiguous")
+    with pytest.raises(ValueError, match="layout='diagonal'"):
+        load_glue("ringcheck", layout="diagonal")
+
+
+# --- against transformers' eager attention on tiny models -----------------------------------
+
+LOGITS_BUDGET = 1e-5  # eager's softmax runs in float32 even in a float64 model (measured: 8e-7 gemma2, 5e-8 mistral, llama; 1e-16 the float64 softmaxes of gpt_oss, llama4)
+
+
+CORRECT = {name: spec for name, spec in MODELS.items() if name != "mistral_wide"}
+
+
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "contiguous")])
+def test_ringcheck_glue_equals_eager_on_tiny_models(run_on_ring, world_size, layout):
+    for rank, errors in enumerate(run_on_ring(world_size, model_task, "ringcheck", layout, CORRECT)):
+        for name, (err, _) in errors.items():
+            assert err <= LOGITS_BUDGET, f"rank {rank} {name} P={world_size} {layout}: logits {err:.3e} off eager"
+
+
+# --- the catalogue's mutant glues ------------------------------------------------------------
+
+MUTANT_MODELS = {  # each mutant on a model with the feature it loses
+    "window_dropped": "mistral", "window_wider": "mistral", "window_narrower": "mistral",
+    "window_dropped_short_shard": "mistral_wide", "sinks_dropped": "gpt_oss", "softcap_dropped": "gemma2",
+    "scale_default": "gemma2", "documents_crossed": "llama_docs", "mask_plain_causal": "llama4_text",
+}
+CAUGHT = 100 * LOGITS_BUDGET  # measured at P=4: 7e-2 (window_wider) to 1.8 (softcap_dropped), 7000x the budget
+
+
+def mutants_task(member, pairs):
+    return {mutant: model_task(member, f"ringcheck.catalogue.glue_mutants:{mutant}", None,
+                               {name: MODELS[name]})[name][0] for mutant, name in pairs.items()}
+
+
+def test_every_mutant_glue_differs_from_eager_where_the_model_has_its_feature(run_on_ring):
+    assert set(MUTANT_MODELS) == set(glue_mutants.LOSSES)
+    worst = {}
+    for errors in run_on_ring(4, mutants_task, MUTANT_MODELS):
+        for mutant, err in errors.items():
+            worst[mutant] = max(worst.get(mutant, 0.0), err)
+    missed = {m: f"{e:.1e}" for m, e in worst.items() if not e > CAUGHT}
+    assert not missed, f"mutant glues within {CAUGHT:.0e} of eager (not caught): {missed}"
+
+
+def test_a_mutant_glue_equals_the_correct_glue_where_the_model_lacks_its_feature(run_on_ring):
+    """sinks_dropped on a model without sinks is the correct glue: the mutants lose one feature only."""
+    errors = run_on_ring(2, mutants_task, {"sinks_dropped": "mistral", "window_dropped": "llama_docs"})
+    for rank in errors:
+        for mutant, err in rank.items():
+            assert err <= LOGITS_BUDGET, f"{mutant} changed a model without its feature ({err:.1e})"
+
+
+# --- ring-flash-attn's shipped adapter -------------------------------------------------------
+
+def test_ring_flash_attn_glue_runs_the_adapter_and_loses_the_window(run_on_ring):
+    """The adapter (ring-flash-attn 0.1.8, with ringcheck's two transformers 5.23 shims) carries
+    packed documents within bf16's noise (ringcheck's glue on the same bf16 model), and widens
+    mistral's window to flash's (W, W) (docs/findings/glues.md). bf16: both glues' errors."""
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        pytest.skip("ring-flash-attn is not installed (the extra `peers`)")
+    specs = {"llama_docs": MODELS["llama_docs"], "mistral": MODELS["mistral"]}
+    adapter = run_on_ring(2, model_task, "ring_flash_attn", None, specs, "bfloat16")
+    ours = run_on_ring(2, model_task, "ringcheck", "contiguous", specs, "bfloat16")
+    for rank, (a, b) in enumerate(zip(adapter, ours)):
+        assert a["llama_docs"][0] <= 2 * b["llama_docs"][0], f"rank {rank}: documents {a} vs bf16 noise {b}"
+        assert a["mistral"][0] > 10 * b["mistral"][0], f"rank {rank}: the window kept? {a} vs bf16 noise {b}"
+
+
+def test_ring_flash_attn_glue_refuses_softcap():
+    glue = load_glue("ring_flash_attn")
+    assert (glue.layout, glue.dtype) == ("contiguous", "bfloat16")
+    tiny = SimpleNamespace(name="gemma2", layers=(_layer(0, "sliding", window=8, softcap=50.0), _layer(1)))
+    assert refusals(glue, tiny) == [
+        "layer 0: softcap 50.0 (the adapter asserts softcap is None: llama3_flash_attn_varlen_func does not support "
+        "softcap yet) not carried by glue 'ring_flash_attn'"]
