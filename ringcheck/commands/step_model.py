@@ -35,6 +35,7 @@ from ..models.step import (
     glue_of,
     model_step_task,
     reference_task,
+    run_dtype,
     tiny_of,
 )
 from ..models.step_noise import K_NOISE
@@ -107,9 +108,15 @@ def _failed_cases(groups: list[list[dict]]) -> dict[str, str]:
     return out
 
 
-def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, config: ModelStepConfig) -> dict:
-    """One case: every rank's loss and gradients, and the assembled logits, against the truth."""
+def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, config: ModelStepConfig,
+                     floor: dict | None = None) -> dict:
+    """One case: every rank's loss and gradients, and the assembled logits, against the truth;
+    `floor`: the measured budgets of a narrowed glue (`narrow_unit`), where wider than derived."""
     loss_budget, budget = model_budgets(n, config)
+    logits_budget = budget
+    if floor is not None:
+        loss_budget, logits_budget, budget = (max(loss_budget, floor["loss"]), max(budget, floor["logits"]),
+                                              max(budget, floor["gradient"]))
     ranks = [{"where": (g, r["cp_rank"]), "loss": r["cases"][name]["loss"], "grads": r["cases"][name]["grads"]}
              for g, group in enumerate(groups) for r in group]
     logits = assemble_logits(groups, name)
@@ -124,12 +131,12 @@ def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, con
             floored.append({"name": pname, "noise": floor / K_NOISE, "budget": floor})
         grads += gradient_rows(ranks, {pname: want}, max(budget, floor))
     out = [g for g in grads if not g["ratio"] <= 1]
-    passed = loss_err <= loss_budget and logits_err <= budget and not out
+    passed = loss_err <= loss_budget and logits_err <= logits_budget and not out
     first = out[0] if out else None
     return {"case": name, "words": CASES[name].words, "verdict": "pass" if passed else "fail", "targets": n,
             "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": loss_err, "budget": loss_budget,
                      "ratio": loss_err / loss_budget},
-            "logits": {"error": logits_err, "budget": budget, "ratio": logits_err / budget},
+            "logits": {"error": logits_err, "budget": logits_budget, "ratio": logits_err / logits_budget},
             "gradient_budget": budget, "worst_gradient": max((g["error"] for g in grads), default=0.0),
             "noise_floored": floored,
             "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
@@ -150,7 +157,11 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
     kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
     ring = processes.run_groups(mesh.plan(first, families=True), model_step_task, config, names, **kw)
     one = GroupPlan(((first,),), label="the truth: transformers' eager attention at CP=1")
-    ref = processes.run_groups(one, reference_task, config, names, mesh.rings, checked.glue.layout, **kw)[0][0]
+    narrow = run_dtype(config, checked.glue)
+    narrow = None if narrow == config.dtype else narrow
+    ref = processes.run_groups(one, reference_task, config, names, mesh.rings, checked.glue.layout, narrow,
+                               **kw)[0][0]
+    noise = None if narrow is None else narrow_unit(ref["cases"], narrow)
     ring_errors = _failed_cases(ring)
     rows = []
     for name in names:
@@ -159,7 +170,8 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
         elif name in ref.get("errors", {}):
             rows.append(not_run(name, f"the truth (native_step) raised: {ref['errors'][name]}"))
         else:
-            rows.append(judge_model_case(name, ring, ref["cases"][name], _targets(name, mesh.rings), config))
+            rows.append(judge_model_case(name, ring, ref["cases"][name], _targets(name, mesh.rings), config,
+                                         None if noise is None else noise["floor"]))
     for row in rows:
         if row["verdict"] != "fail":
             continue
@@ -178,7 +190,23 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
             "glue": {"spec": config.glue, "name": checked.glue.name, "layout": checked.glue.layout,
                      "describe": checked.glue.describe, "attn_implementation": attn,
                      "prepare": checked.glue.prepare is not None},
-            "truth_dtype": truth_dtype(config)}
+            "truth_dtype": truth_dtype(config), "noise": noise}
+
+
+def narrow_unit(cases: dict[str, dict], narrow: str) -> dict[str, Any]:
+    """The measured budgets of a glue run in `narrow`: `K_NOISE` x the largest relative change of
+    the loss, the logits and any gradient over the noise runs and the cases (the unit is the
+    model's, not one case's), as `ringcheck.step.noise` measures a narrowed ring's."""
+    rows = [{**r, "case": name} for name, c in cases.items() for r in c.get("narrow", {}).get("rows", [])]
+    skipped = {run: why for c in cases.values() for run, why in c.get("narrow", {}).get("skipped", {}).items()}
+    unit = {k: max((r[k] for r in rows), default=math.nan) for k in ("loss", "logits", "gradient")}
+    floor = {k: K_NOISE * v if rows and math.isfinite(v) else math.inf for k, v in unit.items()}
+    return {"dtype": narrow, "k": K_NOISE, "unit": unit, "floor": floor, "rows": rows, "skipped": skipped,
+            "words": f"the glue runs the model in {narrow}: the budgets are {K_NOISE:g} x the largest relative change "
+                     f"of the loss ({unit['loss']:.2g}), the logits ({unit['logits']:.2g}) and any gradient "
+                     f"({unit['gradient']:.2g}) when the model runs in {narrow} at CP=1 with transformers' own "
+                     f"attention ({', '.join(sorted({r['run'] for r in rows})) or 'none ran'}) instead of the "
+                     f"float64 truth" + (f"; not run: {skipped}" if skipped else "")}
 
 
 def model_words(tiny) -> dict[str, Any]:
@@ -241,7 +269,7 @@ def model_report_dict(config: ModelStepConfig, judged: dict[str, Any], command: 
     return {**header(STEP_SCHEMA), "verdict": judged["verdict"], "passed": judged["verdict"] == "pass",
             "why": judged["why"], "command": command,
             "config": {**config.__dict__, "cases": list(config.cases)}, "mesh": judged["mesh"].to_json(),
-            "model": judged["model"], "glue": judged["glue"],
+            "model": judged["model"], "glue": judged["glue"], "noise": judged.get("noise"),
             "rule": model_rule_words(config, judged["truth_dtype"]), "cases": judged["cases"], "meta": meta or {}}
 
 

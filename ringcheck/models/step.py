@@ -41,7 +41,7 @@ from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec, check_int
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
-from .step_noise import split_gradients, truth_noise
+from .step_noise import narrow_noise, split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
 MODEL_DTYPES = ("float64", "float32")
@@ -230,11 +230,12 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
     dp = dist.get_world_size(dp_group)
     place = Place(member.rank, member.world_size, glue.layout, member.group_index, dp)
     cases, errors = {}, {}
+    dtype = REFERENCE_DTYPES[run_dtype(config, glue)]
     with default_dtype(config.torch_dtype):
         for name in names:
             case = CASES[name]
             try:  # a case the glue cannot run is not run (its reason), the others keep their verdicts
-                model = tiny.build(attn, dtype=config.torch_dtype, seed=config.seed)
+                model = tiny.build(attn, dtype=dtype, seed=config.seed)
                 cases[name] = correct_step(model, case_batches(config, tiny, name, dp), place, member.group,
                                            dp_group if dp > 1 else None, glue.prepare, train=not case.evaluate,
                                            checkpoint=case.checkpoint)
@@ -242,6 +243,17 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
             "errors": errors}
+
+
+def run_dtype(config: ModelStepConfig, glue) -> str:
+    """The dtype the model runs in through `glue`: the step's, or the narrower one a glue whose
+    kernels take nothing wider declares (`Glue.dtype`: ring-flash-attn's "bfloat16")."""
+    narrow = getattr(glue, "dtype", None) or config.dtype
+    if narrow not in REFERENCE_DTYPES:
+        raise ValueError(f"--glue {config.glue} declares dtype {narrow!r}; a glue's dtype is one of "
+                         f"{', '.join(REFERENCE_DTYPES)}")
+    wider = torch.finfo(REFERENCE_DTYPES[narrow]).eps <= torch.finfo(config.torch_dtype).eps
+    return config.dtype if wider else narrow
 
 
 def _error_words(exc: BaseException) -> str:
@@ -256,10 +268,12 @@ def _as_list(logits, count: int) -> list[torch.Tensor]:
     return list(logits)
 
 
-def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str) -> dict[str, Any]:
+def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str,
+                   narrow: str | None = None) -> dict[str, Any]:
     """The truth on one rank: `native_step` on every case's whole batch (every replica's rows),
     and per parameter the truth's own rounding noise (`ringcheck.models.step_noise`: the targets
-    split as the ranks of `layout` hold them)."""
+    split as the ranks of `layout` hold them); for a glue run in a `narrow` dtype, the noise
+    runs' changes against the truth (`narrow_noise`)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from .native import NATIVE, native_logits, native_step
 
@@ -281,6 +295,8 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                          "grads": {} if CASES[name].evaluate else
                          {n: None if g is None else g.detach().double().cpu() for n, g in grads.items()},
                          "noise": noise}
+            if narrow is not None:
+                out[name]["narrow"] = narrow_noise(tiny, config, batches, out[name], REFERENCE_DTYPES[narrow])
     return {"cases": out, "errors": errors}
 
 
@@ -305,8 +321,12 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
                    grads: dict[str, torch.Tensor | None]) -> dict[str, Any]:
     """`diagnose` on one rank for a failed case: the lost semantic the CP=P figures match."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
+    from . import semantics
     from .native import NATIVE
-    from .semantics import diagnose
+
+    diagnose = getattr(semantics, "diagnose", None)
+    if diagnose is None:
+        return {"matched": False, "words": "this ringcheck has no diagnosis by semantics (models.semantics.diagnose)"}
 
     tiny = tiny_of(config)
     glue = glue_of(config)

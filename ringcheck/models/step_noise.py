@@ -18,6 +18,8 @@ float32, its floor says so in the report.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -66,3 +68,46 @@ def split_gradients(model, batches: list[dict], logits_of, *, layout: str, world
 def truth_noise(split: dict[str, torch.Tensor], truth: dict[str, torch.Tensor | None]) -> dict[str, float]:
     """Per parameter, the relative change of its gradient between the truth and `split`."""
     return {n: relative(split[n], g) for n, g in truth.items() if g is not None and n in split}
+
+
+# the legitimate attentions of a narrowed glue's noise runs: the model built in the glue's dtype, at CP=1, with
+# transformers' eager attention (the truth's, its softmax in float32) and with its sdpa
+NARROW_RUNS = ("eager", "sdpa")
+
+
+def token_change(logits: list[torch.Tensor], truth: list[torch.Tensor], batches: list[dict]) -> float:
+    """sum_t |CE_t - CE_t(truth)| / sum_t CE_t(truth) over every counted target: a bound on the
+    loss's relative change that no cancellation between tokens makes small by chance (a noise
+    run's loss alone may land near the truth's while its tokens' losses do not)."""
+    diff = total = 0.0
+    for z, w, mb in zip(logits, truth, batches):
+        target = shift_labels(mb["labels"]).flatten()
+        ce = [F.cross_entropy(x.double().flatten(0, 1), target, ignore_index=IGNORE, reduction="none") for x in (z, w)]
+        diff += float((ce[0] - ce[1]).abs().sum())
+        total += float(ce[1].sum())
+    return diff / total if total > 0 else diff
+
+
+def narrow_noise(tiny, config, batches: list[dict], truth: dict, dtype) -> dict[str, Any]:
+    """How far a correct step moves from the truth when the whole model runs in `dtype` (the
+    glue's, e.g. bfloat16), at CP=1 with each attention of `NARROW_RUNS`: the relative change of
+    the loss, of the logits (the worst micro-batch) and of any parameter's gradient, per run; a
+    run that raises (gemma2's sdpa refuses a softcap) is left out and said."""
+    # start-up time: the truth imports transformers, only for a --model run
+    from .native import native_step, run_documents, step_with
+
+    rows, skipped = [], {}
+    for attn in NARROW_RUNS:
+        try:
+            model = tiny.build(attn, dtype=dtype, seed=config.seed)
+            loss, grads, logits = (native_step(model, batches) if attn == "eager" else
+                                   step_with(model, batches, run_documents))
+        except Exception as exc:  # a legitimate attention that cannot run this model: said
+            skipped[attn] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            continue
+        grad = max((relative(grads[n].double(), g) for n, g in truth["grads"].items() if g is not None and n in grads),
+                   default=0.0)
+        rows.append({"run": attn, "loss": token_change(logits, truth["logits"], batches),
+                     "logits": max(relative(z.double(), w) for z, w in zip(logits, truth["logits"])),
+                     "gradient": grad})
+    return {"rows": rows, "skipped": skipped}

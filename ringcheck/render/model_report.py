@@ -48,12 +48,19 @@ def model_lines(doc: dict) -> list[str]:
             f"glue {g['spec']} ({g['describe'] or g['name']}): layout {g['layout']}, attn_implementation "
             f"{g['attn_implementation']!r}" + (", prepare(cu_seqlens, group) before every forward" if g["prepare"]
                                               else ""),
-            f"truth: {doc['rule']['truth']}; its attention exact to {doc['rule']['truth_dtype']}"]
+            f"truth: {doc['rule']['truth']}; its attention exact to {doc['rule']['truth_dtype']}"] + (
+        [doc["noise"]["words"]] if doc.get("noise") else [])
 
 
 def finding_lines(doc: dict) -> list[str]:
     """One line per failed case (the lost semantic, or none matched) and per case not run."""
     lines = []
+    floored = {f["name"]: f["noise"] for c in doc["cases"] for f in c.get("noise_floored", [])}
+    if floored:
+        worst = max(floored.values())
+        lines.append(f"{len(floored)} parameters' gradients pass through the model's own float32 steps (e.g. "
+                     f"{next(iter(floored))}): the truth itself moves by up to {worst:.2g} when its sums are reordered, "
+                     f"and their budget is {doc['rule']['k_noise']:g} x that, measured")
     for c in doc["cases"]:
         if c["verdict"] == "not run":
             lines.append(f"{c['case']}: not run: {c['why']}")
