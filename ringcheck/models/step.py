@@ -127,14 +127,14 @@ def count_targets(batches: list[dict]) -> torch.Tensor:
     return sum(((shift_labels(mb["labels"]) != IGNORE).sum() for mb in batches), torch.zeros((), dtype=torch.int64))
 
 
-def boundaries(mb: dict, padded: int) -> torch.Tensor:
-    """The global document boundaries `prepare` is given (int32, one row's, the same for every
-    row): the packed case's documents, else one document; the layout's padding closes the last."""
+def boundaries(mb: dict, padded: int) -> list[int]:
+    """The global document boundaries `prepare` is given ([0, ..., padded], one row's, the same for
+    every row): the packed case's documents, else one document; the layout's padding closes the last."""
     cu = mb.get("cu_seqlens")
-    cu = [0, mb["input_ids"].shape[1]] if cu is None else list(cu)
+    cu = [0, mb["input_ids"].shape[1]] if cu is None else [int(x) for x in cu]
     if cu[-1] != padded:
         cu[-1] = padded
-    return torch.tensor(cu, dtype=torch.int32)
+    return cu
 
 
 def _pad(x: torch.Tensor, padded: int, value) -> torch.Tensor:
@@ -186,7 +186,7 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
         padded = -(-n // place.multiple()) * place.multiple()
         cu = mb.get("cu_seqlens")
         held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
-                         cu_seqlens=None if cu is None else boundaries(mb, padded).tolist())
+                         cu_seqlens=None if cu is None else boundaries(mb, padded))
         targets = _pad(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
         ids = _pad(ids, padded, 0).index_select(1, held).contiguous()
         pos = _pad_positions(pos, padded).index_select(1, held).contiguous()
