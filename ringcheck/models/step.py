@@ -25,7 +25,6 @@ for a failed case.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -332,18 +331,22 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
     glue = glue_of(config)
     with default_dtype(config.torch_dtype):
         model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
-        found = diagnose(model, tiny, case_batches(config, tiny, name, dp), logits, grads,
+        if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
+            grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
+        found = diagnose(model, tiny, case_batches(config, tiny, name, dp), logits, grads or None,
                          world_size=config.world_size, layout=glue.layout)
     return diagnosis_dict(found)
 
 
 def diagnosis_dict(found: Any) -> dict[str, Any]:
-    """A `Diagnosis` as plain data for the report (its fields, and its words as `str` gives them)."""
+    """A `Diagnosis` as plain data for the report: the loss of semantics matched (None: none; "none":
+    the figures equal the native model itself, within the diagnosis's tolerance), its layers, its
+    words (`summary()`), and whether the recomputation reproduced the truth at all."""
     if found is None:
         return {"matched": False, "words": "no diagnosis"}
-    data = dataclasses.asdict(found) if dataclasses.is_dataclass(found) else dict(getattr(found, "__dict__", {}))
-    data = {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.items()
-            if isinstance(v, (str, int, float, bool, tuple, list, dict, type(None)))}
-    words = getattr(found, "words", None) or str(found)
-    name = data.get("name", data.get("loss"))
-    return {**data, "matched": bool(name), "words": words}
+    loss = getattr(found, "matched", None)
+    summary = getattr(found, "summary", None)
+    words = summary() if callable(summary) else str(found)
+    return {"matched": loss not in (None, "none"), "loss": loss, "layers": list(getattr(found, "layers", ()) or ()),
+            "words": words, "reproducible": getattr(found, "reproducible", None),
+            "tolerance": getattr(found, "tolerance", None)}
