@@ -38,7 +38,8 @@ def test_a_correct_glue_passes_against_the_models_own_attention(ring_processes, 
     judged = _run(ring_processes, model)
     assert judged["verdict"] == "pass", judged["why"]
     for row in judged["cases"]:
-        assert row["logits"]["error"] <= row["logits"]["budget"] <= 1e-12, row  # a float64 budget, met
+        # the budget of the dtype the model is exact to: its attention float64, its norms' casts float32
+        assert row["logits"]["error"] <= row["logits"]["budget"] <= 1e-5, row
         assert row["gradients"] and all(g["ratio"] <= 1 for g in row["gradients"])
     if model == "mistral":  # the sliding window is what a glue must carry here, and the report says it is kept
         assert any("window" in " ".join(layer["features"]) for layer in judged["model"]["layers"])

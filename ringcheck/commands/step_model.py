@@ -45,25 +45,24 @@ from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundo
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
 
 
-def truth_dtype(config: ModelStepConfig) -> str:
-    """The dtype the truth is exact to: the step's. transformers' eager computes its softmax in
-    float32 even in a float64 model, but the truth runs it under `native.float64_softmax`
-    (docs/explanation/native-truth.md: the truth then equals a float64 attention computed from
-    the layers' semantics to about 1e-16). A `TRUTH_DTYPE` the native module states wins."""
-    # start-up time: the model, the glue and the truth import transformers, only for a --model run
-    from ..models import native
+def truth_dtype(config: ModelStepConfig, float32_steps: int = 0) -> str:
+    """The dtype the truth is exact to. Its attention is the step's: transformers' eager computes
+    its softmax in float32 even in a float64 model, but the truth runs it under
+    `native.float64_softmax` (docs/explanation/native-truth.md: the truth then equals a float64
+    attention computed from the layers' semantics to about 1e-16). The rest of the model is the
+    authors' code: where its forward casts to float32 (`float32_steps` > 0: Llama's RMSNorm,
+    Gemma's norms, a MoE router), the model is exact to float32 only."""
+    if config.dtype == "float64" and float32_steps:
+        return "float32"
+    return config.dtype
 
-    stated = getattr(native, "TRUTH_DTYPE", config.dtype)
-    return stated if unit_roundoff(stated) >= unit_roundoff(config.dtype) else config.dtype
 
-
-def model_budgets(n: int, config: ModelStepConfig) -> tuple[float, float]:
+def model_budgets(n: int, config: ModelStepConfig, truth: str | None = None) -> tuple[float, float]:
     """(loss budget, logits-and-gradients budget), relative, of a case of `n` target positions:
-    step's derived float64 budgets (`ringcheck.step.verdict.budgets`) with the truth's attention
-    dtype as the floor (`truth_dtype`): 2 n max(K_COND u, u_truth) for the loss, 2 n max(K_COND u,
-    u_truth) for every gradient and for the logits (their sums are as long, the attention's
-    shorter)."""
-    return budgets(n, config.dtype, None, truth_dtype(config))
+    step's derived budgets (`ringcheck.step.verdict.budgets`: 2 n K_COND u), floored at 2 n u of
+    the dtype the truth is exact to (`truth_dtype`), as step floors a ring not known to compute
+    float64 throughout; the logits' sums are no longer than the gradients'."""
+    return budgets(n, config.dtype, None, truth or config.dtype)
 
 
 class CheckedModel:
@@ -109,10 +108,10 @@ def _failed_cases(groups: list[list[dict]]) -> dict[str, str]:
 
 
 def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, config: ModelStepConfig,
-                     floor: dict | None = None) -> dict:
+                     floor: dict | None = None, truth: str | None = None) -> dict:
     """One case: every rank's loss and gradients, and the assembled logits, against the truth;
     `floor`: the measured budgets of a narrowed glue (`narrow_unit`), where wider than derived."""
-    loss_budget, budget = model_budgets(n, config)
+    loss_budget, budget = model_budgets(n, config, truth)
     logits_budget = budget
     if floor is not None:
         loss_budget, logits_budget, budget = (max(loss_budget, floor["loss"]), max(budget, floor["logits"]),
@@ -162,6 +161,7 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
     ref = processes.run_groups(one, reference_task, config, names, mesh.rings, checked.glue.layout, narrow,
                                **kw)[0][0]
     noise = None if narrow is None else narrow_unit(ref["cases"], narrow)
+    truth = truth_dtype(config, ref.get("float32_steps", 0))
     ring_errors = _failed_cases(ring)
     rows = []
     for name in names:
@@ -171,7 +171,7 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
             rows.append(not_run(name, f"the truth (native_step) raised: {ref['errors'][name]}"))
         else:
             rows.append(judge_model_case(name, ring, ref["cases"][name], _targets(name, mesh.rings), config,
-                                         None if noise is None else noise["floor"]))
+                                         None if noise is None else noise["floor"], truth))
     for row in rows:
         if row["verdict"] != "fail":
             continue
@@ -190,7 +190,7 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
             "glue": {"spec": config.glue, "name": checked.glue.name, "layout": checked.glue.layout,
                      "describe": checked.glue.describe, "attn_implementation": attn,
                      "prepare": checked.glue.prepare is not None},
-            "truth_dtype": truth_dtype(config), "noise": noise}
+            "truth_dtype": truth, "float32_steps": ref.get("float32_steps", 0), "noise": noise}
 
 
 def narrow_unit(cases: dict[str, dict], narrow: str) -> dict[str, Any]:
@@ -251,8 +251,11 @@ def _why(rows: list[dict]) -> str:
     return "; ".join(parts) + tail
 
 
-def model_rule_words(config: ModelStepConfig, truth: str) -> dict[str, Any]:
-    return {"k_cond": K_COND, "unit_roundoff": unit_roundoff(config.dtype), "truth_dtype": truth,
+def model_rule_words(config: ModelStepConfig, truth: str, float32_steps: int = 0) -> dict[str, Any]:
+    return {"float32_steps": float32_steps,
+            "precision": (f"the model's forward casts float64 to float32 {float32_steps} times (its norms' or router's "
+                          f"own code): it is exact to float32 there, and the budgets take float32's unit roundoff"
+                          if float32_steps and truth == "float32" else f"the model computes in {truth} throughout"),"k_cond": K_COND, "unit_roundoff": unit_roundoff(config.dtype), "truth_dtype": truth,
             "truth": "the same weights with transformers' eager attention at CP=1 on whole sequences, packed documents "
                      "kept apart (ringcheck.models.native.native_step)",
             "loss": "|L_P - L_1| <= 2 n max(K_COND u, u_truth) |L_1|, n the case's target positions",
@@ -270,7 +273,7 @@ def model_report_dict(config: ModelStepConfig, judged: dict[str, Any], command: 
             "why": judged["why"], "command": command,
             "config": {**config.__dict__, "cases": list(config.cases)}, "mesh": judged["mesh"].to_json(),
             "model": judged["model"], "glue": judged["glue"], "noise": judged.get("noise"),
-            "rule": model_rule_words(config, judged["truth_dtype"]), "cases": judged["cases"], "meta": meta or {}}
+            "rule": model_rule_words(config, judged["truth_dtype"], judged.get("float32_steps", 0)), "cases": judged["cases"], "meta": meta or {}}
 
 
 def default_model_cases(text: str | None) -> tuple[str, ...]:

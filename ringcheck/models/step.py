@@ -40,7 +40,7 @@ from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec, check_int
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
-from .step_noise import narrow_noise, split_gradients, truth_noise
+from .step_noise import float32_steps, narrow_noise, split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
 MODEL_DTYPES = ("float64", "float32")
@@ -277,11 +277,13 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
     from .native import NATIVE, native_logits, native_step
 
     tiny = tiny_of(config)
-    out, errors = {}, {}
+    out, errors, casts = {}, {}, None
     with default_dtype(config.torch_dtype):
         for name in names:
             try:
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
+                if casts is None and config.dtype == "float64":
+                    casts = float32_steps(model, case_batches(config, tiny, name, dp)[0], native_logits)
                 batches = case_batches(config, tiny, name, dp)
                 loss, grads, logits = native_step(model, batches)
                 noise = {} if CASES[name].evaluate else truth_noise(split_gradients(
@@ -296,7 +298,7 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                          "noise": noise}
             if narrow is not None:
                 out[name]["narrow"] = narrow_noise(tiny, config, batches, out[name], REFERENCE_DTYPES[narrow])
-    return {"cases": out, "errors": errors}
+    return {"cases": out, "errors": errors, "float32_steps": casts or 0}
 
 
 def assemble_logits(groups: list[list[dict]], name: str) -> list[torch.Tensor]:

@@ -111,3 +111,30 @@ def narrow_noise(tiny, config, batches: list[dict], truth: dict, dtype) -> dict[
                      "logits": max(relative(z.double(), w) for z, w in zip(logits, truth["logits"])),
                      "gradient": grad})
     return {"rows": rows, "skipped": skipped}
+
+
+def float32_steps(model, batch: dict, logits_of) -> int:
+    """How many times the model's forward, run as the truth runs it (`logits_of`: eager's softmax
+    already float64), casts a float64 tensor to float32: Llama's RMSNorm (`.to(torch.float32)`),
+    Gemma's `weight.float()`, a MoE router's. Where it does, the model's own arithmetic is float32
+    there: two correct attentions that differ by a float64 rounding flip its float32 roundings
+    (deepseek_v3's logits: 1.3e-8 apart at P=2 on 61 tokens), and the budgets take float32's unit
+    roundoff, as `ringcheck step` does for a ring not known to compute float64 throughout."""
+    # start-up time: torch's dispatch mode is needed only for a --model run
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = 0
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal count
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor)
+                    and out.dtype == torch.float32 and args[0].dtype == torch.float64):
+                count += 1
+            return out
+
+    ids, pos = batch["input_ids"][:1, :8], batch["position_ids"][:1, :8]
+    with torch.no_grad(), Casts():
+        logits_of(model, ids, pos, None)
+    return count

@@ -48,7 +48,7 @@ def model_lines(doc: dict) -> list[str]:
             f"glue {g['spec']} ({g['describe'] or g['name']}): layout {g['layout']}, attn_implementation "
             f"{g['attn_implementation']!r}" + (", prepare(cu_seqlens, group) before every forward" if g["prepare"]
                                               else ""),
-            f"truth: {doc['rule']['truth']}; its attention exact to {doc['rule']['truth_dtype']}"] + (
+            f"truth: {doc['rule']['truth']}; {doc['rule']['precision']}"] + (
         [doc["noise"]["words"]] if doc.get("noise") else [])
 
 
