@@ -142,3 +142,28 @@ def test_a_users_config_json_with_special_ids_outside_the_vocab(tmp_path):
 def test_the_zoo_is_every_causal_lm():
     names = zoo_names()
     assert len(names) > 150 and set(NAMED) <= set(names)
+
+
+def test_per_layer_settings_follow_the_kept_layers():
+    """gemma4's full layers have a head dim of 512 (its per_layer_config) and the config forces the last
+    layer full; llama4's no-rope flags and MoE layer indices follow the kept layers."""
+    tiny = tiny_model("gemma4_text")
+    assert disagreements(tiny, probe(tiny)) == []
+    assert [(x.kind, x.head_dim, x.scaling) for x in tiny.layers] == [
+        ("sliding", 256, 1.0), ("full", 512, 1.0), ("sliding", 256, 1.0), ("full", 512, 1.0)]
+    assert tiny.scaled["layers kept (original indices)"][1] == [0, 5, 6, 29]
+    llama4 = tiny_model("llama4_text")
+    assert llama4.config.no_rope_layers == [1, 0, 1] and llama4.config.moe_layers == [0, 1, 2]
+    assert llama4.scaled["layers kept (original indices)"][1] == [0, 3, 4]
+
+
+def test_a_head_dim_the_model_derives_scales_and_is_said():
+    """gpt2 computes its head dim from the width in the module: 64 -> 16, and the probe agrees."""
+    tiny = tiny_model("gpt2")
+    assert tiny.scaled["head_dim"] == (64, 16) and "head_dim" not in tiny.kept
+    assert disagreements(tiny, probe(tiny)) == []
+
+
+def test_a_model_outside_the_attention_interface_is_refused():
+    with pytest.raises(ModelRefused, match="bloom: its attention .* not dispatched through transformers' Attention"):
+        tiny_model("bloom")

@@ -35,10 +35,11 @@ _SIZES = {  # attribute -> tiny value (widths); the depth, heads, experts and vo
     "intermediate_size_mlp": INTERMEDIATE, "ffn_hidden_size": INTERMEDIATE, "decoder_ffn_dim": INTERMEDIATE,
     "moe_intermediate_size": EXPERT_INTERMEDIATE, "shared_expert_intermediate_size": EXPERT_INTERMEDIATE,
     "expert_intermediate_size": EXPERT_INTERMEDIATE, "shared_intermediate_size": EXPERT_INTERMEDIATE,
+    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB,
     "kv_lora_rank": LORA_RANK, "q_lora_rank": LORA_RANK + 16, "o_lora_rank": LORA_RANK,
 }
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "n_layers")
-_HEADS = ("num_attention_heads", "n_head", "decoder_attention_heads", "n_heads")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "n_layers", "encoder_layers")
+_HEADS = ("num_attention_heads", "n_head", "decoder_attention_heads", "n_heads", "encoder_attention_heads")
 _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
 _EXPERTS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts", "n_experts")
 _TOPK = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_selected_experts")
@@ -77,9 +78,18 @@ def _refuse_mixing_layer_types(name: str, d: dict) -> None:
                 other.setdefault(str(t), []).append(i)
         if other:
             said = "; ".join(f"layers {','.join(map(str, ix[:12]))}{',...' if len(ix) > 12 else ''} are {t} "
-                             f"(token-mixing)" for t, ix in other.items())
+                             f"({_MIXING_TYPES.get(t, 'not a full, sliding or chunked attention ringcheck models')})"
+                             for t, ix in other.items())
             raise ModelRefused(f"{name}: {said}: an attention glue alone does not make those layers "
                                f"context-parallel, so its shards cannot be judged right (exit 2)")
+
+
+_MIXING_TYPES = {"linear_attention": "token-mixing: linear attention", "conv": "token-mixing: short convolution",
+                 "mamba": "token-mixing: state-space", "mamba2": "token-mixing: state-space",
+                 "hybrid": "token-mixing: a state-space block beside attention",
+                 "indexed_attention": "sparse attention chosen by a learned indexer over all keys",
+                 "compressed_sparse_attention": "sparse attention over compressed keys",
+                 "heavily_compressed_attention": "attention over compressed keys"}
 
 
 def _words(cls: str) -> set[str]:
@@ -114,7 +124,7 @@ def refuse_mixing_modules(name: str, model: torch.nn.Module) -> None:
 # --- scaling ------------------------------------------------------------------------------------------------
 
 
-def _pick_layers(d: dict, n: int | None) -> list[int]:
+def _pick_layers(d: dict, n: int | None, keep_last: bool = False) -> list[int]:
     """Original layer indices to keep: each layer type's first layer, in order, then one more of the first
     type (sliding, full, sliding): the pattern's variety in 2-4 layers."""
     if not n:
@@ -124,16 +134,19 @@ def _pick_layers(d: dict, n: int | None) -> list[int]:
         return list(range(min(n, 2)))
     firsts = sorted({kind_of(t): i for i, t in reversed(list(enumerate(types)))}.values())
     extra = next((i for i in range(max(firsts) + 1, n) if kind_of(types[i]) == kind_of(types[firsts[0]])), None)
-    return (firsts + ([extra] if extra is not None else []))[:4]
+    picks = firsts + ([extra] if extra is not None else [])
+    if keep_last and kind_of(types[picks[-1]]) != kind_of(types[-1]):  # gemma4 forces its last layer full
+        picks.append(n - 1)
+    return picks[:4]
 
 
 def _scale_depth(d: dict, n: int | None, picks: list[int], scaled: dict) -> None:
     if not n:
         return
-    for key in _LAYERS:
-        if d.get(key) == n:
+    for key in _LAYERS:  # an encoder-decoder's causal LM is its decoder: both stacks shrink alike
+        if isinstance(d.get(key), int) and d[key] > len(picks):
+            scaled[key] = (d[key], len(picks))
             d[key] = len(picks)
-            scaled[key] = (n, len(picks))
     scaled["layers kept (original indices)"] = (list(range(n)) if n < 8 else f"0..{n - 1}", picks)
     for key, value in list(d.items()):  # every per-layer list or pattern string takes the kept layers
         if _index_list(value, n):
@@ -145,6 +158,13 @@ def _scale_depth(d: dict, n: int | None, picks: list[int], scaled: dict) -> None
             d[key] = "".join(new) if isinstance(value, str) else new
             if new != list(value)[:len(picks)]:
                 scaled[key] = (f"{len(value)} entries", new)
+    for key, value in list(d.items()):  # per-layer settings keyed by layer index (gemma4's per_layer_config)
+        if ("layer" in key and isinstance(value, dict) and value
+                and all(str(k).isdigit() and int(k) < n for k in value)):
+            new = {str(picks.index(int(k))).zfill(len(str(k))) if isinstance(k, str) else picks.index(k): v
+                   for k, v in value.items() if int(k) in picks}
+            scaled[key] = (f"{len(value)} layers' settings", sorted(new))
+            d[key] = new
     if isinstance(d.get("first_k_dense_replace"), int) and d["first_k_dense_replace"] > 1:
         scaled["first_k_dense_replace"] = (d["first_k_dense_replace"], 1)  # layer 0 dense, the rest MoE
         d["first_k_dense_replace"] = 1
@@ -164,13 +184,16 @@ def _index_list(value, n: int) -> bool:
 
 
 def _scale_widths(d: dict, scaled: dict) -> None:
+    heads = _first(d, _HEADS) or 1
     for key, tiny in _SIZES.items():
+        if tiny == HIDDEN and HIDDEN % heads:  # some configs insist the width is a multiple of the heads
+            tiny = heads * -(-HIDDEN // heads)
         if isinstance(d.get(key), int) and not isinstance(d[key], bool) and d[key] > tiny:
             scaled[key] = (d[key], tiny)
             d[key] = tiny
 
 
-def _scale_heads(d: dict, scaled: dict) -> int | None:
+def _scale_heads(d: dict, scaled: dict, head_dim_settable: bool = True) -> int | None:
     """4 query heads with the GQA ratio kept (8 when the ratio is 8 or more: then the ratio is 8); the
     head dims are kept, so q.k and the default scale are the original's."""
     hkey = next((k for k in _HEADS if isinstance(d.get(k), int)), None)
@@ -178,21 +201,28 @@ def _scale_heads(d: dict, scaled: dict) -> int | None:
         return None
     heads = d[hkey]
     kvkey = next((k for k in _KV_HEADS if isinstance(d.get(k), int)), None)
+    if kvkey is None and "num_key_value_heads" in d:  # None means one kv head per query head (nemotron
+        kvkey = "num_key_value_heads"                   # reads it without the default)
+        d[kvkey] = heads
     kv = d[kvkey] if kvkey else heads
     ratio = max(1, heads // max(kv, 1))
     tiny_kv = max(1, 4 // ratio) if ratio <= 4 else 1
     tiny_heads = tiny_kv * min(ratio, 8)
     hidden = _first(d, ("hidden_size", "n_embd", "d_model"))
-    if d.get("head_dim") is None and hidden and hidden % heads == 0 and _first(d, ("qk_nope_head_dim",)) is None:
+    if (head_dim_settable and d.get("head_dim") is None and hidden and hidden % heads == 0
+            and _first(d, ("qk_nope_head_dim",)) is None):
         d["head_dim"] = added = hidden // heads  # kept explicitly: with the width scaled it would shrink
     else:
         added = None
-    if tiny_heads < heads:
-        scaled[hkey] = (heads, tiny_heads)
-        d[hkey] = tiny_heads
-    if kvkey and tiny_kv != kv:
-        scaled[kvkey] = (kv, tiny_kv)
-        d[kvkey] = tiny_kv
+    for key, value in list(d.items()):  # per-layer head counts (laguna's num_attention_heads_per_layer)
+        if "heads" in key and key.endswith("_per_layer") and isinstance(value, list) and value:
+            d[key] = [max(1, v * tiny_heads // heads) if isinstance(v, int) else v for v in value]
+            scaled[key] = (value, d[key])
+    for keys, was, tiny in ((_HEADS, heads, tiny_heads), (_KV_HEADS, kv, tiny_kv)):
+        for key in keys:  # every stack alike (an encoder-decoder's encoder and decoder)
+            if d.get(key) == was and tiny != was:
+                scaled[key] = (was, tiny)
+                d[key] = tiny
     return added
 
 
@@ -205,6 +235,9 @@ def _scale_experts(d: dict, scaled: dict) -> bool:
         scaled[ekey] = (d[ekey], experts)
         d[ekey] = experts
     for key in _TOPK:
+        if key in d and d[key] is None:  # deepseek_v2's default config leaves it unset: it cannot run so
+            d[key] = max(1, experts // 2)
+            scaled[key] = (None, d[key])
         if isinstance(d.get(key), int) and d[key] > max(1, experts // 2):
             scaled[key] = (d[key], max(1, experts // 2))
             d[key] = max(1, experts // 2)
@@ -278,15 +311,16 @@ def _switch_off(d: dict, disabled: dict) -> None:
         d["is_decoder"] = True
 
 
-def scale_config(name: str, d: dict, seq_len: int, scaled: dict) -> tuple[dict, dict, bool, int | None]:
+def scale_config(name: str, d: dict, seq_len: int, scaled: dict, *, head_dim_settable: bool = True,
+                 keep_last: bool = False) -> tuple[dict, dict, bool, int | None]:
     """Scale the config dict `d` in place; -> (kept, disabled, moe, the head_dim made explicit or None)."""
     kept: dict[str, Any] = {}
     disabled: dict[str, str] = {}
     _refuse_mixing_layer_types(name, d)
     n_orig = _first(d, _LAYERS)
-    picks = _pick_layers(d, n_orig)
+    picks = _pick_layers(d, n_orig, keep_last)
     _scale_depth(d, n_orig, picks, scaled)
-    added_head_dim = _scale_heads(d, scaled)
+    added_head_dim = _scale_heads(d, scaled, head_dim_settable)
     _scale_widths(d, scaled)
     moe = _scale_experts(d, scaled)
     _scale_attention(d, seq_len, scaled, kept)

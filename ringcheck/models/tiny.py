@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ class TinyModel:
         if not isinstance(attn_implementation, str) or not attn_implementation:
             raise TypeError(f"attn_implementation must be a name (eager, sdpa, or one registered with "
                             f"transformers' AttentionInterface), got {attn_implementation!r}")
-        extra = {"experts_implementation": "eager"} if self.moe and _experts_settable(self.config) else {}
+        extra = {"experts_implementation": "eager"} if _experts_settable(self.config) else {}
         torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers, rope)
         model = AutoModelForCausalLM.from_config(_copy(self.config), attn_implementation=attn_implementation,
                                                  dtype=dtype, **extra)
@@ -81,20 +82,40 @@ def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
     if not isinstance(seq_len, int) or seq_len < 16:
         raise ValueError(f"seq_len must be an int >= 16 (windows are scaled to bite at it), got {seq_len!r}")
     original, name, scaled = _original_config(name_or_path)
-    d = original.to_dict()
-    kept, disabled, moe, added_head_dim = scale_config(name, d, seq_len, scaled)
-    d.pop("transformers_version", None)
-    config = type(original).from_dict(d)
+    settable = not isinstance(getattr(type(original), "head_dim", None), property)  # falcon derives it
+    said = dict(scaled)
+    for keep_last in (False, True):
+        d = original.to_dict()
+        scaled = dict(said)
+        kept, disabled, moe, added = scale_config(name, d, seq_len, scaled, head_dim_settable=settable,
+                                                  keep_last=keep_last)
+        d.pop("transformers_version", None)
+        asked = list(d.get("layer_types") or [])  # a copy: the config may rewrite the list in place
+        try:
+            config = type(original).from_dict(d)
+        except ValueError:
+            if keep_last:
+                raise
+            continue  # gemma4 refuses a pattern whose last layer is not full: keep the last layer's type
+        if list(getattr(config, "layer_types", None) or []) == asked:
+            break  # else the config rewrote the pattern (forced its last layer's type): keep the last layer
     meta = _meta_model(config)
-    if added_head_dim and not _honours_head_dim(meta, d["head_dim"]):
-        kept.pop("head_dim")  # the model derives it from hidden/heads: it scales with them
-        d.pop("head_dim")
-        config = type(original).from_dict(d)
-        meta = _meta_model(config)
-        tiny_dim = _layers(config)[0].head_dim if _layers(config) else None
-        scaled["head_dim"] = (added_head_dim, tiny_dim)
-    refuse_mixing_modules(name, meta)
-    layers = _layers(config)
+    refuse_mixing_modules(name, meta)  # first: a mamba has no attention to dispatch at all
+    _refuse_outside_the_interface(name, meta)
+    _check_size(name, meta)
+    if "head_dim" in d and (added and not _honours_head_dim(meta, added) or not _forward_runs(config)):
+        # the model derives head_dim from hidden / heads somewhere (gpt2's module, olmoe's q norm, helium's
+        # o_proj): then it scales with them, and the report says so
+        derived = {k: v for k, v in d.items() if k != "head_dim"}
+        heads = derived.get("num_attention_heads")
+        if not added and isinstance(heads, int) and isinstance(derived.get("hidden_size"), int):
+            derived["head_dim"] = derived["hidden_size"] // heads
+        alternative = type(original).from_dict(derived)
+        if _forward_runs(alternative):
+            kept.pop("head_dim", None)
+            config, meta = alternative, _meta_model(alternative)
+            scaled["head_dim"] = (added or d["head_dim"], _layers(config, meta)[0].head_dim)
+    layers = _layers(config, meta)
     return TinyModel(name=name, config=config, layers=layers, kept=kept, scaled=scaled, disabled=disabled,
                      vocab_size=config.get_text_config().vocab_size, seq_len=seq_len, moe=moe)
 
@@ -125,7 +146,10 @@ def _original_config(name_or_path: str):
         raise ValueError(f"--model {name_or_path!r} is neither a causal-LM model_type of transformers nor a "
                          f"config.json (close names: {', '.join(close[:8]) or 'none'}; all: zoo_names())")
     name = config.model_type
-    text = config.get_text_config()
+    try:
+        text = config.get_text_config()
+    except ValueError as e:  # musicgen: a text encoder and a decoder
+        raise ModelRefused(f"{name}: which of its text configs is the decoder is ambiguous ({e})") from e
     if text is not config:  # a multimodal wrapper: its text model is the decoder under test
         if text.model_type not in names:
             raise ModelRefused(f"{name} wraps a {text.model_type} text model that is not a causal LM of its own")
@@ -142,6 +166,35 @@ def _meta_model(config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(_copy(config))
 
 
+def _refuse_outside_the_interface(name: str, model: torch.nn.Module) -> None:
+    module = sys.modules.get(type(model).__module__)
+    if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
+        raise ModelRefused(f"{name}: its attention ({type(model).__module__}) is not dispatched through "
+                           f"transformers' AttentionInterface, so no glue can be installed in it (exit 2)")
+
+
+def _forward_runs(config) -> bool:
+    """A float32 forward of 8 tokens (the meta device cannot run one: masks call .item())."""
+    from transformers import AutoModelForCausalLM  # start-up time
+
+    try:
+        model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32)
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
+        return True
+    except Exception:  # any failure means "does not run": the caller compares two configs by it
+        return False
+
+
+def _attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Each decoder layer's attention module, by its layer_idx."""
+    found: dict[int, torch.nn.Module] = {}
+    for _, m in model.named_modules():
+        if "attention" in type(m).__name__.lower() and isinstance(getattr(m, "layer_idx", None), int):
+            found.setdefault(m.layer_idx, m)
+    return found
+
+
 def _honours_head_dim(model: torch.nn.Module, head_dim: int) -> bool:
     dims = {m.head_dim for n, m in model.named_modules() if n.endswith(("attn", "attention")) and
             isinstance(getattr(m, "head_dim", None), int)}
@@ -151,44 +204,64 @@ def _honours_head_dim(model: torch.nn.Module, head_dim: int) -> bool:
 # --- layers and weights -------------------------------------------------------------------------------------
 
 
-def _layers(config) -> tuple[LayerAttention, ...]:
+def _layers(config, meta: torch.nn.Module) -> tuple[LayerAttention, ...]:
     c = config.get_text_config()
-    n = int(getattr(c, "num_hidden_layers", 0) or 0)
-    heads = int(getattr(c, "num_attention_heads", 0) or 0)
-    kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    qk_nope, qk_rope = getattr(c, "qk_nope_head_dim", None), getattr(c, "qk_rope_head_dim", None)
+    attention = _attention_modules(meta)
+    n = int(_get(c, None, "num_hidden_layers") or 0)
+    types = _get(c, None, "layer_types") or []
+    return tuple(_layer(c, i, kind_of(types[i]) if i < len(types) else None, attention.get(i)) for i in range(n))
+
+
+def _get(c, i: int | None, name: str, default=None):
+    """Layer i's value of a config attribute: its per-layer config's (gemma4's head_dim of 512 on the full
+    layers), a per-layer list's entry (laguna's num_attention_heads_per_layer), else the global value."""
+    try:
+        layer_config = c.per_layer_config[i] if i is not None and getattr(c, "is_heterogeneous", False) else None
+    except (KeyError, IndexError, TypeError):
+        layer_config = None
+    if layer_config is not None and getattr(layer_config, name, None) is not None:
+        return getattr(layer_config, name)
+    listed = getattr(c, f"{name}_per_layer", None) if i is not None else None
+    if isinstance(listed, (list, tuple)) and i < len(listed):
+        return listed[i]
+    try:
+        value = getattr(c, name, default)
+    except Exception:  # a per-layer attribute read globally raises (transformers' AmbiguousGlobal... error)
+        return default
+    return default if value is None else value
+
+
+def _layer(c, i: int, kind: str | None, module) -> LayerAttention:
+    heads = int(_get(c, i, "num_attention_heads", 0))
+    kv = int(_get(c, i, "num_key_value_heads", heads))
+    qk_nope, qk_rope = _get(c, i, "qk_nope_head_dim"), _get(c, i, "qk_rope_head_dim")
     mla = isinstance(qk_nope, int) and isinstance(qk_rope, int)
-    head_dim = qk_nope + qk_rope if mla else int(getattr(c, "head_dim", None) or c.hidden_size // max(heads, 1))
-    v_head_dim = int(getattr(c, "v_head_dim", None) or head_dim)
+    head_dim = qk_nope + qk_rope if mla else int(_get(c, i, "head_dim") or _get(c, i, "hidden_size") // max(heads, 1))
+    v_head_dim = int(_get(c, i, "v_head_dim") or head_dim)
     if mla:
         kv = heads  # MLA expands its latent to every head
-    types = getattr(c, "layer_types", None) or []
-    window = getattr(c, "sliding_window", None)
-    use_sw = getattr(c, "use_sliding_window", True)
-    cap = getattr(c, "attn_logit_softcapping", None)
-    out = []
-    for i in range(n):
-        kind = kind_of(types[i]) if i < len(types) else ("sliding" if window and use_sw else "full")
-        out.append(LayerAttention(
-            index=i, kind=kind or "full",
-            window=window if kind == "sliding" else None,
-            chunk=getattr(c, "attention_chunk_size", None) if kind == "chunked" else None,
-            sinks=c.model_type in _SINKS, softcap=float(cap) if cap else None,
-            scaling=_scaling(c, head_dim), heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim))
-    return tuple(out)
+    window = _get(c, i, "sliding_window")
+    if kind is None:
+        kind = "sliding" if window and _get(c, i, "use_sliding_window", True) else "full"
+    cap = _get(c, i, "attn_logit_softcapping")
+    return LayerAttention(
+        index=i, kind=kind, window=window if kind == "sliding" else None,
+        chunk=_get(c, i, "attention_chunk_size") if kind == "chunked" else None,
+        sinks=isinstance(getattr(module, "sinks", None), torch.nn.Parameter), softcap=float(cap) if cap else None,
+        scaling=_scaling(c, i, head_dim, module), heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim)
 
 
-_SINKS = ("gpt_oss",)
-
-
-def _scaling(c, head_dim: int) -> float:
-    if getattr(c, "query_pre_attn_scalar", None):
-        return float(c.query_pre_attn_scalar) ** -0.5
-    if getattr(c, "attention_multiplier", None) is not None:
-        return float(c.attention_multiplier)
+def _scaling(c, i: int, head_dim: int, module) -> float:
+    """The module's own `scaling` where it keeps one (gemma4's 1.0 beside its QK norms), else the config's."""
+    if isinstance(getattr(module, "scaling", None), (int, float)) and not isinstance(module.scaling, bool):
+        return float(module.scaling)
+    if _get(c, i, "query_pre_attn_scalar"):
+        return float(_get(c, i, "query_pre_attn_scalar")) ** -0.5
+    if _get(c, i, "attention_multiplier") is not None:
+        return float(_get(c, i, "attention_multiplier"))
     s = head_dim ** -0.5
-    rope = getattr(c, "rope_parameters", None) or {}
-    if getattr(c, "qk_rope_head_dim", None) and rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim"):
+    rope = _get(c, i, "rope_parameters") or {}
+    if _get(c, i, "qk_rope_head_dim") and rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim"):
         m = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0 if rope["factor"] > 1 else 1.0
         s *= m * m
     return s
@@ -207,6 +280,18 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise * p.shape[-1] ** -0.5)
             else:
                 p.copy_(p.detach().double() + 0.1 * noise)
+
+
+MAX_PARAMETERS = 8_000_000  # the ten named models are 0.1-1.0 M; above this a width was not scaled
+
+
+def _check_size(name: str, meta: torch.nn.Module) -> None:
+    total = sum(p.numel() for p in meta.parameters())
+    if total > MAX_PARAMETERS:
+        big = sorted(((p.numel(), n, tuple(p.shape)) for n, p in meta.named_parameters()), reverse=True)[:3]
+        raise RuntimeError(f"{name}: the tiny model still has {total:,} parameters (largest: "
+                           f"{', '.join(f'{n} {s}' for _, n, s in big)}): a width of its config is not one "
+                           f"ringcheck scales; report it with the config")
 
 
 def _copy(config):

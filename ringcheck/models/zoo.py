@@ -148,3 +148,19 @@ def survey(names: tuple[str, ...] | None = None, *, seq_len: int = 64) -> list[d
         row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
     return rows
+
+
+def survey_markdown(rows: list[dict[str, Any]]) -> str:
+    """The survey as a Markdown table, with the counts above it."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines = [f"{len(rows)} causal-LM architectures of transformers: "
+             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda x: -x[1])), "",
+             "| model | builds tiny | layers | attention features | probe | seconds | why / detail |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        detail = r["detail"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['model']} | {'yes' if r['builds'] else 'no'} | {r.get('layers', '')} | "
+                     f"{', '.join(r['features'])} | {r['status']} | {r['seconds']} | {detail[:300]} |")
+    return "\n".join(lines) + "\n"
