@@ -81,7 +81,8 @@ per parameter: step-0 error, spread, floor, budget, ratio) and `steps` (one row 
 losses, spread, envelope, band, gap, gradient norms), meta (`ringcheck.train.verdict`).
 
 `ringcheck.step`, version 1 (`ringcheck.commands.step.report_dict`): verdict, passed, why, command, config, mesh,
-reference_mesh, rule, noise (a narrowed ring's: unit, k, rows; else null), convention, data, has_logits, cases, meta.
+reference_mesh, rule, noise (a narrowed ring's: unit, k, rows; else null), convention, data, has_logits, found (lines:
+what ringcheck found out itself), cases (one the step raised in: verdict "not run", why, fix), meta.
 
 `ringcheck.plan`, version 1 (`ringcheck.plan.plan_document`): verdict ("fits" or "does not fit"), fits, why,
 settings, model, hardware (with sources), memory (bytes per GPU), smallest_cp, ring, step, conventions, notes, meta.

@@ -74,7 +74,7 @@ def test_a_recipe_that_breaks_the_contract_is_named_before_any_rank_starts(capsy
     from ringcheck.cli import EXIT_USAGE, main
 
     assert main(["step", "--recipe", "ringcheck.catalogue.step_mutants:EXPECTED", "-q"]) == EXIT_USAGE
-    assert "lacks model(), step(), vocab_size" in capsys.readouterr().err
+    assert "lacks model(), step();" in capsys.readouterr().err
     assert main(["step", "--cases", "one_sequence,no_such_case", "-q"]) == EXIT_USAGE
     assert "no_such_case" in capsys.readouterr().err
     assert main(["step", "--recipe", "plain", "--dtype", "float32", "--world-size", "3", "--layout", "contig"]) == 2
@@ -323,14 +323,17 @@ def test_the_command_fails_a_mutant_and_names_its_class(capsys):
     assert "FAILED" in out and "labels shifted inside each shard" in out and "shift_labels" in out
 
 
-def test_a_length_the_recipe_cannot_shard_gets_no_verdict_naming_the_case(capsys):
-    from ringcheck.cli import EXIT_USAGE, main
+def test_a_length_the_recipe_cannot_shard_is_not_run_and_alone_gets_no_verdict(capsys):
+    """The case is reported not run, with what the step said and the fix; with no other case the
+    run judged nothing (exit 2); beside a judged case the run keeps that case's verdict (exit 0)."""
+    from ringcheck.cli import EXIT_OK, EXIT_USAGE, main
 
-    argv = ["step", "--recipe", f"{MUTANTS}:no_padding", "--world-size", "2", "--cases", "not_divisible", "-q",
+    argv = ["step", "--recipe", f"{MUTANTS}:no_padding", "--world-size", "2", "--cases", "not_divisible",
             "--timeout", "10"]
     assert main(argv) == EXIT_USAGE
-    err = capsys.readouterr().err
-    assert "not_divisible" in err and "does not pad" in err
+    out = capsys.readouterr().out
+    assert "not_divisible: not run" in out and "does not pad" in out and "cp.pad" in out and "NO VERDICT" in out
+    assert main([*argv[:-3], "one_sequence,not_divisible", "-q"]) == EXIT_OK
 
 
 # ---- the pytest plugin: --ring-recipe ------------------------------------------------------------

@@ -20,13 +20,14 @@ from typing import Any
 from ..adapters import accepted_keywords
 from ..documents import STEP_SCHEMA, header
 from ..harness.runner import loaded
-from ..launch import GroupPlan
-from ..step.cases import CASES, DOCUMENTS, SEQ_LEN, case_names
-from ..step.contract import load_recipe
+from ..launch import GroupPlan, RingError
+from ..spec import REFERENCE_DTYPES
+from ..step.cases import CASES, DOCUMENTS, SEQ_LEN, case_names, fix_of
+from ..step.contract import load_recipe, vocab_of
 from ..step.diagnosis import CONVENTIONS, TRANSFORMS, WORDS, convention, match
 from ..step.noise import NOISE_RUNS, narrowed_words, noise_cases, noise_unit
-from ..step.run import StepConfig, diagnosis_task, ring_positions, step_task
-from ..step.verdict import K_COND, budgets, data_row, judge_case, relative, unit_roundoff
+from ..step.run import StepConfig, build_model, cannot_run, diagnosis_task, ring_positions, step_task
+from ..step.verdict import K_COND, budgets, data_row, judge_case, loss_rounding, relative, unit_roundoff
 from .validate_target import Target
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
@@ -83,6 +84,8 @@ def check_before_start(config: StepConfig) -> None:
     """The recipe's hooks and the implementation's rules, before any rank starts (ValueError /
     TypeError naming the value and the fix)."""
     recipe = load_recipe(config.recipe)
+    if recipe.vocab_size is None:  # read from the model's embeddings: one it cannot be read from is named now
+        vocab_of(recipe, build_model(recipe, REFERENCE_DTYPES[config.dtype], config.seed))
     impl = loaded(config.impl_options)
     impl.check_layout(config.layout, True)
     if impl.dtypes is not None and ring_dtype(config) not in impl.dtypes:
@@ -112,6 +115,31 @@ def _ranks(groups, name: str) -> list[dict]:
             for g, group in enumerate(groups) for r in group]
 
 
+def run_cases(processes, plan_of, first: int, config: StepConfig, names: tuple[str, ...], pos0, role: str, kw: dict,
+              not_run: dict[str, str]) -> list[list[dict]] | None:
+    """`step_task` of the run `role` on the rings of `plan_of(first)` for the cases `names` but
+    those in `not_run`: a case the recipe's step raises in (`cannot_run`) is added to `not_run`
+    (case -> why) and the others run again on fresh groups, so it takes no other case's verdict
+    with it; None when no case is left. Any other failure (the contract, a hang) is raised."""
+    left = tuple(n for n in names if n not in not_run)
+    while left:
+        try:
+            return processes.run_groups(plan_of(first, families=True), step_task, config, left, pos0, role, **kw)
+        except RingError as exc:
+            found = cannot_run(exc.failures)
+            if found is None or found[0] not in left:
+                raise
+            not_run[found[0]] = found[1] + ("" if role == "ring" else f" (in the {role} run)")
+            left = tuple(n for n in left if n != found[0])
+    return None
+
+
+def not_run_row(name: str, n: int, why: str) -> dict[str, Any]:
+    """The row of a case the step could not run: why, and what makes it run (no figures)."""
+    return {"case": name, "verdict": "not run", "targets": n, "why": why, "fix": fix_of(name), "loss": None,
+            "gradient_budget": None, "worst_gradient": None, "first_out": None, "gradients": []}
+
+
 def run_step(config: StepConfig, processes) -> dict[str, Any]:
     """The CP=P run and the reference on `processes` (`LocalRings` or the `TorchrunWorld` whose
     every rank calls this in step), judged and, where a case failed, diagnosed."""
@@ -125,34 +153,48 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
     pos0 = ring_positions(config)
     names = config.cases
     kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
-    ring = processes.run_groups(mesh.plan(first, families=True), step_task, config, names, pos0, **kw)
+    not_run: dict[str, str] = {}  # case -> why the step could not run it
+    ring = run_cases(processes, mesh.plan, first, config, names, pos0, "ring", kw, not_run)
     pool = names if config.narrow is None else noise_cases(names)
-    ref = processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, pool, pos0, "reference", **kw)
+    ref = run_cases(processes, ref_mesh.plan, first, config, pool, pos0, "reference", kw, not_run)
     noise = None
-    if config.narrow is not None:  # the noise runs: the same step at CP=1, other legitimate attentions
-        runs = {role: processes.run_groups(ref_mesh.plan(first, families=True), step_task, config, pool, pos0, role,
-                                           **kw)[0][0]["cases"] for role in NOISE_RUNS}
-        noise = noise_unit(ref[0][0]["cases"], runs, pool)
+    if config.narrow is not None and ref is not None:  # the noise runs: the step at CP=1, other legitimate attentions
+        runs = {role: run_cases(processes, ref_mesh.plan, first, config, pool, pos0, role, kw, not_run)
+                for role in NOISE_RUNS}
+        pool = tuple(n for n in pool if n not in not_run)
+        noise = noise_unit(ref[0][0]["cases"], {role: r[0][0]["cases"] for role, r in runs.items() if r}, pool)
     floor = None if noise is None else (noise["k"] * noise["loss"], noise["k"] * noise["gradient"])
+    loss_dtype, loss_found = loss_rounding(recipe.loss_dtype, config.dtype, _facts(ref).get("transformers"),
+                                           [c["loss"] for c in (ref[0][0]["cases"].values() if ref else ())])
     rows = []
     for name in names:
         n = _targets(name, mesh.rings)
+        if name in not_run:
+            rows.append(not_run_row(name, n, not_run[name]))
+            continue
         rows.append(judge_case(name, _ranks(ring, name), ref[0][0]["cases"][name], n, config.dtype,
-                               recipe.loss_dtype, CASES[name].evaluate, attention_dtype(config), floor))
+                               loss_dtype, CASES[name].evaluate, attention_dtype(config), floor))
+    names = tuple(n for n in names if n not in not_run)  # the cases judged
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
-    conv_case = "two_micro_batches" if "two_micro_batches" in names else names[0]
-    requests = [(c, config.world_size, TRANSFORMS) for c in failed] + [(conv_case, 1, CONVENTIONS)]
-    cands = {}
-    if recipe.logits is not None:
-        cands = processes.run_groups(GroupPlan(((first,),), label="diagnosis"), diagnosis_task, config,
-                                     tuple(requests), pos0, **kw)[0][0]
+    conv_case = "two_micro_batches" if "two_micro_batches" in names else (names or (None,))[0]
+    requests = [(c, config.world_size, TRANSFORMS) for c in failed] + [(conv_case, 1, CONVENTIONS)] * bool(names)
+    model_logits = recipe.logits is None and _facts(ref).get("transformers") is not None
+    cands, unable = {}, None
+    if (recipe.logits is not None or model_logits) and requests:
+        try:
+            cands = processes.run_groups(GroupPlan(((first,),), label="diagnosis"), diagnosis_task, config,
+                                         tuple(requests), pos0, **kw)[0][0]
+        except RingError as exc:  # the verdicts stand; only the naming is lost, and the report says why
+            said = next(iter(exc.failures.values()), str(exc))
+            unable = (f"the diagnosis could not recompute the step on whole sequences ({str(said).splitlines()[0]}): "
+                      f"only the gradient-scale candidates were tried")
     attn = attention_dtype(config)
-    diag_u = max(unit_roundoff(recipe.loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
+    diag_u = max(unit_roundoff(loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
     for row in rows:
         if row["verdict"] != "fail":
             continue
         n = row["targets"]
-        loss_budget, grad_budget = budgets(n, config.dtype, recipe.loss_dtype, attn)[0], 2 * n * K_COND * diag_u
+        loss_budget, grad_budget = budgets(n, config.dtype, loss_dtype, attn)[0], 2 * n * K_COND * diag_u
         if floor is not None:
             loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
         found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
@@ -163,24 +205,47 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
         row["diagnosis"] = found[0] if found and found[0]["matches"] else None
     conv = None
     if f"{conv_case}@1" in cands:
-        conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, recipe.loss_dtype, attn)[0]
+        conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, loss_dtype, attn)[0]
         conv_budget = conv_budget if floor is None else max(conv_budget, floor[0])
         conv = convention(ref[0][0]["cases"][conv_case], cands[f"{conv_case}@1"], loss_budget=conv_budget,
                           relative=relative)
         conv["case"] = conv_case
-    data = data_row(ring)
+    own = (f"the recipe has no logits hook: the diagnosis and the convention call the transformers model "
+           f"({_facts(ref)['transformers']}) itself on whole sequences, model(input_ids, position_ids, "
+           f"use_cache=False).logits") if model_logits else None
+    found = [line for line in (_facts(ref).get("vocab"), loss_found, own, unable) if line]
+    data = None if ring is None else data_row(ring)
+    judged = [r for r in rows if r["verdict"] != "not run"]
     verdict = "fail" if failed or (data is not None and data["verdict"] == "fail") else (
-        "no verdict" if any(r["verdict"] == "no verdict" for r in rows) else "pass")
+        "no verdict" if not judged or any(r["verdict"] == "no verdict" for r in judged) else "pass")
     return {"verdict": verdict, "cases": rows, "convention": conv, "data": data, "mesh": mesh,
-            "reference_mesh": ref_mesh, "loss_dtype": recipe.loss_dtype or config.dtype, "attention_dtype": attn,
-            "has_logits": recipe.logits is not None, "noise": noise,
+            "reference_mesh": ref_mesh, "loss_dtype": loss_dtype or config.dtype, "attention_dtype": attn,
+            "has_logits": recipe.logits is not None or model_logits, "noise": noise, "found": found,
             "why": _why(rows, data)}
 
 
+def _facts(ref: list[list[dict]] | None) -> dict[str, Any]:
+    """What the reference run found out about the recipe instead of asking it (`run_case`'s
+    `found`: the vocabulary read from the model, a transformers model's class); {} without one."""
+    if not ref or not ref[0][0]["cases"]:
+        return {}
+    return next(iter(ref[0][0]["cases"].values()))["found"]
+
+
 def _why(rows, data=None) -> str:
+    skipped = [r for r in rows if r["verdict"] == "not run"]
+    rows = [r for r in rows if r["verdict"] != "not run"]
+    tail = "" if not skipped else (f"; not run: {', '.join(r['case'] for r in skipped)} (the step raised in "
+                                   f"{'them' if len(skipped) > 1 else 'it'}: why and the fix above)")
+    if not rows:
+        return "no case was judged" + tail
+    return _judged_why(rows, data) + tail
+
+
+def _judged_why(rows, data=None) -> str:
     bad = [r for r in rows if r["verdict"] == "fail"]
     if data is not None and data["verdict"] == "fail":
-        return f"data: {data['words']}" + ("; " + _why(rows) if bad else "")
+        return f"data: {data['words']}" + ("; " + _judged_why(rows) if bad else "")
     blind = [r["case"] for r in rows if r["verdict"] == "no verdict"]
     if blind and not bad:
         return f"no verdict in {', '.join(blind)}: " + next(r["why"] for r in rows if r["verdict"] == "no verdict")
@@ -224,5 +289,6 @@ def report_dict(config: StepConfig, judged: dict[str, Any], command: str, meta: 
             "mesh": judged["mesh"].to_json(), "reference_mesh": judged["reference_mesh"].to_json(),
             "rule": rule_words(config, judged["loss_dtype"], judged.get("attention_dtype"), judged.get("noise")),
             "noise": judged.get("noise"), "convention": judged["convention"],
-            "data": judged["data"], "has_logits": judged["has_logits"], "cases": cases,
+            "data": judged["data"], "has_logits": judged["has_logits"], "found": judged.get("found", []),
+            "cases": cases,
             "meta": meta or {}}

@@ -19,6 +19,9 @@ HEADERS = ("case", "loss error", "loss budget", "worst gradient error", "gradien
 def case_rows(doc: dict) -> list[tuple[str, ...]]:
     rows = []
     for c in doc["cases"]:
+        if c["verdict"] == "not run":
+            rows.append((c["case"], "-", "-", "-", "-", "-", "not run"))
+            continue
         first = c["first_out"]
         rows.append((c["case"], f"{c['loss']['error']:.2g}", f"{c['loss']['budget']:.2g}",
                      f"{c['worst_gradient']:.2g}" if c["gradients"] else "-",
@@ -29,7 +32,8 @@ def case_rows(doc: dict) -> list[tuple[str, ...]]:
 
 def diagnosis_lines(doc: dict) -> list[str]:
     """One line per failed case: the transformation its figures match, or the nearest ones."""
-    lines = []
+    lines = [f"found: {line}" for line in doc.get("found", [])]
+    lines += [f"{c['case']}: not run: {c['why']}; fix: {c['fix']}" for c in doc["cases"] if c["verdict"] == "not run"]
     for c in doc["cases"]:
         if c["verdict"] != "fail":
             continue
@@ -65,7 +69,8 @@ def print_step_summary(doc: dict, console: Console | None = None) -> None:
     for name in HEADERS:
         table.add_column(name, justify="left" if name in ("case", "first parameter out") else "right", no_wrap=True)
     for row in case_rows(doc):
-        table.add_row(*row[:-1], {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]"}.get(row[-1], "[yellow]NO VERDICT[/]"))
+        table.add_row(*row[:-1], {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "not run": "[yellow]not run[/]"}.get(
+            row[-1], "[yellow]NO VERDICT[/]"))
     console.print(table)
     for line in diagnosis_lines(doc):
         console.print(f"- {line}", markup=False, highlight=False)

@@ -30,6 +30,7 @@ class Case:
     mask: str = "none"                 # "none", "uneven" (one shard almost empty), "rows" (rows differ)
     evaluate: bool = False             # forward only, under no_grad: the loss alone
     checkpoint: str | None = None      # activation checkpointing the step is asked for
+    fix: str = ""                      # what a step that cannot run the case must do (a not-run case's fix)
 
 
 CASES = {c.name: c for c in (
@@ -39,7 +40,9 @@ CASES = {c.name: c for c in (
     Case("batch2", "batch 2, the rows with different counts", rows=2, mask="rows"),
     Case("two_micro_batches", "two micro-batches with different counts (gradient accumulation)", micro=2,
          mask="rows"),
-    Case("not_divisible", f"{ODD_LEN} tokens, divisible by no 2 x P: the recipe pads", seq_len=ODD_LEN),
+    Case("not_divisible", f"{ODD_LEN} tokens, divisible by no 2 x P: the recipe pads", seq_len=ODD_LEN,
+         fix="pad every tensor to a multiple of cp.multiple before sharding (cp.pad(x, value): -100 for the labels, "
+             "so the pads count nowhere), or leave the case out if your loader always pads (--cases)"),
     Case("evaluation", "evaluation: forward under no_grad, the loss alone", evaluate=True),
     Case("checkpoint_non_reentrant", "activation checkpointing (non-reentrant): the ring again in backward",
          checkpoint="non_reentrant"),
@@ -86,3 +89,8 @@ def micro_batches(case: Case, *, vocab: int, seed: int, dp: int, rank0_positions
                 labels[r, torch.rand(n, generator=gen) < share] = IGNORE
         out.append({"input_ids": ids, "labels": labels, "position_ids": pos, "cu_seqlens": cu})
     return out
+
+
+def fix_of(name: str) -> str:
+    """What a step that cannot run the case `name` must do to run it."""
+    return CASES[name].fix or f"make the step run the {name} case, or leave it out (--cases)"

@@ -2,7 +2,6 @@
 
 A recipe is an object (or a module) with
 
-- `vocab_size`: the token ids ringcheck may draw (0 .. vocab_size - 1);
 - `model()` -> `torch.nn.Module`: the user's model at a tiny size. ringcheck seeds torch the same
   way on every rank and sets torch's default dtype to `--dtype` first, then casts the model's
   floating parameters to it, so every rank and the reference start identical;
@@ -13,6 +12,8 @@ A recipe is an object (or a module) with
 
 and optionally
 
+- `vocab_size`: the token ids ringcheck may draw (0 .. vocab_size - 1); without it they are read
+  from the model's input embeddings (`vocab_of`), and the report says so;
 - `logits(model, input_ids, position_ids)` -> (batch, seq, vocab): the model's logits on whole
   sequences, called by ringcheck at CP=1. The model's attention finds that call's `cp` (a CP
   group of one, its `cu_seqlens` the batch's documents) as `active_cp()`, or as a keyword `cp`
@@ -220,7 +221,7 @@ class Recipe:
     """A loaded recipe: its hooks, checked against the contract."""
 
     name: str
-    vocab_size: int
+    vocab_size: int | None  # None: read from the model's input embeddings (`vocab_of`)
     model: Callable[[], torch.nn.Module]
     step: Callable[..., Any]
     logits: Callable[..., torch.Tensor] | None
@@ -228,6 +229,26 @@ class Recipe:
     checkpointing: tuple[str, ...]
     loss_dtype: str | None
     loader: Callable[..., Any] | None = None
+
+
+def vocab_of(recipe: Recipe, model: torch.nn.Module) -> tuple[int, str | None]:
+    """The token ids the cases draw (0 .. n - 1) and, where the recipe declares no `vocab_size`,
+    where they were read: the model's input embeddings, transformers' `get_input_embeddings()`,
+    else its first `nn.Embedding` (a step needs only `model()` and `step()`)."""
+    if recipe.vocab_size is not None:
+        return recipe.vocab_size, None
+    try:
+        found, where = model.get_input_embeddings(), "get_input_embeddings()"
+    except (AttributeError, NotImplementedError):
+        found = None
+    if not isinstance(found, torch.nn.Embedding):
+        where, found = next(((f"the first nn.Embedding, {n}", m) for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Embedding)), (None, None))
+    if found is None or found.num_embeddings < 2:
+        raise TypeError(f"--recipe {recipe.name} has no vocab_size and its model ({type(model).__name__}) has no "
+                        f"nn.Embedding to read it from; give the recipe vocab_size (the token ids the cases may draw)")
+    return found.num_embeddings, (f"vocab_size {found.num_embeddings}, read from the model's input embeddings "
+                                  f"({where}): the recipe declares none")
 
 
 def load_recipe(spec: str) -> Recipe:
@@ -242,11 +263,12 @@ def load_recipe(spec: str) -> Recipe:
     obj = import_object(target, f"--recipe {spec}")
     missing = [n for n in ("model", "step") if not callable(getattr(obj, n, None))]
     vocab = getattr(obj, "vocab_size", None)
-    if missing or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
-        what = ", ".join([f"{n}()" for n in missing] + ([] if isinstance(vocab, int) and vocab >= 2 else
-                                                         [f"vocab_size (an int >= 2, got {vocab!r})"]))
-        raise TypeError(f"--recipe {spec}: {type(obj).__name__} lacks {what}; a recipe has vocab_size, model() -> "
-                        f"torch.nn.Module and step(model, micro_batches, cp) -> loss (see docs/reference/recipe.md)")
+    bad_vocab = vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2)
+    if missing or bad_vocab:
+        what = ", ".join([f"{n}()" for n in missing] + [f"vocab_size (an int >= 2, got {vocab!r})"] * bad_vocab)
+        raise TypeError(f"--recipe {spec}: {type(obj).__name__} lacks {what}; a recipe has model() -> torch.nn.Module "
+                        f"and step(model, micro_batches, cp) -> loss, and optionally vocab_size (else read from the "
+                        f"model's input embeddings; see docs/reference/recipe-contract.md)")
     modes = tuple(getattr(obj, "checkpointing", ()) or ())
     bad = [m for m in modes if m not in CHECKPOINTING]
     if bad:

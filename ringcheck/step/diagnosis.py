@@ -13,6 +13,7 @@ them, for the report's convention line (transformers #34191).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ..ring.layouts import positions
 from ..spec import RingSpec
-from .contract import CP, IGNORE, shift_labels
+from .contract import CP, IGNORE, calling, shift_labels
 
 # name -> (class, what it means, a report where it happened)
 WORDS = {
@@ -140,29 +141,44 @@ def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict]
     out = {}
     for name in names:
         model = build()
-        params = dict(model.named_parameters())
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        for p in params.values():
+            p.grad = None
         if name == "labels_shifted_in_shards":
             targets = [_shifted_in_shards(mb["labels"], lay) for mb, lay in zip(batches, layouts)]
         else:
             targets = [shift_labels(mb["labels"]) for mb in batches]
         weights = _weights(name, batches, layouts, P, dp, targets)
-        loss = torch.zeros((), dtype=torch.float64, device=cp.device)
+        loss = 0.0
         for mb, lay, t, w in zip(batches, layouts, targets, weights):
             z = _logits(recipe, model, mb, cp, name, lay)
             if z is None:
                 loss = None
                 break
             ce = F.cross_entropy(z.double().flatten(0, 1), t.clamp_min(0).flatten(), reduction="none")
-            loss = loss + (ce * w.flatten()).sum()
+            part = (ce * w.flatten()).sum()
+            backward(part, replace(cp, cu_seqlens=mb.get("cu_seqlens")))
+            loss += float(part.detach())
         if loss is None:
             continue
-        used = {n: p for n, p in params.items() if p.requires_grad}
-        grads = torch.autograd.grad(loss, list(used.values()), allow_unused=True)
-        grads = [None if g is None else g.cpu() for g in grads]
         changed = sum(int((t != shift_labels(mb["labels"])).sum()) for t, mb in zip(targets, batches))
-        out[name] = {"loss": float(loss.detach()), "changed": changed,
-                     "grads": {n: None if g is None else g.detach() for n, g in zip(used, grads)}}
+        out[name] = {"loss": loss, "changed": changed,
+                     "grads": {n: None if p.grad is None else p.grad.detach().cpu() for n, p in params.items()}}
+        if name == "labels_shifted_in_shards":  # its count: the targets it keeps, or the whole sequence's
+            kept, whole = (sum(int((t != IGNORE).sum()) for t in ts) for ts in
+                           (targets, [shift_labels(mb["labels"]) for mb in batches]))
+            out[name]["scales"] = (1.0, kept / max(whole, 1))
     return out
+
+
+def backward(part: torch.Tensor, cp: CP) -> None:
+    """`part.backward()` with `cp` active, its gradients accumulating into the parameters' (a
+    micro-batch at a time, as a step accumulates them): `torch.autograd.grad` refuses a model that
+    checkpoints with `use_reentrant=True` (its own choice, whatever case runs), and that model's
+    recomputation in backward finds its ring as `active_cp()` (the micro-batch's documents) as in
+    the forward."""
+    with calling(cp):
+        part.backward()
 
 
 def _sum_over_cp(ranks: list[dict]) -> dict[str, torch.Tensor | None]:
@@ -184,12 +200,15 @@ def match(ranks: list[dict], ref: dict, cands: dict[str, Any], *, P: int, loss_b
             pool[name] = {"loss": None, "grads": {n: None if g is None else g * f for n, g in ref["grads"].items()}}
     rows = []
     for name, c in pool.items():
-        loss_err = None if c["loss"] is None else relative(user["loss"], c["loss"])
-        grad_err = None
-        if not evaluate:
-            grad_err = max((relative(user["grads"][n], g) if user["grads"].get(n) is not None else float("inf"))
-                           for n, g in c["grads"].items() if g is not None)
-        rows.append(_row(name, loss_err, grad_err, loss_budget, grad_budget))
+        scaled = []
+        for f in c.get("scales", (1.0,)):  # a candidate whose count (its loss's denominator) may be either
+            loss_err = None if c["loss"] is None else relative(user["loss"], c["loss"] * f)
+            grad_err = None
+            if not evaluate:
+                grad_err = max((relative(user["grads"][n], g * f) if user["grads"].get(n) is not None
+                                else float("inf")) for n, g in c["grads"].items() if g is not None)
+            scaled.append(_row(name, loss_err, grad_err, loss_budget, grad_budget))
+        rows.append(min(scaled, key=lambda r: (not r["matches"], max(r["loss_ratio"] or 0, r["gradient_ratio"] or 0))))
         if c.get("changed"):
             rows[-1]["words"] += f" ({c['changed']} targets at shard boundaries lost or wrong in this case)"
     if not evaluate and P > 1:

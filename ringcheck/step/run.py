@@ -9,11 +9,13 @@ turn; and, for a failure, the diagnosis's candidates on one rank.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..harness import ImplOptions, Mesh
 from ..harness.mesh import REPLICAS
@@ -22,13 +24,15 @@ from ..harness.settings import default_dtype
 from ..ring.layouts import positions
 from ..spec import DTYPES, REFERENCE_DTYPES, RingSpec, check_int
 from .cases import CASES, micro_batches
-from .contract import CP, calling, load_recipe
+from .contract import CP, calling, load_recipe, vocab_of
 from .diagnosis import candidates
 from .noise import NAIVE, NOISE_RUNS
 
 STEP_DTYPES = ("float64", "float32")
 ATTENTION_DTYPES = ("float32", "bfloat16", "float16")  # what --attention-dtype may narrow the ring to
 ROLES = ("ring", "reference", *NOISE_RUNS)  # the runs: the ring under test, the reference, the noise runs
+CANNOT_RUN = "the step cannot run case"  # what `run_case` says when the recipe's step raises in a case
+_CANNOT_RUN = re.compile(CANNOT_RUN + r" (?P<case>\w+) at CP=(?P<cp>\d+) \(.*?\): (?P<what>.*)$")
 
 
 @dataclass(frozen=True)
@@ -149,16 +153,51 @@ def run_case(recipe, case_name: str, cp: CP, config: StepConfig, positions0: tor
     dtype = REFERENCE_DTYPES[config.dtype]
     with default_dtype(dtype):
         model = build_model(recipe, dtype, config.seed).to(cp.device)
-        batches = on_device(micro_batches(case, vocab=recipe.vocab_size, seed=config.seed, dp=cp.dp_size,
+        vocab, vocab_from = vocab_of(recipe, model)
+        batches = on_device(micro_batches(case, vocab=vocab, seed=config.seed, dp=cp.dp_size,
                                           rank0_positions=positions0), cp.device)
         try:
             with calling(cp):
                 loss = _call_step(recipe, case.evaluate, model, batches, cp)
         except Exception as exc:
-            raise RuntimeError(f"--recipe {recipe.name}, case {case_name} ({case.words}) at CP={cp.size}: "
+            raise RuntimeError(f"--recipe {recipe.name}: {CANNOT_RUN} {case_name} at CP={cp.size} ({case.words}): "
                                f"{type(exc).__name__}: {exc}") from exc
     grads = {n: None if p.grad is None else _full(p.grad).cpu() for n, p in model.named_parameters()}
-    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads}
+    return {"loss": _loss_value(loss, recipe.name, case_name), "grads": grads,
+            "found": {"vocab": vocab_from, "transformers": transformers_model(model)}}
+
+
+def transformers_logits(model: torch.nn.Module, batch: dict, cp: CP) -> torch.Tensor:
+    """A transformers model's logits on whole sequences, called by ringcheck where the recipe has
+    no `logits` hook: `model(input_ids, position_ids, use_cache=False).logits` with `cp` (a group
+    of one, its `cu_seqlens` the batch's documents) active, the sequence padded at its end to the
+    layout's multiple (positions counting on; causal attention keeps the pads out of the rest)."""
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    n, extra = ids.shape[1], -ids.shape[1] % cp.multiple
+    if extra:
+        ids = F.pad(ids, (0, extra))
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
+    with calling(replace(cp, cu_seqlens=batch.get("cu_seqlens"))):
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :n]
+
+
+def transformers_model(model: torch.nn.Module) -> str | None:
+    """The class name of a transformers model (a `transformers.PreTrainedModel`), else None;
+    read from the class's bases, so a run without transformers imports nothing."""
+    bases = type(model).__mro__
+    found = any(c.__name__ == "PreTrainedModel" and c.__module__.split(".")[0] == "transformers" for c in bases)
+    return type(model).__name__ if found else None
+
+
+def cannot_run(failures: dict) -> tuple[str, str] | None:
+    """The case a run failed on because the recipe's step raised in it (`run_case`'s message,
+    from a `RingError`'s `failures`: rank -> what it said), and what the step said; None when
+    the run failed otherwise (the contract, a hang, a crash: no case can be trusted then)."""
+    for text in failures.values():
+        found = _CANNOT_RUN.search(str(text).split("\n", 1)[0])
+        if found is not None:
+            return found["case"], f"at CP={found['cp']} the step raised {found['what']}"
+    return None
 
 
 def attention_of(config: StepConfig, role: str) -> tuple[ImplOptions, torch.dtype | None]:
@@ -211,19 +250,25 @@ def batch_digest(batches) -> str:
 def diagnosis_task(member, config: StepConfig, requests: tuple[tuple[str, int, tuple[str, ...]], ...],
                    positions0: torch.Tensor) -> dict[str, Any]:
     """On one rank (a CP group of one): per request (case, ring size, transformations) the
-    candidates of `ringcheck.step.diagnosis`; nothing when the recipe has no `logits`."""
+    candidates of `ringcheck.step.diagnosis`, from the recipe's `logits`, or a transformers
+    model's own logits where the recipe has none (`transformers_logits`); nothing without either."""
     recipe = load_recipe(config.recipe)
+    dtype = REFERENCE_DTYPES[config.dtype]
+    with default_dtype(dtype):
+        probe = build_model(recipe, dtype, config.seed)
     if recipe.logits is None:
-        return {}
+        if transformers_model(probe) is None:
+            return {}
+        recipe = replace(recipe, logits=transformers_logits)
     cp = CP(rank=0, size=1, group=member.group, layout=config.layout, impl=loaded(config.reference_options),
             dp_group=member.group, timeout=member.timeout, global_rank=member.global_rank, device=member.device,
             attention_dtype=config.narrow)
-    dtype = REFERENCE_DTYPES[config.dtype]
     dp = config.mesh_spec.rings
     out = {}
     with default_dtype(dtype):
+        vocab = vocab_of(recipe, probe)[0]
         for case_name, P, names in requests:
-            batches = on_device(micro_batches(CASES[case_name], vocab=recipe.vocab_size, seed=config.seed, dp=dp,
+            batches = on_device(micro_batches(CASES[case_name], vocab=vocab, seed=config.seed, dp=dp,
                                               rank0_positions=positions0), cp.device)
             out[f"{case_name}@{P}"] = candidates(recipe, lambda: build_model(recipe, dtype, config.seed).to(cp.device),
                                                  batches, cp, P=P, layout=config.layout, dp=dp, names=names)

@@ -48,6 +48,40 @@ def budgets(n: int, dtype: str, loss_dtype: str | None, attention_dtype: str | N
     return 2 * n * u_loss, 2 * n * max(K_COND * u, u_attn)
 
 
+NARROW_LOSS_BITS = {"bfloat16": 16, "float32": 40}  # at most this many significant bits: computed in it
+
+
+def significant_bits(x: float) -> int:
+    """The bits of `x`'s float64 significand up to its last 1 (53 for almost every value a float64
+    computation gives; a float32 value has at most 24, a sum of a few float32 values a few more)."""
+    if x == 0 or not math.isfinite(x):
+        return 0
+    m = int(abs(math.frexp(x)[0]) * 2 ** 53)
+    return 53 - ((m & -m).bit_length() - 1)
+
+
+def loss_rounding(declared: str | None, dtype: str, model: str | None, losses: list[float]
+                  ) -> tuple[str | None, str | None]:
+    """The dtype the step's loss is computed in, and how ringcheck found it where the recipe does
+    not declare it (`loss_dtype`): a transformers model's loss (`ForCausalLMLoss`) casts the
+    logits to float32, whatever the model's dtype; else the reference's logged losses (every case
+    at CP=1) are read: one that carries no more significant bits than a narrower dtype gives
+    (`NARROW_LOSS_BITS`) was computed in it. (None, None): the step's own dtype, nothing found."""
+    if declared is not None or dtype != "float64":
+        return declared, None
+    if model is not None:
+        return "float32", (f"the model is a transformers PreTrainedModel ({model}): its loss (ForCausalLMLoss) is "
+                           f"computed in float32 whatever the model's dtype, so the loss budget takes float32's unit "
+                           f"roundoff (a recipe states it with loss_dtype)")
+    bits = max((significant_bits(x) for x in losses), default=53)
+    narrow = next((name for name, most in NARROW_LOSS_BITS.items() if bits <= most), None)
+    if narrow is None:
+        return None, None
+    return narrow, (f"the step's logged loss at CP=1 carries at most {bits} significant bits in every case (a "
+                    f"float64 loss carries 53): it is computed in {narrow}, and the loss budget takes its unit "
+                    f"roundoff (a recipe states it with loss_dtype)")
+
+
 def relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     """||a - b|| / ||b|| (||a - b|| where b is 0; inf where a is not finite)."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
