@@ -8,13 +8,27 @@ targets, about 2e-13 for 63 targets), the one a `--model` verdict applies.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
+from ringcheck.models import tiny_model
 from ringcheck.models.native import (
     NATIVE,
     attention_implementation,
@@ -23,7 +37,16 @@ from ringcheck.models.native import (
     native_step,
     run_documents,
 )
-from ringcheck.models.semantics import LayerSemantics, semantic_step
+from ringcheck.models.semantics import (
+    LOSSES,
+    Diagnoser,
+    LayerSemantics,
+    candidates,
+    diagnose,
+    layer_semantics,
+    local_key_length,
+    semantic_step,
+)
 from ringcheck.step.verdict import budgets, relative
 
 N = 64
@@ -132,12 +155,12 @@ def test_the_truth_leaves_the_model_as_it_found_it():
 
 def test_the_truth_with_a_softcap_equals_the_float64_attention():
     """Gemma 2's eager caps the scores before its float32 softmax: under float64_softmax the truth
-    still equals the float64 computation of the capped scores (cap scaled to 0.05 so that it bites on
-    the scores of random weights, ~0.1): the
-    logits to 3e-17 and every gradient but the norms' to 4e-16. Gemma's RMSNorm computes in
-    float32 (`(1 + weight.float())`), so its weights' gradients are float32 sums over the tokens:
-    they differ by ~1e-7 between two correct float64 attentions (measured 7e-8 .. 1.3e-7), within
-    2 n u of float32, the budget any glue's gradients for them need."""
+    equals the float64 computation of the capped scores (cap scaled to 0.05 so that it bites on
+    the scores of random weights, ~0.1) within the float64 budget, logits and every gradient.
+    The same computation in one forward over the packed batch (other matrix shapes, as a CP
+    run's shards are) moves only the norms' weight gradients, by ~1e-7 (measured 7e-8 .. 1.3e-7):
+    Gemma's RMSNorm computes them in float32 (`1 + weight.float()`), so any glue's gradients for
+    them need float32's budget, 2 n u; every other figure stays within float64's."""
     torch.manual_seed(0)
     config = Gemma2Config(**SMALL, num_hidden_layers=2, sliding_window=12, attn_logit_softcapping=0.05,
                           final_logit_softcapping=None, query_pre_attn_scalar=8)
@@ -145,14 +168,15 @@ def test_the_truth_with_a_softcap_equals_the_float64_attention():
     truth = native_step(model, mbs)
     sem = {i: LayerSemantics(scaling=8 ** -0.5, window=12 if t == "sliding_attention" else None, softcap=0.05)
            for i, t in enumerate(config.layer_types)}
-    exact = semantic_step(model, sem, mbs)
     budget = _float64_budget(mbs)
+    assert max(_distance(truth, semantic_step(model, sem, mbs))) <= budget
+    whole = semantic_step(model, sem, mbs, whole=True)
     n = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)
-    assert relative(exact[2][0], truth[2][0]) <= budget
+    assert relative(whole[2][0], truth[2][0]) <= budget
     norms = {k for k in truth[1] if k.endswith("norm.weight")}
     assert len(norms) == 9
-    assert max(relative(exact[1][k], truth[1][k]) for k in truth[1] if k not in norms) <= budget
-    float32 = max(relative(exact[1][k], truth[1][k]) for k in norms)
+    assert max(relative(whole[1][k], truth[1][k]) for k in truth[1] if k not in norms) <= budget
+    float32 = max(relative(whole[1][k], truth[1][k]) for k in norms)
     assert budget < float32 <= 2 * n * torch.finfo(torch.float32).eps / 2, float32
     uncapped = semantic_step(model, {i: replace_softcap(s) for i, s in sem.items()}, mbs)
     assert min(_distance(truth, uncapped)) > 1e-4
@@ -171,3 +195,228 @@ def replace_softcap(sem: LayerSemantics) -> LayerSemantics:
 def test_the_truth_refuses_what_it_cannot_judge(call, error):
     with pytest.raises(error):
         call(_mistral(layers=1), _batch())
+
+
+# ---- the diagnosis by semantics
+#
+# The layers' semantics are given as TinyModel.layers would give them (index, kind, window,
+# chunk, sinks, softcap, scaling, head_dim), for models built here from their configs.
+
+HEAD_DIM = SMALL["head_dim"]
+
+
+def _tiny(*layers):
+    """A stand-in of TinyModel with `layers` (window, chunk, sinks, softcap, scaling) per layer."""
+    return SimpleNamespace(layers=tuple(
+        SimpleNamespace(index=i, kind="sliding" if w else "chunked" if c else "full", window=w, chunk=c, sinks=k,
+                        softcap=cap, scaling=scale, head_dim=HEAD_DIM) for i, (w, c, k, cap, scale) in enumerate(layers)))
+
+
+def _gemma3():
+    """Sliding (W=12) and full layers alternating; the scale query_pre_attn_scalar^-0.5 = 0.25, not
+    head_dim^-0.5."""
+    torch.manual_seed(0)
+    types = ["sliding_attention", "full_attention"] * 2
+    config = Gemma3TextConfig(**SMALL, num_hidden_layers=4, sliding_window=12, layer_types=types,
+                              query_pre_attn_scalar=16, final_logit_softcapping=None, attn_logit_softcapping=None)
+    return Gemma3ForCausalLM(config).double(), _tiny(*[(12 if t == types[0] else None, None, False, None, 0.25)
+                                                       for t in types])
+
+
+def _gemma2():
+    torch.manual_seed(0)
+    config = Gemma2Config(**SMALL, num_hidden_layers=2, sliding_window=64, attn_logit_softcapping=0.05,
+                          final_logit_softcapping=None, query_pre_attn_scalar=8)
+    return Gemma2ForCausalLM(config).double(), _tiny(*[(64, None, False, 0.05, HEAD_DIM ** -0.5), (None, None, False,
+                                                                                                   0.05, HEAD_DIM ** -0.5)])
+
+
+def _gpt_oss():
+    """Sinks on every layer, given values that take a real share of each softmax (exp(1.5))."""
+    torch.manual_seed(0)
+    config = GptOssConfig(**{**SMALL, "intermediate_size": 32}, num_hidden_layers=2, sliding_window=12,
+                          num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = GptOssForCausalLM(config).double()
+    model.set_experts_implementation("eager")  # grouped_mm refuses float64
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(1.5 + 0.5 * torch.randn(SMALL["num_attention_heads"]))
+    return model, _tiny((12, None, True, None, HEAD_DIM ** -0.5), (None, None, True, None, HEAD_DIM ** -0.5))
+
+
+def _llama4():
+    """A chunked layer (chunk 12) and a full one."""
+    torch.manual_seed(0)
+    config = Llama4TextConfig(**{**SMALL, "intermediate_size": 32, "intermediate_size_mlp": 64}, num_hidden_layers=2,
+                              attention_chunk_size=12, num_local_experts=2, num_experts_per_tok=1,
+                              layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])
+    return Llama4ForCausalLM(config).double(), _tiny((None, 12, False, None, HEAD_DIM ** -0.5),
+                                                     (None, None, False, None, HEAD_DIM ** -0.5))
+
+
+MODELS = {"gemma3": _gemma3, "gemma2": _gemma2, "gpt_oss": _gpt_oss, "llama4": _llama4}
+_DIAGNOSERS: dict = {}
+
+
+def _diagnoser(name: str, world_size: int = 4) -> tuple:
+    """(model, tiny, micro-batches, Diagnoser) of a model, made once per module run."""
+    if (name, world_size) not in _DIAGNOSERS:
+        model, tiny = MODELS[name]()
+        mbs = [_batch()]
+        _DIAGNOSERS[name, world_size] = (model, tiny, mbs, Diagnoser(model, tiny, mbs, world_size=world_size))
+    return _DIAGNOSERS[name, world_size]
+
+
+def _ring_like(figures, seed=3):
+    """Figures as a correct float64 ring would hand them back: off by ~1e-15, relative."""
+    gen = torch.Generator().manual_seed(seed)
+    z, g = figures
+    wobble = lambda t: t * (1 + 1e-15 * torch.randn(t.shape, generator=gen, dtype=t.dtype))  # noqa: E731
+    return [wobble(x) for x in z], None if g is None else {k: wobble(v) for k, v in g.items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_recomputation_without_a_loss_is_the_truth(name):
+    """Every layer's attention from its semantics (window, chunk, sinks, softcap, scale) in float64
+    reproduces the native truth (measured 0 to 4e-17 on the logits): the ground every candidate
+    stands on."""
+    *_, d = _diagnoser(name)
+    assert d.reproducible and d.reproduced <= d.tolerance, d.reproduced
+
+
+PLANTS = [("gemma3", "window_dropped", (0, 2)), ("gemma3", "window_dropped", (2,)),
+          ("gemma3", "window_wider", (0, 2)), ("gemma3", "window_narrower", (0,)),
+          ("gemma3", "scale_default", (0, 1, 2, 3)), ("gemma3", "scale_default", (3,)),
+          ("gemma3", "documents_crossed", (0, 1, 2, 3)), ("gemma3", "documents_crossed", (1,)),
+          ("gemma3", "mask_plain_causal", (0, 2)), ("gemma2", "softcap_dropped", (0, 1)),
+          ("gemma2", "softcap_dropped", (0,)), ("gpt_oss", "sinks_dropped", (0, 1)),
+          ("gpt_oss", "sinks_dropped", (1,)), ("llama4", "mask_plain_causal", (0,))]
+
+
+@pytest.mark.parametrize("name, loss, layers", PLANTS, ids=[f"{n}-{x}-{'_'.join(map(str, y))}" for n, x, y in PLANTS])
+def test_a_planted_loss_is_named_with_its_layers(name, loss, layers):
+    """The figures of the model computed with the loss (wobbled by 1e-15, as a float64 ring's)
+    are diagnosed as that loss on exactly those layers, to ~1e-15."""
+    *_, d = _diagnoser(name)
+    [(planted, figures)] = [(c, f) for c, f in d.candidates if loss in c.losses and c.layers == layers]
+    out = d.diagnose(*_ring_like(figures))
+    assert out.matches and out.matches[0].candidate is planted, out.summary()
+    assert loss in out.matches[0].candidate.losses and out.layers == layers
+    assert out.matches[0].logits <= 1e-14 and out.matches[0].grads <= 1e-13
+    words = f"on layer {layers[0]}" if len(layers) == 1 else f"and {layers[-1]}"
+    assert words in out.summary() and out.summary().startswith("your logits and gradients equal the model with")
+    assert len(out.matches) == 1  # no other candidate is within the tolerance
+
+
+def test_the_window_dropped_only_on_short_shards_depends_on_the_ring():
+    """W = 12 on 64 tokens: a rank's 16 keys at P=4 exceed it (a glue that passes the window only
+    above its key length is right there: no such candidate), its 8 keys at P=8 do not (the
+    window dropped on every sliding layer, named as such). Zigzag pads to 2P: 60 tokens are 15
+    keys a rank contiguous, 16 zigzag."""
+    assert (local_key_length(64, 4, "contiguous"), local_key_length(64, 8, "contiguous")) == (16, 8)
+    assert (local_key_length(60, 4, "contiguous"), local_key_length(60, 4, "zigzag")) == (15, 16)
+    native = {0: LayerSemantics(0.25, window=12), 1: LayerSemantics(0.25), 2: LayerSemantics(0.25, window=20)}
+    dims = dict.fromkeys(native, HEAD_DIM)
+    at4 = candidates(native, dims, seq_len=64, world_size=4, layout="contiguous", packed=False)
+    [short] = [c for c in at4 if "window_dropped_short_shard" in c.losses]
+    assert short.layers == (2,) and dict(short.semantics)[2].window is None and dict(short.semantics)[0].window == 12
+    at2 = candidates(native, dims, seq_len=64, world_size=2, layout="contiguous", packed=False)
+    assert not [c for c in at2 if "window_dropped_short_shard" in c.losses]
+    model, tiny, mbs, d = _diagnoser("gemma3", world_size=8)
+    [(planted, figures)] = [(c, f) for c, f in d.candidates if c.losses[0] == "window_dropped" and c.layers == (0, 2)]
+    out = d.diagnose(*_ring_like(figures))
+    assert out.matches[0].candidate is planted and "window_dropped_short_shard" in planted.losses
+    assert "8 keys per rank at P=8" in out.summary()
+    assert not [c for c, _ in _diagnoser("gemma3")[3].candidates if "window_dropped_short_shard" in c.losses]
+
+
+def test_a_correct_observation_needs_no_loss():
+    """The truth as a float64 ring hands it back, and the exact recomputation (another correct
+    computation): "no semantic is lost", nothing tried."""
+    model, tiny, mbs, d = _diagnoser("gemma3")
+    _, grads, logits = semantic_step(model, layer_semantics(tiny), mbs, whole=True)
+    for figures in (_ring_like(d.truth), (logits, grads)):
+        out = d.diagnose(*figures)
+        assert out.matched == "none" and out.truth.within and not out.tried
+        assert out.summary().endswith("no semantic is lost")
+
+
+@pytest.mark.parametrize("perturbation", ["logits_and_grads_scaled", "weights_moved", "grads_of_one_logits_of_other"])
+def test_an_unrelated_error_matches_nothing(perturbation):
+    """A wrong computation that is no loss of semantics is named as none of them, with the nearest
+    said: figures scaled by 1 + 1e-3; the truth of a model whose layer-1 q_proj moved by 1e-3; the
+    logits of the truth with the gradients of a dropped window."""
+    model, tiny, mbs, d = _diagnoser("gemma3")
+    z, g = d.truth
+    if perturbation == "logits_and_grads_scaled":
+        figures = [x * 1.001 for x in z], {k: v * 1.001 for k, v in g.items()}
+    elif perturbation == "weights_moved":
+        moved, _ = _gemma3()
+        with torch.no_grad():
+            moved.model.layers[1].self_attn.q_proj.weight.mul_(1.001)
+        _, grads, logits = native_step(moved, mbs)
+        figures = logits, grads
+    else:
+        dropped = next(f for c, f in d.candidates if c.losses[0] == "window_dropped")
+        figures = z, dropped[1]
+    out = d.diagnose(*figures)
+    assert out.matched is None and not out.matches and out.nearest is not None
+    assert "match none of the known losses" in out.summary() and "the nearest is" in out.summary()
+
+
+def test_an_evaluation_is_diagnosed_from_its_logits_alone():
+    model, tiny, mbs, _ = _diagnoser("gemma2")
+    native = {0: LayerSemantics(HEAD_DIM ** -0.5, window=64, softcap=0.05), 1: LayerSemantics(HEAD_DIM ** -0.5)}
+    with torch.no_grad():
+        _, _, logits = semantic_step(model, native, mbs)
+    out = diagnose(model, tiny, mbs, logits[0], None, world_size=2)
+    assert out.matched == "softcap_dropped" and out.layers == (1,) and out.truth.grads is None
+    assert out.summary().startswith("your logits equal the model with the attention logit softcap dropped on layer 1")
+    assert out.to_dict()["matched"] == "softcap_dropped"
+
+
+def test_the_diagnosis_refuses_figures_it_cannot_compare():
+    model, tiny, mbs, d = _diagnoser("gemma2")
+    z, g = d.truth
+    with pytest.raises(ValueError, match="cannot be compared"):
+        d.diagnose([x[:, :-1] for x in z], g)
+    with pytest.raises(ValueError, match="lack"):
+        d.diagnose(z, {k: v for k, v in list(g.items())[1:]})
+    with pytest.raises(ValueError, match="gradients=True"):
+        d.diagnose(z, None)
+    assert set(LOSSES) == {"window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard",
+                           "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed",
+                           "mask_plain_causal"}
+
+
+def _tiny_diagnoser(name: str):
+    """A Diagnoser of models-tiny's TinyModel (its layers' semantics, its build) at P=4."""
+    tiny = tiny_model(name)
+    model, mb = tiny.build("eager"), _batch()
+    mb["input_ids"] %= tiny.vocab_size
+    return model, tiny, [mb], Diagnoser(model, tiny, [mb], world_size=4)
+
+
+def test_a_tiny_models_layers_reproduce_it_and_name_its_losses():
+    """gpt_oss as tiny_model scales it (3 layers, sliding and full, sinks on every layer, MoE):
+    the recomputation from TinyModel.layers is the truth, and sinks dropped on layer 1 alone (a
+    glue that swallows s_aux on the full layers) is named as such."""
+    model, tiny, mbs, d = _tiny_diagnoser("gpt_oss")
+    assert d.reproducible and d.reproduced <= d.tolerance
+    [(planted, figures)] = [(c, f) for c, f in d.candidates if c.losses == ("sinks_dropped",) and c.layers == (1,)]
+    out = d.diagnose(*_ring_like(figures))
+    assert out.matched == "sinks_dropped" and out.layers == (1,) and out.matches[0].candidate is planted
+    assert "the attention sinks (s_aux) dropped on layer 1" in out.summary()
+
+
+def test_a_model_that_reads_the_forwards_own_index_is_said():
+    """llama4's attention temperature (on its no-rope layers) reads the token's index in the
+    forward, not position_ids: one forward over a packed batch is not the documents' forwards
+    (2.6e-2 on the logits, tiny_model's floor_scale 12). No glue can carry that; the diagnosis
+    says so instead of widening its tolerance to it."""
+    model, tiny, mbs, d = _tiny_diagnoser("llama4_text")
+    assert d.reproducible and d.shape_dependence > 1e-3 and d.tol_z <= d.tolerance
+    z, g = d.truth
+    out = d.diagnose([x * 1.001 for x in z], g)
+    assert out.matched is None and "not from position_ids" in out.summary()
