@@ -15,14 +15,16 @@ the glue cannot run is skipped with its reason. A model or glue refused before a
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from .recipe_plugin import ring_sizes
+from ..launch.environment import from_torchrun_env
 
 MODEL_SUITE = Path(__file__).with_name("model_suite.py")
+SIZES = (2, 4)  # the local rings' sizes (under torchrun: the world's)
 
 
 def add_options(parser) -> None:
@@ -86,4 +88,6 @@ def ring_model_run(request, ring_processes):
 
 
 def model_sizes(config) -> tuple[int, ...]:
-    return ring_sizes(config)
+    """The ring sizes of the suite: the torchrun world's size, else `SIZES`."""
+    env = from_torchrun_env(os.environ)
+    return SIZES if env is None else (env.world_size,)

@@ -16,8 +16,7 @@ pytest run (nothing to copy into a conftest; it imports no torch until a test ne
   ``--ring-dtypes``, ``--ring-forward-only``): the property suites on that implementation
   (`ringcheck.testing.impl_suite`, collected from the package: with no test paths given it is
   what runs, with paths it joins them), fixtures ``ring_impl_config``, ``ring_impl``; and
-  ``--ring-recipe PKG.MOD:OBJ``: `ringcheck step`'s cases on a training step (`recipe_plugin`);
-  ``--ring-model NAME [--ring-glue GLUE]``: `ringcheck step --model`'s cases (`model_plugin`).
+  ``--ring-recipe PKG.MOD:OBJ`` / ``--ring-model NAME``: `ringcheck step`'s cases (`recipe_plugin`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from hypothesis import settings
 # plugin); the judge and the launchers are imported where a test asks for them
 from ..launch.environment import from_torchrun_env, launched_rank
 from ..launch.start import CHECKPOINT_PRELOAD, start_fork_server_here
-from . import impl_promises, model_plugin, recipe_plugin
+from . import impl_promises, recipe_plugin
 from .profiles import PROFILES
 
 # ---- Hypothesis profiles (--profile, profiles.PROFILES); under torchrun derandomized, the same on every rank
@@ -436,7 +435,6 @@ def pytest_addoption(parser):
     _add_variant_options(parser)
     _add_impl_options(parser)
     recipe_plugin.add_options(parser)
-    model_plugin.add_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)  # the ring section must act before the terminal reporter exists
@@ -446,7 +444,6 @@ def pytest_configure(config):
     _stand_in(config)        # before any implementation is loaded
     _configure_impl(config)  # after the ring: it needs the torchrun world's size
     recipe_plugin.configure(config)
-    model_plugin.configure(config)
 
 
 def pytest_unconfigure(config):

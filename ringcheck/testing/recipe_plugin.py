@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 
 from ..launch.environment import from_torchrun_env
+from . import model_plugin
 
 RECIPE_SUITE = Path(__file__).with_name("recipe_suite.py")
 SIZES = (2, 4)  # the local rings' sizes (under torchrun: the world's)
 
 
 def add_options(parser) -> None:
+    model_plugin.add_options(parser)  # --ring-model: step --model's cases, beside --ring-recipe's
     group = parser.getgroup("ringcheck recipe under test", "your training step at CP=P against CP=1 (ringcheck step)")
     group.addoption("--ring-recipe", default=None, metavar="PKG.MOD:OBJ",
                     help="run the cases of ringcheck step on this recipe (plain, hf_llama or package.module:object)")
@@ -36,6 +38,7 @@ def add_options(parser) -> None:
 
 
 def configure(config) -> None:
+    model_plugin.configure(config)
     spec = config.getoption("--ring-recipe")
     if spec is None:
         return
