@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from ..launch.environment import from_torchrun_env
+from .suite_collect import join_run, suite_module
 
 MODEL_SUITE = Path(__file__).with_name("model_suite.py")
 SIZES = (2, 4)  # the local rings' sizes (under torchrun: the world's)
@@ -50,10 +51,7 @@ def configure(config) -> None:
     except (ValueError, TypeError, ImportError) as exc:
         raise pytest.UsageError(f"ringcheck --ring-model {name}: {exc}") from None
     config.pluginmanager.register(sys.modules[__name__], "ringcheck-model")
-    if config.args_source != pytest.Config.ArgsSource.ARGS:
-        config.args[:] = [str(MODEL_SUITE)]
-    elif str(MODEL_SUITE) not in config.args:
-        config.args.append(str(MODEL_SUITE))
+    join_run(config, MODEL_SUITE)
 
 
 # the module is registered as a plugin (fixture and hook below) only with --ring-model
@@ -61,9 +59,7 @@ def configure(config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path, parent):
     """The suite's test ids from an installed package: its path in the package (as --ring-recipe's)."""
-    if module_path.resolve() != MODEL_SUITE.resolve() or module_path.is_relative_to(parent.config.rootpath):
-        return None
-    return pytest.Module.from_parent(parent, path=module_path, nodeid="ringcheck/testing/model_suite.py")
+    return suite_module(module_path, parent, MODEL_SUITE)
 
 
 @pytest.fixture(scope="session")
