@@ -319,8 +319,9 @@ def assemble_logits(groups: list[list[dict]], name: str) -> list[torch.Tensor]:
 
 
 def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: list[torch.Tensor],
-                   grads: dict[str, torch.Tensor | None]) -> dict[str, Any]:
-    """`diagnose` on one rank for a failed case: the lost semantic the CP=P figures match."""
+                   grads: dict[str, torch.Tensor | None], tolerance: float | None = None) -> dict[str, Any]:
+    """`diagnose` on one rank for a failed case: the lost semantic the CP=P figures match
+    (`tolerance`: a narrowed glue's measured budget; None: the diagnosis's own float64 one)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from . import semantics
     from .native import NATIVE
@@ -336,7 +337,7 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
         if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
             grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
         found = diagnose(model, tiny, case_batches(config, tiny, name, dp), logits, grads or None,
-                         world_size=config.world_size, layout=glue.layout)
+                         world_size=config.world_size, layout=glue.layout, tolerance=tolerance)
     return diagnosis_dict(found)
 
 
