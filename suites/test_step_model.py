@@ -95,13 +95,14 @@ def test_the_command_refuses_a_model_with_exit_2_naming_the_layers(tmp_path):
     assert out.returncode == 2 and "--impl" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("model, mutant", [("mistral", "window_dropped"), ("gpt_oss", "sinks_dropped")])
-def test_a_glue_that_loses_a_semantic_fails_and_the_diagnosis_names_it(ring_processes, model, mutant):
+@pytest.mark.parametrize("model, mutant, case", [("mistral", "window_dropped", "one_sequence"),
+                                                 ("llama", "documents_crossed", "packed")])
+def test_a_glue_that_loses_a_semantic_fails_and_the_diagnosis_names_it(ring_processes, model, mutant, case):
     """The catalogue's mutant glues (ringcheck's glue with one semantic lost) on a model that has
     the feature: the logits leave the float64 budget by orders of magnitude, and the diagnosis by
     semantics names the loss and the layers it was lost on."""
     judged = run_model_step(ModelStepConfig(model=model, glue=f"ringcheck.catalogue.glue_mutants:{mutant}",
-                                            world_size=2, cases=("one_sequence",)), ring_processes)
+                                            world_size=2, cases=(case,)), ring_processes)
     (row,) = judged["cases"]
     assert judged["verdict"] == "fail" and row["verdict"] == "fail", judged["why"]
     assert row["logits"]["error"] > 1e4 * row["logits"]["budget"], row["logits"]
