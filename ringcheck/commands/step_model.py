@@ -180,8 +180,9 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
             row["diagnosis"] = processes.run_groups(
                 GroupPlan(((first,),), label="diagnosis by semantics"), diagnosis_task, config, name, mesh.rings,
                 assemble_logits(ring, name), ring[0][0]["cases"][name]["grads"],
-                # a glue run in bfloat16 sits its noise away from every candidate: match within its budget
-                None if noise is None else max(row["logits"]["budget"], row["gradient_budget"]), **kw)[0][0]
+                # a glue run in bfloat16 sits its noise away from every candidate: match within its logits
+                # budget (its gradients' may be wide enough to hold the truth itself)
+                None if noise is None else row["logits"]["budget"], **kw)[0][0]
         except Exception as exc:  # the verdict stands; the report says the diagnosis could not be made
             row["diagnosis"] = {"matched": False, "words": f"the diagnosis could not run: {type(exc).__name__}: "
                                                            f"{str(exc).splitlines()[0] if str(exc) else ''}"}
