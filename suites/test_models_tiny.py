@@ -93,6 +93,8 @@ def test_sinks_and_softcap_bite():
     tiny = tiny_model("gpt_oss")
     model = tiny.build("eager")
     assert model.config._experts_implementation == "eager"  # grouped_mm refuses float64
+    assert "grouped_mm -> eager" in tiny.disabled["experts_implementation"]
+    assert tiny.kept["sinks"].startswith("per head on layers 0,1,2")
     a = _logits(model, IDS)
     for layer in model.model.layers:
         layer.self_attn.sinks.data.fill_(-1e4)
@@ -102,6 +104,21 @@ def test_sinks_and_softcap_bite():
     for layer in model.model.layers:
         layer.self_attn.attn_logit_softcapping = None
     assert (a - _logits(model, IDS)).norm() > 0.1 * a.norm()
+
+
+def test_the_window_bites_and_crosses_every_shard_boundary():
+    """W=12 at 64 tokens: shorter than a contiguous shard at P=4 (16), longer than a zigzag chunk at P=4 (8),
+    no divisor of 64; dropping mistral's window moves its logits by 98% (relative L2)."""
+    import dataclasses
+
+    from ringcheck.models.scale import scaled_window
+
+    w = scaled_window(64)
+    assert w == 12 and 8 < w < 16 and 64 % w and all(n % scaled_window(n) for n in (32, 48, 96, 128))
+    tiny = tiny_model("mistral")
+    full = type(tiny.config).from_dict({**tiny.config.to_dict(), "sliding_window": None})
+    a, b = _logits(tiny.build("eager"), IDS), _logits(dataclasses.replace(tiny, config=full).build("eager"), IDS)
+    assert (a - b).norm() > 0.5 * a.norm()
 
 
 def test_dropout_is_switched_off_and_said():

@@ -77,7 +77,7 @@ def _refuse_mixing_layer_types(name: str, d: dict) -> None:
             if kind_of(t) is None and t not in ("mlp", "moe", "dense"):
                 other.setdefault(str(t), []).append(i)
         if other:
-            said = "; ".join(f"layers {','.join(map(str, ix[:12]))}{',...' if len(ix) > 12 else ''} are {t} "
+            said = "; ".join(f"layers {_listed(ix)} are {t} "
                              f"({_MIXING_TYPES.get(t, 'not a full, sliding or chunked attention ringcheck models')})"
                              for t, ix in other.items())
             raise ModelRefused(f"{name}: {said}: an attention glue alone does not make those layers "
@@ -92,6 +92,10 @@ _MIXING_TYPES = {"linear_attention": "token-mixing: linear attention", "conv": "
                  "heavily_compressed_attention": "attention over compressed keys"}
 
 
+def _listed(indices: list[int]) -> str:
+    return ",".join(map(str, indices[:12])) + (",..." if len(indices) > 12 else "")
+
+
 def _words(cls: str) -> set[str]:
     """GptOssMLP -> gpt, oss, mlp, gptoss, ossmlp, ...: class-name words and their joins, so a key never
     matches across a word boundary by accident (gpt_OSS_Mlp is no SSM)."""
@@ -99,24 +103,26 @@ def _words(cls: str) -> set[str]:
     return {"".join(w[i:j]) for i in range(len(w)) for j in range(i + 1, min(len(w), i + 3) + 1)}
 
 
-def refuse_mixing_modules(name: str, model: torch.nn.Module) -> None:
-    """Name every module of the tiny model that mixes tokens outside attention."""
+def refuse_mixing_modules(name: str, model: torch.nn.Module, *, which: str = "tiny") -> None:
+    """Name every module of the model that mixes tokens outside attention (the mixers themselves: not
+    the norms, MLPs or containers whose class names share the family's name)."""
     found: dict[str, set[int]] = {}
     for mname, module in model.named_modules():
         cls = type(module).__name__
         words = _words(cls)
         what = next((w for key, w in _MIXERS if any(x == key or x.startswith(key) and x[len(key):].isdigit()
                                                    for x in words)), None)
-        if cls == "Conv1D":
-            what = None  # transformers' Conv1D (gpt2) is a linear layer
+        if cls == "Conv1D" or words & {"norm", "rmsnorm", "layernorm", "mlp", "feedforward", "model", "causallm",
+                                       "forcausallm", "embeddings", "backend"}:
+            what = None  # transformers' Conv1D (gpt2) is a linear layer; the rest only share the name
         if isinstance(module, torch.nn.Conv1d) and max(module.kernel_size) > 1:
             what = "short convolution"
         if what:
-            m = re.search(r"layers?\.(\d+)", mname)
-            found.setdefault(f"{what} ({type(module).__name__})", set()).add(int(m.group(1)) if m else -1)
+            m = re.search(r"(?:layers?|blocks?|h)\.(\d+)", mname)
+            found.setdefault(f"{what} ({cls})", set()).add(int(m.group(1)) if m else -1)
     if found:
-        said = "; ".join(f"layers {','.join(str(i) for i in sorted(ix) if i >= 0) or '?'} of the tiny model are "
-                         f"{w}" for w, ix in sorted(found.items()))
+        said = "; ".join(f"layers {_listed(sorted(i for i in ix if i >= 0)) or '?'} of the {which} model "
+                         f"are {w}" for w, ix in sorted(found.items()))
         raise ModelRefused(f"{name}: {said}: those layers mix tokens outside attention, so an attention glue "
                            f"alone does not make the model context-parallel (exit 2)")
 

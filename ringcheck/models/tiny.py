@@ -62,9 +62,10 @@ class TinyModel:
             raise TypeError(f"attn_implementation must be a name (eager, sdpa, or one registered with "
                             f"transformers' AttentionInterface), got {attn_implementation!r}")
         extra = {"experts_implementation": "eager"} if _experts_settable(self.config) else {}
-        torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers, rope)
-        model = AutoModelForCausalLM.from_config(_copy(self.config), attn_implementation=attn_implementation,
-                                                 dtype=dtype, **extra)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+            torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers)
+            model = AutoModelForCausalLM.from_config(_copy(self.config), attn_implementation=attn_implementation,
+                                                     dtype=dtype, **extra)
         _init_weights(model, seed)
         model.train()  # dropout is off in the config; train mode is what a step runs
         return model
@@ -93,10 +94,12 @@ def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
         asked = list(d.get("layer_types") or [])  # a copy: the config may rewrite the list in place
         try:
             config = type(original).from_dict(d)
-        except ValueError:
-            if keep_last:
-                raise
-            continue  # gemma4 refuses a pattern whose last layer is not full: keep the last layer's type
+        except Exception as e:  # transformers' config validators raise several kinds
+            if not keep_last:
+                continue  # gemma4 refuses a pattern whose last layer is not full: keep the last layer's type
+            refuse_mixing_modules(name, _meta_model(original), which="original")  # say why, if it is that
+            raise RuntimeError(f"{name}: transformers refuses the scaled config ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[-1][:200]}); ringcheck cannot make it tiny") from e
         if list(getattr(config, "layer_types", None) or []) == asked:
             break  # else the config rewrote the pattern (forced its last layer's type): keep the last layer
     meta = _meta_model(config)
@@ -110,12 +113,21 @@ def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
         heads = derived.get("num_attention_heads")
         if not added and isinstance(heads, int) and isinstance(derived.get("hidden_size"), int):
             derived["head_dim"] = derived["hidden_size"] // heads
-        alternative = type(original).from_dict(derived)
-        if _forward_runs(alternative):
+        try:
+            alternative = type(original).from_dict(derived)
+        except Exception:  # transformers' validators refuse it (an odd rotary dim): keep the kept head_dim
+            alternative = None
+        if alternative is not None and _forward_runs(alternative):
             kept.pop("head_dim", None)
             config, meta = alternative, _meta_model(alternative)
             scaled["head_dim"] = (added or d["head_dim"], _layers(config, meta)[0].head_dim)
     layers = _layers(config, meta)
+    sinks = [x.index for x in layers if x.sinks]
+    if sinks:
+        kept["sinks"] = f"per head on layers {','.join(map(str, sinks))}, drawn N({SINK_MEAN}, 0.25) so they matter"
+    if _experts_settable(config):
+        disabled["experts_implementation"] = ("grouped_mm -> eager: grouped_mm refuses float64 (and rows not a "
+                                              "multiple of 16 bytes); the same experts, computed one by one")
     return TinyModel(name=name, config=config, layers=layers, kept=kept, scaled=scaled, disabled=disabled,
                      vocab_size=config.get_text_config().vocab_size, seq_len=seq_len, moe=moe)
 
@@ -178,7 +190,8 @@ def _forward_runs(config) -> bool:
     from transformers import AutoModelForCausalLM  # start-up time
 
     try:
-        model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32)
+        extra = {"experts_implementation": "eager"} if _experts_settable(config) else {}  # as build() runs
+        model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32, **extra)
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
         return True

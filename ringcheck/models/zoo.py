@@ -122,7 +122,26 @@ def features(tiny: TinyModel) -> list[str]:
         f.append("v_head_dim")
     if tiny.moe:
         f.append("moe")
+    c = tiny.config
+    if getattr(c, "use_qk_norm", False) or getattr(c, "qk_layernorm", False) or any(
+            "q_norm" in n for n, _ in _meta_names(tiny)):
+        f.append("qk_norm")
+    if (getattr(c, "partial_rotary_factor", None) or 1.0) < 1.0:
+        f.append("partial_rotary")
+    if 0 in (getattr(c, "no_rope_layers", None) or []):
+        f.append("no_rope_layers")
+    rope = getattr(c, "rope_parameters", None) or {}
+    types = {v.get("rope_type") for v in rope.values() if isinstance(v, dict)} | {rope.get("rope_type")}
+    f += [f"rope:{t}" for t in sorted(t for t in types if t and t != "default")]
     return f
+
+
+def _meta_names(tiny: TinyModel):
+    from transformers import AutoModelForCausalLM  # start-up time
+
+    with torch.device("meta"):
+        return list(AutoModelForCausalLM.from_config(type(tiny.config).from_dict(tiny.config.to_dict()))
+                    .named_modules())
 
 
 def survey(names: tuple[str, ...] | None = None, *, seq_len: int = 64) -> list[dict[str, Any]]:
