@@ -23,7 +23,7 @@ MODELS = {  # name -> (config class, options, documents); windows and chunks tha
                                      layer_types=["sliding_attention", "full_attention"]), None),
     "llama4_text": ("Llama4TextConfig", dict(attention_chunk_size=6, intermediate_size_mlp=32, num_local_experts=2,
                                              layer_types=["chunked_attention", "full_attention"],
-                                             no_rope_layers=[1, 0]), [0, 13, 32]),
+                                             no_rope_layers=[1, 0], floor_scale=4), [0, 13, 32]),  # temperature bites
     "llama_docs": ("LlamaConfig", {}, [0, 9, 20, 32]),
     "mistral_wide": ("MistralConfig", dict(sliding_window=10), None),  # wider than a shard at P=4, narrower than 32
 }
@@ -60,18 +60,16 @@ def eager_logits(model, ids, cu):
                           for s, e in zip(bounds, bounds[1:])], dim=1)
 
 
-def model_task(member, glue_spec: str, layout: str | None, specs: dict, dtype: str = "float64", seq: int = SEQ):
-    """Each model of `specs` through the glue at CP = the group's size against float64 eager on
-    one device: {name: (max |logits - truth| on this rank's rows, max |truth|)}; an error of the
-    glue is the error's text."""
+def glue_logits(member, glue_spec: str, layout: str | None, specs: dict, dtype: str = "float64",
+                seq: int = SEQ) -> dict:
+    """Each model of `specs` through the glue at CP = the group's size: {name: this rank's logits
+    (float64) or, for a glue that fails loudly, the error's text}."""
     world = dist.get_world_size(member.group)
     glue = load_glue(glue_spec, layout=layout)
     impl = glue.install(member.group)
     out = {}
     for name, spec in specs.items():
         cu = spec[2]
-        ids = torch.randint(0, SMALL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(5))
-        truth = eager_logits(tiny_transformers_model(spec, "eager"), ids, cu)
         model = tiny_transformers_model(spec, impl, getattr(torch, dtype))
         if glue.prepare is not None:
             glue.prepare([0, seq] if cu is None else cu, member.group)
@@ -81,9 +79,29 @@ def model_task(member, glue_spec: str, layout: str | None, specs: dict, dtype: s
 
         try:
             with torch.no_grad():
-                got = model(input_ids=cut(ids), position_ids=cut(positions(cu, seq)), use_cache=False).logits
+                out[name] = model(input_ids=cut(token_ids(seq)), position_ids=cut(positions(cu, seq)),
+                                  use_cache=False).logits.double()
         except Exception as exc:  # a glue that fails loudly: its message is the finding
             out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def token_ids(seq: int) -> torch.Tensor:
+    return torch.randint(0, SMALL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(5))
+
+
+def model_task(member, glue_spec: str, layout: str | None, specs: dict, dtype: str = "float64", seq: int = SEQ):
+    """Each model of `specs` through the glue at CP = the group's size against float64 eager on
+    one device: {name: (max |logits - truth| on this rank's rows, max |truth|)} (or the error's text)."""
+    got = glue_logits(member, glue_spec, layout, specs, dtype, seq)
+    world = dist.get_world_size(member.group)
+    layout = load_glue(glue_spec, layout=layout).layout
+    out = {}
+    for name, logits in got.items():
+        if isinstance(logits, str):
+            out[name] = logits
             continue
-        out[name] = ((got.double() - cut(truth)).abs().max().item(), truth.abs().max().item())
+        truth = eager_logits(tiny_transformers_model(specs[name], "eager"), token_ids(seq), specs[name][2])
+        mine = shard(truth, layout=layout, rank=member.rank, world_size=world, dim=1)
+        out[name] = ((logits - mine).abs().max().item(), truth.abs().max().item())
     return out

@@ -21,7 +21,7 @@ names are `ringcheck.models.semantics.LOSSES`):
 
 from __future__ import annotations
 
-from ..glues.ours import RingcheckGlue, refuses
+from ..glues.ours import RingcheckGlue, refuses, refuses_calls
 
 LOSSES = ("window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard", "sinks_dropped",
           "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal")
@@ -31,6 +31,7 @@ class MutantGlue(RingcheckGlue):
     """ringcheck's glue with the semantic `loss` lost (contiguous shards)."""
 
     refuses = staticmethod(refuses)
+    refuses_calls = staticmethod(refuses_calls)
 
     def __init__(self, loss: str):
         if loss not in LOSSES:

@@ -34,7 +34,9 @@ class Glue:
     glue did not say, and nothing is refused before the run (the run judges it). `dtype` is the
     dtype the model is built in for this glue: "float64" (judged with the float64 budget), or a
     narrower one for a glue whose kernels take nothing wider (flash: "bfloat16", judged with a
-    measured noise budget)."""
+    measured noise budget). `refuses_calls(tiny)` (optional) returns finished lines ("layer i: ...")
+    about what the model's attention calls hand the glue, found by one forward on one device
+    (`ringcheck.glues.survey`)."""
 
     name: str
     install: Callable[[Any], str]
@@ -43,18 +45,19 @@ class Glue:
     describe: str = ""
     refuses: Callable[[Any], list[str]] | None = None
     dtype: str = "float64"
+    refuses_calls: Callable[[Any], list[str]] | None = None
 
 
 def refusals(glue: Glue, tiny: Any) -> list[str]:
     """One line per layer whose features `glue` cannot carry ("layer 3: sinks (s_aux) not carried
     by glue 'ring_flash_attn' (...)"); empty when it carries every layer of `tiny` (a
     `TinyModel`), or when the glue does not say what it refuses."""
-    if glue.refuses is None:
-        return []
     lines = []
-    for layer in tiny.layers:
+    for layer in tiny.layers if glue.refuses is not None else ():
         for feature in glue.refuses(layer):
             lines.append(f"layer {layer.index}: {feature} not carried by glue {glue.name!r}")
+    if glue.refuses_calls is not None:
+        lines.extend(f"{line} (refused by glue {glue.name!r})" for line in glue.refuses_calls(tiny))
     return lines
 
 
@@ -108,9 +111,13 @@ def user_glue(spec: str) -> Glue:
     describe = getattr(obj, "describe", "") or f"the user's glue {spec}"
     if not isinstance(describe, str):
         raise TypeError(f"--glue {spec!r}: describe must be a str, got {type(describe).__name__}")
+    refuses_calls = getattr(obj, "refuses_calls", None)
+    if refuses_calls is not None and not callable(refuses_calls):
+        raise TypeError(f"--glue {spec!r}: refuses_calls must be callable as refuses_calls(tiny) -> list of lines, "
+                        f"got {type(refuses_calls).__name__}")
     dtype = getattr(obj, "dtype", "float64")
     if dtype not in DTYPES:
         raise ValueError(f"--glue {spec!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)} (the dtype the model "
                          f"is built in for your glue; float64 when the attribute is absent)")
     return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
-                describe=describe, refuses=refuses, dtype=dtype)
+                describe=describe, refuses=refuses, dtype=dtype, refuses_calls=refuses_calls)

@@ -22,12 +22,16 @@ What it carries, read from what transformers passes and from the layer module (n
   visible to query i iff both are in the same chunk of C tokens counted from their document's
   start (transformers remaps packed positions the same way), expressed as the ring's document
   boundaries refined by the chunks;
-- a value head dim of its own (the ring's v may differ from q and k).
+- a value head dim of its own (the ring's v may differ from q and k);
+- llama4's attention temperature tuning on its NoPE layers, which scales the queries by
+  positions counted within the shard before the call: rescaled to the tokens' positions in
+  their documents (`temperature_fix`).
 
 What it cannot carry is an error, never swallowed: dropout above 0 (the ring has none), a
 non-causal layer, the flash path's local varlen keywords (`cu_seq_lens_q`, ...: documents come
 through `prepare`), `output_attentions=True`, and any keyword it does not know (prime-rl's
-sinks bug was `s_aux` swallowed by `**kwargs`).
+sinks bug was `s_aux` swallowed by `**kwargs`); an unknown keyword whose value is None hands
+nothing over and is let through (a BERT-style decoder's `encoder_hidden_states=None`).
 """
 
 from __future__ import annotations
@@ -35,51 +39,19 @@ from __future__ import annotations
 import torch
 
 from ..ring.api import ring_attention
+from ..ring.layouts import positions as shard_positions
 from ..spec import LAYOUTS
 from .contract import Glue
-
-# keywords transformers 5.23 passes that carry no attention semantics (measured on the zoo's layers)
-NEUTRAL = frozenset({"position_ids", "use_cache", "output_router_logits", "output_hidden_states", "cache_position",
-                     "num_items_in_batch", "return_dict", "token_type_ids", "layer_idx", "past_key_values",
-                     "past_key_value", "position_embeddings", "attn_implementation"})
-LOCAL_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
-KINDS = ("full", "sliding", "chunked")
-
-
-class GlueCallError(TypeError):
-    """A call the glue cannot carry faithfully (an unknown keyword, dropout, a non-causal layer)."""
-
-
-def layer_type(module) -> str | None:
-    """The layer's entry of `config.layer_types` ("sliding_attention", "chunked_attention", ...) or None."""
-    config = getattr(module, "config", None)
-    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if types is None or index is None or not 0 <= index < len(types):
-        return None
-    return types[index]
-
-
-def window_of(module, sliding_window) -> tuple[int, int] | None:
-    """The ring's window (W - 1, 0) for transformers' W, or None (no window)."""
-    if sliding_window is None and layer_type(module) == "sliding_attention":
-        sliding_window = getattr(module.config, "sliding_window", None)
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise GlueCallError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window must be a positive int "
-                            f"(transformers' W: key j visible to query i iff i - W < j <= i), got {sliding_window!r}")
-    return (sliding_window - 1, 0)
-
-
-def chunk_of(module) -> int | None:
-    """llama4's attention chunk size C on its "chunked_attention" layers, else None."""
-    if layer_type(module) != "chunked_attention":
-        return None
-    chunk = getattr(module.config, "attention_chunk_size", None)
-    if not isinstance(chunk, int) or chunk < 1:
-        raise GlueCallError(f"layer {getattr(module, 'layer_idx', '?')} is chunked_attention but "
-                            f"config.attention_chunk_size is {chunk!r}; the glue needs the chunk size")
-    return chunk
+from .reading import (  # noqa: F401  (GlueCallError and the readers are part of this module's interface)
+    HANDLED,
+    KINDS,
+    LOCAL_VARLEN,
+    NEUTRAL,
+    GlueCallError,
+    chunk_of,
+    layer_type,
+    window_of,
+)
 
 
 def chunked_boundaries(cu_seqlens, seq_len: int, chunk: int) -> list[int]:
@@ -127,6 +99,29 @@ class RingcheckGlue:
         return dict(softmax_scale=scaling, window=window_of(module, sliding_window), cu_seqlens=cu, softcap=softcap,
                     sinks=s_aux)
 
+    def temperature_fix(self, module, query):
+        """llama4's attention temperature tuning, made global. Its NoPE layers scale each query by
+        log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 with p = arange(the hidden states'
+        length), before the attention call: under CP that is the shard's local index, not the
+        token's position (and it ignores position_ids, so the truth, each document its own forward,
+        counts from the document's start). The query rows are rescaled by global / local here."""
+        if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)):
+            return query
+        world = torch.distributed.get_world_size(self.group)
+        rank = torch.distributed.get_rank(self.group)
+        local_len = query.shape[2]
+        pos = shard_positions(layout=self.layout, rank=rank, world_size=world, seq_len=local_len * world)
+        if self.cu_seqlens is not None:
+            cu = torch.tensor(self.cu_seqlens)
+            starts = cu[(torch.searchsorted(cu, pos, right=True) - 1).clamp(0, len(cu) - 1)]
+            pos = pos - torch.minimum(starts, pos)   # the tail past the last boundary: padding, any scale
+
+        def scale(p):
+            return torch.log1p(torch.floor((p.to(torch.float64) + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+        ratio = scale(pos) / scale(torch.arange(local_len))
+        return query * ratio.to(query.dtype).view(1, 1, local_len, 1)
+
     def attention(self, module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
                   s_aux=None, softcap=None, is_causal=None, output_attentions=False, **kwargs):
         """transformers' attention signature: (batch, heads, local_seq, dim) in, (batch, local_seq,
@@ -135,7 +130,7 @@ class RingcheckGlue:
         where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
         if self.group is None:
             raise RuntimeError(f"glue {self.name}: {where} called before install(group)")
-        unknown = sorted(set(kwargs) - NEUTRAL)
+        unknown = sorted(k for k, value in kwargs.items() if k not in NEUTRAL and value is not None)
         if unknown:
             local = [k for k in unknown if k in LOCAL_VARLEN]
             hint = (" (the flash path's local varlen keywords: give ringcheck's glue the global document "
@@ -151,6 +146,7 @@ class RingcheckGlue:
         if output_attentions:
             raise GlueCallError(f"glue {self.name}: {where}: output_attentions=True needs the attention weights, "
                                 f"which a ring never forms; use attn_implementation='eager' for them")
+        query = self.temperature_fix(module, query)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         options = self.ring_options(module, q.shape[1], scaling=scaling, sliding_window=sliding_window, s_aux=s_aux,
                                     softcap=softcap)
@@ -179,4 +175,11 @@ def ringcheck_glue(layout: str = "contiguous") -> Glue:
                 describe=(f"ringcheck's glue ({layout}): transformers' AttentionInterface -> ringcheck's ring, "
                           f"carrying scaling, sliding windows, sinks (partial gradients), softcap, documents, "
                           f"chunks and a value head dim of its own"),
-                refuses=refuses)
+                refuses=refuses, refuses_calls=refuses_calls)
+
+
+def refuses_calls(tiny) -> list[str]:
+    """What the tiny model's attention calls hand over that ringcheck's glue cannot carry (one
+    forward on one device, `ringcheck.glues.survey`)."""
+    from .survey import call_refusals, survey  # builds the model: only when refusals are asked for
+    return call_refusals(tiny, survey(tiny), NEUTRAL | HANDLED, "ringcheck's glue")
