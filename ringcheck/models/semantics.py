@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -30,26 +31,10 @@ from reference import dense_attention
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
 from ..step.verdict import K_COND, budgets, relative
+from .losses import LOSSES, Candidate, LayerSemantics, candidates, local_key_length, on_layers  # noqa: F401 (re-exported)
 from .native import attention_implementation, native_step, run_documents, segments, step_with
 
 SEMANTIC = "ringcheck_semantics"
-LOSSES = ("window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard",
-          "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal")
-
-
-@dataclass(frozen=True)
-class LayerSemantics:
-    """What one layer's attention computes. `window`: transformers' W (key j visible to query i
-    iff i - W < j <= i); `chunk`: keys visible only within the query's chunk of that size
-    (counted from the document's start); `sinks`: the layer's learned sink logits join every
-    softmax; `documents`: packed documents are kept apart (False: attention crosses them)."""
-
-    scaling: float
-    window: int | None = None
-    chunk: int | None = None
-    sinks: bool = False
-    softcap: float | None = None
-    documents: bool = True
 
 
 def layer_semantics(tiny) -> dict[int, LayerSemantics]:
@@ -145,110 +130,6 @@ def semantic_step(model, layers: dict[int, LayerSemantics], micro_batches: list[
         return step_with(model, micro_batches, semantic_logits)
 
 
-# ---- the candidates: each known loss of semantics, on every layer having the feature and on each alone
-
-
-def _has(loss: str, sem: LayerSemantics, short: int) -> bool:
-    """Whether `loss` changes a layer (`short`: the local key length of the shard-short rule)."""
-    return {"window_dropped": sem.window is not None, "window_wider": sem.window is not None,
-            "window_narrower": sem.window is not None and sem.window >= 2,
-            "window_dropped_short_shard": sem.window is not None and short <= sem.window,
-            "sinks_dropped": sem.sinks, "softcap_dropped": sem.softcap is not None,
-            "scale_default": False, "documents_crossed": True,
-            "mask_plain_causal": sem.window is not None or sem.chunk is not None}[loss]
-
-
-def _lose(loss: str, sem: LayerSemantics, head_dim: int) -> LayerSemantics:
-    """The layer's semantics with `loss` applied."""
-    if loss in ("window_dropped", "window_dropped_short_shard"):
-        return replace(sem, window=None)
-    if loss in ("window_wider", "window_narrower"):
-        return replace(sem, window=sem.window + (1 if loss == "window_wider" else -1))
-    return {"sinks_dropped": lambda: replace(sem, sinks=False), "softcap_dropped": lambda: replace(sem, softcap=None),
-            "scale_default": lambda: replace(sem, scaling=head_dim ** -0.5),
-            "documents_crossed": lambda: replace(sem, documents=False),
-            "mask_plain_causal": lambda: replace(sem, window=None, chunk=None)}[loss]()
-
-
-def _words(loss: str, native: dict[int, LayerSemantics], layers, head_dims, short: int, world_size: int) -> str:
-    w = sorted({native[i].window for i in layers if native[i].window is not None})
-    return {
-        "window_dropped": "the sliding windows removed",
-        "window_wider": "the sliding windows one token wider (W + 1, W = " + ", ".join(map(str, w)) + ")",
-        "window_narrower": "the sliding windows one token narrower (W - 1, W = " + ", ".join(map(str, w)) + ")",
-        "window_dropped_short_shard": f"the sliding windows removed where the shard is not longer than the window "
-                                      f"({short} keys per rank at P={world_size}, W = {', '.join(map(str, w))}), as "
-                                      f"a glue does that passes the window only when its local key length exceeds it",
-        "sinks_dropped": "the attention sinks (s_aux) dropped",
-        "softcap_dropped": "the attention logit softcap dropped",
-        "scale_default": "the scale head_dim^-0.5 (" + ", ".join(
-            f"{head_dims[i] ** -0.5:.4g}" for i in sorted(set(layers))[:1]) + ") instead of the layers' own (" + ", ".join(
-            sorted({f"{native[i].scaling:.4g}" for i in layers})) + ")",
-        "documents_crossed": "attention across the packed documents' boundaries",
-        "mask_plain_causal": "the sliding/chunked masks replaced by plain causal",
-    }[loss]
-
-
-def on_layers(layers) -> str:
-    """'on layer 3', 'on layers 0 and 2', 'on layers 0, 2 and 4'."""
-    xs = [str(i) for i in sorted(layers)]
-    return f"on layer {xs[0]}" if len(xs) == 1 else f"on layers {', '.join(xs[:-1])} and {xs[-1]}"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One recomputation: the native semantics with `losses` applied on `layers` (several losses
-    that come to the same computation are one candidate, e.g. a sliding window dropped and a
-    sliding mask replaced by plain causal)."""
-
-    losses: tuple[str, ...]
-    layers: tuple[int, ...]
-    semantics: tuple[tuple[int, LayerSemantics], ...]
-    words: tuple[str, ...]
-
-    @property
-    def loss(self) -> str:
-        return self.losses[0]
-
-    def describe(self) -> str:
-        also = "".join(f" (equally: {w})" for w in self.words[1:])
-        return f"the model with {self.words[0]} {on_layers(self.layers)}{also}"
-
-
-def local_key_length(seq_len: int, world_size: int, layout: str) -> int:
-    """The keys a rank holds of a global sequence padded to the layout's multiple (P for
-    contiguous, 2P for zigzag): what a glue's attention sees as its key length."""
-    multiple = world_size * (2 if layout == "zigzag" else 1)
-    return -(-seq_len // multiple) * multiple // world_size
-
-
-def candidates(native: dict[int, LayerSemantics], head_dims: dict[int, int], *, seq_len: int, world_size: int,
-               layout: str, packed: bool) -> list[Candidate]:
-    """Every known loss (`LOSSES`) on all the layers having its feature and on each such layer
-    alone; documents_crossed only where a micro-batch is packed; scale_default only on layers whose
-    scaling is not head_dim^-0.5. Candidates with the same computation are merged."""
-    short = local_key_length(seq_len, world_size, layout)
-    merged: dict[tuple, Candidate] = {}
-    for loss in LOSSES:
-        if loss == "documents_crossed" and not packed:
-            continue
-        having = [i for i, sem in sorted(native.items())
-                  if (abs(sem.scaling - head_dims[i] ** -0.5) > 1e-12 * sem.scaling if loss == "scale_default"
-                      else _has(loss, sem, short))]
-        subsets = [tuple(having)] + ([(i,) for i in having] if len(having) > 1 else [])
-        for layers in subsets if having else ():
-            sem = dict(native)
-            sem.update({i: _lose(loss, native[i], head_dims[i]) for i in layers})
-            key = tuple(sorted(sem.items(), key=lambda kv: kv[0]))
-            words = _words(loss, native, layers, head_dims, short, world_size)
-            if key in merged:
-                c = merged[key]
-                merged[key] = replace(c, losses=c.losses + (loss,), words=c.words + (words,))
-            else:
-                merged[key] = Candidate((loss,), layers, key, (words,))
-    return list(merged.values())
-
-
 # ---- the diagnosis
 
 
@@ -283,13 +164,14 @@ class Diagnosis:
     reproducible: bool
     tolerance: float
     shape_dependence: float = 0.0
+    error: str = ""
 
     @property
     def matched(self) -> str | None:
-        """The loss the figures equal ("none" for the native model), or None."""
+        """The loss the figures equal (two together joined by "+"; "none" for the native model), or None."""
         if self.truth.within:
             return "none"
-        return self.matches[0].candidate.loss if self.matches else None
+        return self.matches[0].candidate.name if self.matches else None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -298,8 +180,9 @@ class Diagnosis:
     def summary(self) -> str:
         what = "your logits" if self.truth.grads is None else "your logits and gradients"
         if not self.reproducible:
-            return (f"no diagnosis by semantics: the layers' semantics do not reproduce the native model (the "
-                    f"recomputation is {self.reproduced:.1e} off it, over the budget of an exact recomputation)")
+            why = (f"the recomputation fails ({self.error})" if self.error else f"the recomputation is "
+                   f"{self.reproduced:.1e} off it, over the budget of an exact recomputation")
+            return f"no diagnosis by semantics: the layers' semantics do not reproduce the native model ({why})"
         if self.truth.within:
             return f"{what} equal the native model ({self.truth.distance()}): no semantic is lost"
         if self.matches:
@@ -307,16 +190,18 @@ class Diagnosis:
         near = "" if self.nearest is None else (f"; the nearest is {self.nearest.candidate.describe()} "
                                                 f"({self.nearest.distance()})")
         note = "" if not self.shape_dependence else (
-            f"; note: this model's figures change when a packed batch is one forward instead of one per document "
+            f"; note: this model's figures change when other tokens come before a sequence in its forward "
             f"({self.shape_dependence:.1e} on the logits): it computes something from the token's index in the "
-            f"forward, not from position_ids (llama4's attention temperature does), which no glue can carry")
+            f"forward, not from position_ids (llama4's attention temperature does), which an attention function "
+            f"alone cannot carry")
         return (f"{what} match none of the known losses of semantics ({len(self.tried)} tried; off the native model "
                 f"by {self.truth.distance('')}){near}{note}")
 
     def to_dict(self) -> dict:
         def row(m: Match) -> dict:
             c = m.candidate
-            return {"losses": list(c.losses) if c else ["none"], "layers": list(c.layers) if c else [],
+            return {"name": c.name if c else "none", "losses": list(c.losses) if c else ["none"],
+                    "layers": list(c.layers) if c else [],
                     "logits": m.logits, "grads": m.grads, "within": m.within}
         return {"matched": self.matched, "layers": list(self.layers), "summary": self.summary(),
                 "reproduced": self.reproduced, "tolerance": self.tolerance, "truth": row(self.truth),
@@ -347,58 +232,104 @@ def _distances(a, b) -> tuple[list[float], dict[str, float] | None]:
 class Diagnoser:
     """The recomputations of one model and batch, made once: the native truth, the exact
     recomputation (its distance to the truth is the noise of every quantity) and every
-    candidate's figures; `diagnose` then compares any observed figures with them.
+    candidate's logits (a candidate's gradients are computed only when its logits match, then
+    kept: `figures`); `diagnose` then compares any observed figures with them.
 
     `gradients=False` for an evaluation (no gradients observed). `tolerance`: the relative
     distance that counts as equal (default the float64 step budget of the micro-batches,
     `ringcheck.step.verdict.budgets`; a glue that runs bf16 passes its measured noise budget).
     Every quantity's tolerance is at least 16 times its noise: the distances to the truth of the
-    exact recomputation, per document and (packed batches) in one forward, whose other shapes
-    round the model's own float32 steps otherwise (Gemma's norms compute their weights'
-    gradients in float32: ~1e-7; `noise`, (logits, gradients))."""
+    exact recomputation per document, in one forward (packed batches) and with every row twice,
+    whose other matrix shapes round the model's own float32 steps otherwise, as a CP run's shards
+    do (Gemma's norms compute their weights' gradients in float32: ~1e-7; `noise`, (logits,
+    gradients)). Where that noise shows at all (over the float64 budget), the default tolerance
+    is float32's, 2 n u, for every quantity, as the `--model` verdict's budget is: which
+    parameters a CP run's other shapes move is not the noise runs' to say (measured: a real
+    window-dropping glue at P=4 on gemma3_text, 9.7e-8 on a gradient the noise runs left exact)."""
 
     def __init__(self, model, tiny, micro_batches: list[dict], *, world_size: int, layout: str = "contiguous",
                  gradients: bool = True, tolerance: float | None = None):
+        self.model, self.micro_batches, self.gradients = model, micro_batches, gradients
         native = layer_semantics(tiny)
         head_dims = {layer.index: int(layer.head_dim) for layer in tiny.layers}
-        n = sum(int((shift_labels(mb["labels"]) != IGNORE).sum()) for mb in micro_batches)
+        n = max(1, sum(int((shift_labels(mb["labels"]) != IGNORE).sum()) for mb in micro_batches))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        exact = budgets(max(n, 1), dtype if dtype in REFERENCE_DTYPES else "float32", None)[1]
+        exact = budgets(n, dtype if dtype in REFERENCE_DTYPES else "float32", None)[1]
         self.tolerance = exact if tolerance is None else float(tolerance)
-        self.gradients = gradients
-
-        def figures(step, *args, **kwargs):
-            with torch.enable_grad() if gradients else torch.no_grad():
-                _, g, z = step(model, *args, micro_batches, **kwargs)
-            return z, g if gradients else None
-
-        self.truth = figures(native_step)
-        noise_z, noise_g = _distances(figures(semantic_step, native), self.truth)
+        self.truth = self._step(None)
+        self.error, self.shape_dependence, self.candidates, self._logits, self._grads = "", 0.0, [], [], {}
+        try:
+            noise_z, noise_g = _distances(self._step(native), self.truth)
+        except (RuntimeError, ValueError, TypeError) as exc:  # e.g. an attention module no layer describes
+            self.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            noise_z, noise_g = [math.inf], None
         self.reproduced = max(noise_z)
         self.reproducible = self.reproduced <= exact
+        self.noise, self.tol_z, self.tol_g = (self.reproduced, math.inf), self.tolerance, {}
+        if not self.reproducible:
+            return
         packed = any(len(segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))) > 1 for mb in micro_batches)
-        self.shape_dependence = 0.0
-        if packed:  # other shapes through the model's own float32 steps (a CP run's shards are other shapes too)
-            shaped_z, shaped_g = _distances(figures(semantic_step, native, whole=True), self.truth)
-            rounding = budgets(max(n, 1), "float32", None)[1] / K_COND  # 2 n u of float32
-            if max([*shaped_z, *(shaped_g or {}).values()]) <= rounding:
-                noise_z = [max(a, b) for a, b in zip(noise_z, shaped_z)]
-                noise_g = None if noise_g is None else {k: max(v, shaped_g[k]) for k, v in noise_g.items()}
-            else:  # not rounding: the model computes something from the forward's own token index
-                self.shape_dependence = max(shaped_z)
+        # other matrix shapes through the model's own float32 steps, as a CP run's shards are: one forward over
+        # a packed batch, and every row twice (the same figures: the global count doubles with the sum)
+        doubled = [{k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+                   for mb in micro_batches]
+        z2, g2 = self._step(native, doubled)
+        shapes = [([z[: len(z) // 2] for z in z2], g2)]
+        rounding = budgets(n, "float32", None)[1] / K_COND  # 2 n u of float32
+        # a document of 16 tokens before every row, in one forward: the same figures for the rows' own tokens,
+        # unless the model computes something from a token's index in the forward (llama4's temperature)
+        with torch.no_grad(), recomputed(native, whole=True):
+            z = [semantic_logits(model, torch.cat([mb["input_ids"][:, :1].expand(-1, 16), mb["input_ids"]], 1),
+                                 torch.cat([torch.arange(16).expand(len(mb["input_ids"]), 16).to(mb["position_ids"]),
+                                            mb["position_ids"]], 1),
+                                 (0, 16, *[16 + b for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))]))
+                 for mb in micro_batches]
+        moved = max(_distances(([x[:, 16:] for x in z], None), (self.truth[0], None))[0])
+        self.shape_dependence = moved if moved > rounding else 0.0
+        if packed:
+            whole = self._step(native, whole=True)
+            dz, dg = _distances(whole, self.truth)
+            if max([*dz, *(dg or {}).values()]) <= rounding:
+                shapes.append(whole)
+        for figures in shapes:
+            dz, dg = _distances(figures, self.truth)
+            noise_z = [max(a, b) for a, b in zip(noise_z, dz)]
+            noise_g = None if noise_g is None else {k: max(v, dg[k]) for k, v in noise_g.items()}
         self.noise = max(noise_z), max((noise_g or {0: 0.0}).values())
+        if tolerance is None and max(self.noise) > exact:  # the model's own float32 steps show: float32's 2 n u
+            self.tolerance = budgets(n, "float32", None)[1] / K_COND
         self.tol_z = max(self.tolerance, 16 * max(noise_z))
         self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
-        found = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout, packed=packed)
-        self.candidates = [(c, figures(semantic_step, dict(c.semantics))) for c in found] if self.reproducible else []
+        longest = max(b - a for mb in micro_batches for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens")))
+        self.candidates = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout,
+                                     packed=packed, longest=longest)
+        self._logits = [self._step(dict(c.semantics), grad=False)[0] for c in self.candidates]
+
+    def _step(self, layers, micro_batches=None, *, whole: bool = False, grad: bool | None = None):
+        """(logits, gradients or None) of the truth (layers None) or of a recomputation."""
+        grad = self.gradients if grad is None else grad
+        mbs = self.micro_batches if micro_batches is None else micro_batches
+        with torch.enable_grad() if grad else torch.no_grad():
+            _, g, z = native_step(self.model, mbs) if layers is None else semantic_step(self.model, layers, mbs,
+                                                                                          whole=whole)
+        return z, g if grad else None
+
+    def figures(self, candidate: Candidate):
+        """(logits, gradients or None) of a candidate (its gradients computed once, when asked)."""
+        i = self.candidates.index(candidate)
+        if self.gradients and i not in self._grads:
+            self._grads[i] = self._step(dict(candidate.semantics))[1]
+        return self._logits[i], self._grads.get(i)
 
     def _match(self, candidate, observed, figures) -> Match:
         dz, dg = _distances(observed, figures)
-        within = max(dz) <= self.tol_z and (dg is None or all(v <= self.tol_g[k] for k, v in dg.items()))
+        within = max(dz) <= self.tol_z and (dg is None or all(v <= self.tol_g.get(k, self.tolerance) for k, v in dg.items()))
         return Match(candidate, max(dz), None if dg is None else max(dg.values(), default=0.0), within)
 
     def diagnose(self, observed_logits, observed_grads) -> Diagnosis:
+        """The candidates the observed figures equal: every candidate's logits compared, the
+        gradients of those whose logits are within tolerance (the others' Match has grads None)."""
         if (observed_grads is not None) != self.gradients:
             raise ValueError(f"observed gradients {'given' if observed_grads is not None else 'absent'}, but the "
                              f"diagnoser was made with gradients={self.gradients}: make it to match the figures")
@@ -406,9 +337,12 @@ class Diagnoser:
         truth = self._match(None, observed, self.truth)
         if not self.reproducible or truth.within:
             return Diagnosis((), truth, None, (), self.reproduced, self.reproducible, self.tolerance,
-                             self.shape_dependence)
-        tried = sorted((self._match(c, observed, f) for c, f in self.candidates),
-                       key=lambda m: (max(m.logits, m.grads or 0.0), len(m.candidate.layers)))
+                             self.shape_dependence, self.error)
+        tried = []
+        for c, z in zip(self.candidates, self._logits):
+            m = self._match(c, (observed[0], None), (z, None))
+            tried.append(self._match(c, observed, self.figures(c)) if m.within and self.gradients else m)
+        tried.sort(key=lambda m: (max(m.logits, m.grads or 0.0), len(m.candidate.layers)))
         matches = tuple(m for m in tried if m.within)
         return Diagnosis(matches, truth, tried[0] if tried else None, tuple(tried), self.reproduced,
                          self.reproducible, self.tolerance, self.shape_dependence)
@@ -424,7 +358,3 @@ def diagnose(model, tiny, micro_batches: list[dict], observed_logits, observed_g
     return Diagnoser(model, tiny, micro_batches, world_size=world_size, layout=layout,
                      gradients=observed_grads is not None, tolerance=tolerance).diagnose(observed_logits, observed_grads)
 
-
-__all__ = ["LOSSES", "SEMANTIC", "Candidate", "Diagnoser", "Diagnosis", "LayerSemantics", "Match", "candidates", "diagnose",
-           "layer_semantics", "local_key_length", "on_layers", "recomputed", "semantic_attention", "semantic_logits",
-           "semantic_step"]
