@@ -126,7 +126,7 @@ def test_the_significant_bits_of_a_loss_tell_its_dtype():
     narrow = [float(torch.tensor(x, dtype=torch.float32)) for x in wide]
     assert min(map(significant_bits, wide)) > 40 and max(map(significant_bits, narrow)) <= 24
     assert significant_bits(0.75) == 2 and significant_bits(0.0) == 0
-    assert loss_rounding(None, "float64", None, wide) == (None, None)
+    assert loss_rounding(None, "float64", None, wide) == loss_rounding(None, "float64", None, [0.0]) == (None, None)
     assert loss_rounding(None, "float64", None, narrow)[0] == "float32"
     assert loss_rounding(None, "float64", None, [float(torch.tensor(x, dtype=torch.bfloat16)) for x in wide])[0] == \
         "bfloat16"

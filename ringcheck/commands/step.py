@@ -238,7 +238,8 @@ def _why(rows, data=None) -> str:
     tail = "" if not skipped else (f"; not run: {', '.join(r['case'] for r in skipped)} (the step raised in "
                                    f"{'them' if len(skipped) > 1 else 'it'}: why and the fix above)")
     if not rows:
-        return "no case was judged" + tail
+        lost = f"data: {data['words']}; " if data is not None and data["verdict"] == "fail" else ""
+        return lost + "no case was judged" + tail
     return _judged_why(rows, data) + tail
 
 

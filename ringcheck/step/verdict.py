@@ -73,7 +73,7 @@ def loss_rounding(declared: str | None, dtype: str, model: str | None, losses: l
         return "float32", (f"the model is a transformers PreTrainedModel ({model}): its loss (ForCausalLMLoss) is "
                            f"computed in float32 whatever the model's dtype, so the loss budget takes float32's unit "
                            f"roundoff (a recipe states it with loss_dtype)")
-    bits = max((significant_bits(x) for x in losses), default=53)
+    bits = max((significant_bits(x) for x in losses if x), default=53)  # a loss of exactly 0 tells nothing
     narrow = next((name for name, most in NARROW_LOSS_BITS.items() if bits <= most), None)
     if narrow is None:
         return None, None
