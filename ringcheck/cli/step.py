@@ -22,6 +22,7 @@ from .common import (
     ring_command,
     torchrun_ring,
 )
+from .step_model import add_model_flags, cmd_step_model
 from .validate import short_failures
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -38,10 +39,10 @@ def step_config(args: argparse.Namespace, world: int | None = None) -> StepConfi
     runs unless --attention-dtype says which (the report says so)."""
     try:
         recipe = load_recipe(args.recipe)
-        options = ImplOptions(args.impl, args.layout, args.backend, stand_in=args.flash_attn_stand_in)
+        options = ImplOptions(args.impl, args.layout or "zigzag", args.backend, stand_in=args.flash_attn_stand_in)
         impl = loaded(options)
         narrow = args.attention_dtype or narrowed_for(impl, args.dtype)
-        values = {"recipe": args.recipe, "impl": args.impl, "layout": args.layout, "dtype": args.dtype,
+        values = {"recipe": args.recipe, "impl": args.impl, "layout": args.layout or "zigzag", "dtype": args.dtype,
                   "seed": args.seed, "backend": args.backend, "attention_dtype": narrow,
                   "flash_attn_stand_in": args.flash_attn_stand_in}
         mesh, ring = args.mesh, args.world_size
@@ -71,7 +72,8 @@ def _add_step(sub) -> None:
     add_world_size(p)
     p.add_argument("--mesh", metavar="DIM=N,...", help="the device mesh, one dim named cp (e.g. dp=2,cp=2); the "
                                                        "reference is the same mesh with cp=1")
-    p.add_argument("--layout", default="zigzag", help="sequence layout of the shards (default zigzag)")
+    p.add_argument("--layout", default=None, help="sequence layout of the shards (default zigzag; with --model the "
+                                                  "glue's own: ringcheck's glue contiguous, or zigzag, ...)")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
                    help="default dtype of the model and the step (default float64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the cases (default 0)")
@@ -85,6 +87,7 @@ def _add_step(sub) -> None:
     p.add_argument("--flash-attn-stand-in", dest="flash_attn_stand_in", action="store_true",
                    help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in on "
                         "every rank (for ring_flash_attn:* and yunchang:* on CPU)")
+    add_model_flags(p)
     add_run_flags(p, "write step.json and step.md to DIR", DEFAULT_TIMEOUT_S)
     p.set_defaults(func=_cmd_step)
 
@@ -107,6 +110,10 @@ def _settled(args: argparse.Namespace, world: int | None) -> StepConfig:
 
 
 def _cmd_step(args: argparse.Namespace) -> int:
+    if args.model is not None:  # a transformers model through a glue, against its own attention
+        return cmd_step_model(args)
+    if args.glue is not None:
+        raise UsageError("--glue is the glue of a --model; a recipe's attention goes through --impl")
     with ring_command(args, DEFAULT_TIMEOUT_S, EXIT_OF, lambda world: _settled(args, world)) as run:
         config, ring = run.config, run.ring
         command = rerun_command(config, run.timeout, torchrun=ring.is_torchrun, world=ring.size, prefix=run.prefix)

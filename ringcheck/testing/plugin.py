@@ -16,7 +16,7 @@ pytest run (nothing to copy into a conftest; it imports no torch until a test ne
   ``--ring-dtypes``, ``--ring-forward-only``): the property suites on that implementation
   (`ringcheck.testing.impl_suite`, collected from the package: with no test paths given it is
   what runs, with paths it joins them), fixtures ``ring_impl_config``, ``ring_impl``; and
-  ``--ring-recipe PKG.MOD:OBJ``: `ringcheck step`'s cases on a training step (`recipe_plugin`).
+  ``--ring-recipe PKG.MOD:OBJ`` / ``--ring-model NAME``: `ringcheck step`'s cases (`recipe_plugin`).
 """
 
 from __future__ import annotations

@@ -21,12 +21,15 @@ from pathlib import Path
 import pytest
 
 from ..launch.environment import from_torchrun_env
+from . import model_plugin
+from .suite_collect import join_run, suite_module
 
 RECIPE_SUITE = Path(__file__).with_name("recipe_suite.py")
 SIZES = (2, 4)  # the local rings' sizes (under torchrun: the world's)
 
 
 def add_options(parser) -> None:
+    model_plugin.add_options(parser)  # --ring-model: step --model's cases, beside --ring-recipe's
     group = parser.getgroup("ringcheck recipe under test", "your training step at CP=P against CP=1 (ringcheck step)")
     group.addoption("--ring-recipe", default=None, metavar="PKG.MOD:OBJ",
                     help="run the cases of ringcheck step on this recipe (plain, hf_llama or package.module:object)")
@@ -36,6 +39,7 @@ def add_options(parser) -> None:
 
 
 def configure(config) -> None:
+    model_plugin.configure(config)
     spec = config.getoption("--ring-recipe")
     if spec is None:
         return
@@ -47,10 +51,7 @@ def configure(config) -> None:
     except (ValueError, TypeError) as exc:
         raise pytest.UsageError(f"ringcheck --ring-recipe: {exc}") from None
     config.pluginmanager.register(sys.modules[__name__], "ringcheck-recipe")
-    if config.args_source != pytest.Config.ArgsSource.ARGS:
-        config.args[:] = [str(RECIPE_SUITE)]
-    elif str(RECIPE_SUITE) not in config.args:
-        config.args.append(str(RECIPE_SUITE))
+    join_run(config, RECIPE_SUITE)
 
 
 # the module is registered as a plugin (fixtures and hook below) only with --ring-recipe
@@ -58,9 +59,7 @@ def configure(config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path, parent):
     """The suite's test ids from an installed package: its path in the package (as --ring-impl's)."""
-    if module_path.resolve() != RECIPE_SUITE.resolve() or module_path.is_relative_to(parent.config.rootpath):
-        return None
-    return pytest.Module.from_parent(parent, path=module_path, nodeid="ringcheck/testing/recipe_suite.py")
+    return suite_module(module_path, parent, RECIPE_SUITE)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,291 @@
+"""`ringcheck step --model NAME [--glue GLUE]`: a transformers decoder under CP, judged against
+the model's own attention.
+
+`run_model_step` drives one run from one process (the CLI, or every rank of a torchrun world)
+on process groups of `ringcheck.launch`:
+
+1. before any rank starts (`check_model_before_start`): the tiny model (`tiny_model`: a
+   `ModelRefused` names the layers a glue alone cannot make context-parallel), the glue
+   (`load_glue`) and what of the model's attention it cannot carry (`refusals` -> `GlueRefused`,
+   naming the layer and the feature);
+2. the run under test: every rank of every CP group of the mesh installs the glue and runs
+   ringcheck's own correct step around the model (`ringcheck.models.step.model_step_task`);
+   the truth on one rank: `native_step`, the same weights with transformers' eager attention at
+   CP=1 on whole sequences, packed documents kept apart;
+3. per case the verdict: the loss, the logits (the ranks' pieces put back into whole
+   sequences) and every parameter's gradient within the budget (`model_budgets`); a failed
+   case is diagnosed by semantics (`diagnose`: the lost semantic and the layers); a case that
+   could not run is "not run" with the reason;
+4. the document (schema "ringcheck.step", with the model and the glue).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..documents import STEP_SCHEMA, header
+from ..launch import GroupPlan
+from ..models.step import (
+    MODEL_CASES,
+    OPTIONAL_CASES,
+    ModelStepConfig,
+    assemble_logits,
+    diagnosis_task,
+    glue_of,
+    model_step_task,
+    reference_task,
+    run_dtype,
+    tiny_of,
+)
+from ..models.step_noise import K_NOISE
+from ..step.cases import CASES
+from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
+
+EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
+
+
+def truth_dtype(config: ModelStepConfig, float32_steps: int = 0) -> str:
+    """The dtype the truth is exact to. Its attention is the step's: transformers' eager computes
+    its softmax in float32 even in a float64 model, but the truth runs it under
+    `native.float64_softmax` (docs/explanation/native-truth.md: the truth then equals a float64
+    attention computed from the layers' semantics to about 1e-16). The rest of the model is the
+    authors' code: where its forward casts to float32 (`float32_steps` > 0: Llama's RMSNorm,
+    Gemma's norms, a MoE router), the model is exact to float32 only."""
+    if config.dtype == "float64" and float32_steps:
+        return "float32"
+    return config.dtype
+
+
+def model_budgets(n: int, config: ModelStepConfig, truth: str | None = None) -> tuple[float, float]:
+    """(loss budget, logits-and-gradients budget), relative, of a case of `n` target positions:
+    step's derived budgets (`ringcheck.step.verdict.budgets`: 2 n K_COND u), floored at 2 n u of
+    the dtype the truth is exact to (`truth_dtype`), as step floors a ring not known to compute
+    float64 throughout; the logits' sums are no longer than the gradients'."""
+    return budgets(n, config.dtype, None, truth or config.dtype)
+
+
+class CheckedModel:
+    """What `check_model_before_start` found: the tiny model and the glue (for the report)."""
+
+    def __init__(self, tiny, glue):
+        self.tiny, self.glue = tiny, glue
+
+
+def check_model_before_start(config: ModelStepConfig) -> CheckedModel:
+    """The model, the glue and the glue's refusals of the model's features, before any rank
+    starts: `ModelRefused` / `GlueRefused` (both ValueError) naming the layers and the feature."""
+    # start-up time: the model, the glue and the truth import transformers, only for a --model run
+    from ..glues import GlueRefused, refusals
+
+    tiny = tiny_of(config)
+    glue = glue_of(config)
+    refused = list(refusals(glue, tiny))
+    if refused:
+        raise GlueRefused(f"--glue {config.glue} cannot carry what --model {config.model} hands its attention: "
+                          + "; ".join(refused))
+    multiple = 2 * config.world_size if glue.layout == "zigzag" else config.world_size
+    if tiny.seq_len % multiple:
+        raise ValueError(f"--model {config.model}: its tiny sequence of {tiny.seq_len} tokens is no multiple of "
+                         f"{multiple} ({glue.layout} on {config.world_size} ranks); pass a --world-size that divides "
+                         f"it")
+    return CheckedModel(tiny, glue)
+
+
+def _targets(name: str, rings: int) -> int:
+    case = CASES[name]
+    return case.micro * case.rows * rings * case.seq_len
+
+
+def _failed_cases(groups: list[list[dict]]) -> dict[str, str]:
+    """The cases some rank could not run, with the first rank's reason."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for r in group:
+            for name, why in r.get("errors", {}).items():
+                out.setdefault(name, why)
+    return out
+
+
+def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, config: ModelStepConfig,
+                     floor: dict | None = None, truth: str | None = None) -> dict:
+    """One case: every rank's loss and gradients, and the assembled logits, against the truth;
+    `floor`: the measured budgets of a narrowed glue (`narrow_unit`), where wider than derived."""
+    loss_budget, budget = model_budgets(n, config, truth)
+    logits_budget = budget
+    if floor is not None:
+        loss_budget, logits_budget, budget = (max(loss_budget, floor["loss"]), max(budget, floor["logits"]),
+                                              max(budget, floor["gradient"]))
+    ranks = [{"where": (g, r["cp_rank"]), "loss": r["cases"][name]["loss"], "grads": r["cases"][name]["grads"]}
+             for g, group in enumerate(groups) for r in group]
+    logits = assemble_logits(groups, name)
+    want = ref["logits"]
+    shapes_agree = len(logits) == len(want) and all(a.shape == b.shape for a, b in zip(logits, want))
+    logits_err = max((relative(a, b) for a, b in zip(logits, want)), default=0.0) if shapes_agree else math.inf
+    loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
+    grads, floored = [], []
+    for pname, want in ({} if CASES[name].evaluate else ref["grads"]).items():
+        floor = K_NOISE * ref.get("noise", {}).get(pname, 0.0)  # the truth's own rounding (step_noise)
+        if floor > budget:
+            floored.append({"name": pname, "noise": floor / K_NOISE, "budget": floor})
+        grads += gradient_rows(ranks, {pname: want}, max(budget, floor))
+    out = [g for g in grads if not g["ratio"] <= 1]
+    passed = loss_err <= loss_budget and logits_err <= logits_budget and not out
+    first = out[0] if out else None
+    return {"case": name, "words": CASES[name].words, "verdict": "pass" if passed else "fail", "targets": n,
+            "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": loss_err, "budget": loss_budget,
+                     "ratio": loss_err / loss_budget},
+            "logits": {"error": logits_err, "budget": logits_budget, "ratio": logits_err / logits_budget},
+            "gradient_budget": budget, "worst_gradient": max((g["error"] for g in grads), default=0.0),
+            "noise_floored": floored,
+            "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
+            "gradients": grads}
+
+
+def not_run(name: str, why: str) -> dict[str, Any]:
+    return {"case": name, "words": CASES[name].words, "verdict": "not run", "why": why}
+
+
+def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | None = None) -> dict[str, Any]:
+    """The run under test and the truth on `processes` (`LocalRings` or the `TorchrunWorld`
+    whose every rank calls this), judged and, where a case failed, diagnosed by semantics."""
+    checked = checked or check_model_before_start(config)
+    mesh = config.mesh_spec
+    first = 0 if processes.size is None else processes.size - mesh.size
+    names = config.cases
+    kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
+    ring = processes.run_groups(mesh.plan(first, families=True), model_step_task, config, names, **kw)
+    one = GroupPlan(((first,),), label="the truth: transformers' eager attention at CP=1")
+    narrow = run_dtype(config, checked.glue)
+    narrow = None if narrow == config.dtype else narrow
+    ref = processes.run_groups(one, reference_task, config, names, mesh.rings, checked.glue.layout, narrow,
+                               **kw)[0][0]
+    noise = None if narrow is None else narrow_unit(ref["cases"], narrow)
+    truth = truth_dtype(config, ref.get("float32_steps", 0))
+    ring_errors = _failed_cases(ring)
+    rows = []
+    for name in names:
+        if name in ring_errors:
+            rows.append(not_run(name, f"the run through --glue {config.glue} raised: {ring_errors[name]}"))
+        elif name in ref.get("errors", {}):
+            rows.append(not_run(name, f"the truth (native_step) raised: {ref['errors'][name]}"))
+        else:
+            rows.append(judge_model_case(name, ring, ref["cases"][name], _targets(name, mesh.rings), config,
+                                         None if noise is None else noise["floor"], truth))
+    for row in rows:
+        if row["verdict"] != "fail":
+            continue
+        name = row["case"]
+        try:
+            row["diagnosis"] = processes.run_groups(
+                GroupPlan(((first,),), label="diagnosis by semantics"), diagnosis_task, config, name, mesh.rings,
+                assemble_logits(ring, name), ring[0][0]["cases"][name]["grads"],
+                # a glue run in bfloat16 sits its noise away from every candidate: match within its logits
+                # budget (its gradients' may be wide enough to hold the truth itself)
+                None if noise is None else row["logits"]["budget"], **kw)[0][0]
+        except Exception as exc:  # the verdict stands; the report says the diagnosis could not be made
+            row["diagnosis"] = {"matched": False, "words": f"the diagnosis could not run: {type(exc).__name__}: "
+                                                           f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+    judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
+    verdict = ("no verdict" if not judged else "fail" if any(r["verdict"] == "fail" for r in judged) else "pass")
+    attn = ring[0][0].get("attn_implementation")
+    return {"verdict": verdict, "cases": rows, "mesh": mesh, "why": _why(rows), "model": model_words(checked.tiny),
+            "glue": {"spec": config.glue, "name": checked.glue.name, "layout": checked.glue.layout,
+                     "describe": checked.glue.describe, "attn_implementation": attn,
+                     "prepare": checked.glue.prepare is not None},
+            "truth_dtype": truth, "float32_steps": ref.get("float32_steps", 0), "noise": noise}
+
+
+def narrow_unit(cases: dict[str, dict], narrow: str) -> dict[str, Any]:
+    """The measured budgets of a glue run in `narrow`: `K_NOISE` x the largest relative change of
+    the loss, the logits and any gradient over the noise runs and the cases (the unit is the
+    model's, not one case's), as `ringcheck.step.noise` measures a narrowed ring's."""
+    rows = [{**r, "case": name} for name, c in cases.items() for r in c.get("narrow", {}).get("rows", [])]
+    skipped = {run: why for c in cases.values() for run, why in c.get("narrow", {}).get("skipped", {}).items()}
+    unit = {k: max((r[k] for r in rows), default=math.nan) for k in ("loss", "logits", "gradient")}
+    floor = {k: K_NOISE * v if rows and math.isfinite(v) else math.inf for k, v in unit.items()}
+    return {"dtype": narrow, "k": K_NOISE, "unit": unit, "floor": floor, "rows": rows, "skipped": skipped,
+            "words": f"the glue runs the model in {narrow}: the budgets are {K_NOISE:g} x the largest relative change "
+                     f"of the loss ({unit['loss']:.2g}), the logits ({unit['logits']:.2g}) and any gradient "
+                     f"({unit['gradient']:.2g}) when the model runs in {narrow} at CP=1 with transformers' own "
+                     f"attention ({', '.join(sorted({r['run'] for r in rows})) or 'none ran'}) instead of the "
+                     f"float64 truth" + (f"; not run: {skipped}" if skipped else "")}
+
+
+def model_words(tiny) -> dict[str, Any]:
+    """The tiny model for the report: what was scaled, kept and switched off, and its layers'
+    attention (the features a glue must carry)."""
+    def plain(v):
+        return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+    layers = []
+    for layer in tiny.layers:
+        features = [layer.kind] + ([f"window {layer.window}"] if layer.window else []) + (
+            [f"chunk {layer.chunk}"] if layer.chunk else []) + (["sinks"] if layer.sinks else []) + (
+            [f"softcap {layer.softcap:g}"] if layer.softcap else []) + [f"scaling {layer.scaling:.4g}"]
+        if layer.v_head_dim != layer.head_dim:
+            features.append(f"v_head_dim {layer.v_head_dim}")
+        layers.append({"index": layer.index, "features": features, "heads": layer.heads, "kv_heads": layer.kv_heads,
+                       "head_dim": layer.head_dim})
+    return {"name": tiny.name, "moe": tiny.moe, "vocab_size": tiny.vocab_size, "seq_len": tiny.seq_len,
+            "scaled": {k: [plain(a), plain(b)] for k, (a, b) in tiny.scaled.items()},
+            "kept": {k: plain(v) for k, v in tiny.kept.items()},
+            "disabled": {k: plain(v) for k, v in tiny.disabled.items()}, "layers": layers}
+
+
+def _why(rows: list[dict]) -> str:
+    bad = [r for r in rows if r["verdict"] == "fail"]
+    skipped = [r for r in rows if r["verdict"] == "not run"]
+    judged = [r for r in rows if r["verdict"] == "pass"]
+    tail = f"; not run: {', '.join(r['case'] for r in skipped)}" if skipped else ""
+    if not bad and not judged:
+        return "no case could be judged: " + "; ".join(f"{r['case']}: {r['why']}" for r in skipped)
+    if not bad:
+        worst = max(max(r["loss"]["ratio"], r["logits"]["ratio"], max((g["ratio"] for g in r["gradients"]),
+                                                                      default=0)) for r in judged)
+        return (f"every judged case's loss, logits and gradients at CP=P equal the model's own attention at CP=1 "
+                f"within the budget (worst {worst:.2g} of it){tail}")
+    parts = []
+    for r in bad:
+        d = r.get("diagnosis") or {}
+        what = d.get("words") if d.get("matched") else "no lost semantic matched" + (
+            f" ({d['words']})" if d.get("words") else "")
+        parts.append(f"{r['case']}: logits {r['logits']['error']:.2g} off (budget {r['logits']['budget']:.2g}), "
+                     f"loss {r['loss']['error']:.2g}; {what}")
+    return "; ".join(parts) + tail
+
+
+def model_rule_words(config: ModelStepConfig, truth: str, float32_steps: int = 0) -> dict[str, Any]:
+    return {"float32_steps": float32_steps,
+            "precision": (f"the model's forward casts float64 to float32 {float32_steps} times (its norms' or router's "
+                          f"own code): it is exact to float32 there, and the budgets take float32's unit roundoff"
+                          if float32_steps and truth == "float32" else f"the model computes in {truth} throughout"),"k_cond": K_COND, "unit_roundoff": unit_roundoff(config.dtype), "truth_dtype": truth,
+            "truth": "the same weights with transformers' eager attention at CP=1 on whole sequences, packed documents "
+                     "kept apart (ringcheck.models.native.native_step)",
+            "loss": "|L_P - L_1| <= 2 n max(K_COND u, u_truth) |L_1|, n the case's target positions",
+            "logits": "||z_P - z_1|| <= 2 n max(K_COND u, u_truth) ||z_1||, every micro-batch",
+            "gradients": "per parameter, every rank: ||g_P - g_1|| <= max(2 n max(K_COND u, u_truth), K_NOISE x noise) "
+                         "||g_1||, noise the parameter's relative change when the truth's loss is summed over the "
+                         "ranks' targets part by part (the model's own float32 steps, e.g. Gemma's norms)",
+            "k_noise": K_NOISE}
+
+
+def model_report_dict(config: ModelStepConfig, judged: dict[str, Any], command: str,
+                      meta: dict | None = None) -> dict[str, Any]:
+    """The document (schema "ringcheck.step", with `model` and `glue`)."""
+    return {**header(STEP_SCHEMA), "verdict": judged["verdict"], "passed": judged["verdict"] == "pass",
+            "why": judged["why"], "command": command,
+            "config": {**config.__dict__, "cases": list(config.cases)}, "mesh": judged["mesh"].to_json(),
+            "model": judged["model"], "glue": judged["glue"], "noise": judged.get("noise"),
+            "rule": model_rule_words(config, judged["truth_dtype"], judged.get("float32_steps", 0)), "cases": judged["cases"], "meta": meta or {}}
+
+
+def default_model_cases(text: str | None) -> tuple[str, ...]:
+    """`--cases` for a model (default `MODEL_CASES`)."""
+    if text is None:
+        return MODEL_CASES
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    known = (*MODEL_CASES, *OPTIONAL_CASES)
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"--cases {text!r}: unknown case(s) {bad} for --model; choose from {', '.join(known)}")
+    return names

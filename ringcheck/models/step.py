@@ -1,0 +1,355 @@
+"""The runs of `ringcheck step --model`: a tiny transformers model through a glue at CP=P, and its
+own attention at CP=1 (the truth), every case in turn.
+
+`model_step_task` is one rank of the run under test. The glue is installed once the rank's CP
+group exists (`Glue.install(group)` -> the `attn_implementation` name), the model is built from
+the seed with that name (`TinyModel.build`: the same weights on every rank and in the truth),
+and ringcheck's own correct step runs around it, so that the glue is the only thing under test:
+
+1. the targets counted once on the global batch (every micro-batch, every data-parallel replica);
+2. per micro-batch: this replica's rows; labels shifted on the *whole* sequence, then padded to
+   the layout's multiple and sharded in the glue's layout (`Glue.layout`), with the token ids
+   and the global position ids; `Glue.prepare(cu_seqlens, group)` with the global document
+   boundaries before the forward;
+3. the model's forward on the shard (`use_cache=False`), ringcheck's cross-entropy summed over
+   the rank's targets and divided by the global count (in the step's dtype: the model's own loss
+   would cast to float32), backward per micro-batch;
+4. every gradient and the logged loss summed over the CP group and the data-parallel replicas.
+
+The rank's logits come back with the global positions it held, and `assemble_logits` puts the
+ranks' pieces back into whole sequences. `reference_task` is the truth on one rank:
+`ringcheck.models.native.native_step` (transformers' eager attention on whole sequences, packed
+documents kept apart). `diagnosis_task` runs `ringcheck.models.semantics.diagnose` on one rank
+for a failed case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..harness import Mesh
+from ..harness.mesh import REPLICAS
+from ..harness.settings import default_dtype
+from ..ring.layouts import positions
+from ..spec import REFERENCE_DTYPES, RingSpec, check_int
+from ..step.cases import CASES, micro_batches
+from ..step.contract import IGNORE, shift_labels
+from .step_noise import float32_steps, narrow_noise, split_gradients, truth_noise
+
+DEFAULT_GLUE = "ringcheck"
+MODEL_DTYPES = ("float64", "float32")
+# the cases a model's step runs by default: step's, but those whose point is the user's recipe (its
+# reentrant checkpointing, its evaluate hook) run only when asked for with --cases
+MODEL_CASES = ("one_sequence", "packed", "uneven", "batch2", "two_micro_batches", "not_divisible",
+               "checkpoint_non_reentrant")
+OPTIONAL_CASES = ("evaluation", "checkpoint_reentrant")
+
+
+@dataclass(frozen=True)
+class ModelStepConfig:
+    """`ringcheck step --model`'s settings, checked at construction (the value received and the fix).
+    `layout` None: the glue's own (`Glue.layout`)."""
+
+    model: str
+    glue: str = DEFAULT_GLUE
+    world_size: int = 4
+    mesh: str | None = None
+    layout: str | None = None
+    dtype: str = "float64"
+    seed: int = 0
+    cases: tuple[str, ...] = field(default_factory=lambda: MODEL_CASES)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"--model must be a transformers model_type (e.g. llama) or a config.json path, got "
+                             f"{self.model!r}")
+        check_int("--world-size", self.world_size, low=1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: a model's step is judged in {' or '.join(MODEL_DTYPES)}; "
+                             f"pass --dtype float64")
+        if self.mesh is not None and self.mesh_spec.cp != self.world_size:
+            raise ValueError(f"--mesh {self.mesh} has cp={self.mesh_spec.cp} but --world-size is {self.world_size}: "
+                             f"the cp dim is the ring; drop --world-size or make the two agree")
+        if self.layout is not None:
+            RingSpec(self.world_size, self.layout)
+        supported = (*MODEL_CASES, *OPTIONAL_CASES)
+        bad = [c for c in self.cases if c not in CASES]
+        if bad or not self.cases:
+            raise ValueError(f"--cases: unknown case(s) {bad}; choose from {', '.join(supported)}")
+
+    @property
+    def mesh_spec(self) -> Mesh:
+        return Mesh.ring(self.world_size) if self.mesh is None else Mesh.parse(self.mesh)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return REFERENCE_DTYPES[self.dtype]
+
+    def flags(self) -> list[str]:
+        out = ["--model", self.model, "--glue", self.glue, "--world-size", str(self.world_size)]
+        out += ["--mesh", self.mesh] if self.mesh is not None else []
+        out += ["--layout", self.layout] if self.layout is not None else []
+        return out + ["--dtype", self.dtype, "--seed", str(self.seed), "--cases", ",".join(self.cases)]
+
+
+def glue_of(config: ModelStepConfig):
+    """The glue of `config` (`ringcheck.glues.load_glue`), in `config.layout` where one is asked
+    for (ringcheck's glue takes its ring's layouts; another glue only its own: ValueError)."""
+    # start-up time: the model, the glue and the truth import transformers, only for a --model run
+    from ..glues import load_glue
+
+    return load_glue(config.glue, layout=config.layout)
+
+
+def tiny_of(config: ModelStepConfig):
+    # start-up time: the model, the glue and the truth import transformers, only for a --model run
+    from .tiny import tiny_model
+
+    return tiny_model(config.model)
+
+
+def case_batches(config: ModelStepConfig, tiny, name: str, dp: int) -> list[dict]:
+    """The case's global micro-batches (every replica's rows), drawn from the tiny model's vocab."""
+    return micro_batches(CASES[name], vocab=tiny.vocab_size, seed=config.seed, dp=dp)
+
+
+def count_targets(batches: list[dict]) -> torch.Tensor:
+    """The global number of counted targets: every micro-batch, every replica's rows."""
+    return sum(((shift_labels(mb["labels"]) != IGNORE).sum() for mb in batches), torch.zeros((), dtype=torch.int64))
+
+
+def boundaries(mb: dict, padded: int) -> list[int]:
+    """The global document boundaries `prepare` is given ([0, ..., padded], one row's, the same for
+    every row): the packed case's documents, else one document; the layout's padding closes the last."""
+    cu = mb.get("cu_seqlens")
+    cu = [0, mb["input_ids"].shape[1]] if cu is None else [int(x) for x in cu]
+    if cu[-1] != padded:
+        cu[-1] = padded
+    return cu
+
+
+def _pad(x: torch.Tensor, padded: int, value) -> torch.Tensor:
+    return F.pad(x, (0, padded - x.shape[1]), value=value)
+
+
+def _pad_positions(pos: torch.Tensor, padded: int) -> torch.Tensor:
+    """Position ids padded by continuing the last document's count (the padding is after every
+    real token: under a causal mask no real token sees it)."""
+    extra = padded - pos.shape[1]
+    if not extra:
+        return pos
+    tail = pos[:, -1:] + torch.arange(1, extra + 1)
+    return torch.cat([pos, tail], dim=1)
+
+
+@dataclass(frozen=True)
+class Place:
+    """A rank's place: its CP rank and group size, the glue's layout, its replica of `dp`."""
+
+    rank: int
+    size: int
+    layout: str
+    dp_rank: int = 0
+    dp: int = 1
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0] // self.dp
+        return x[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def multiple(self) -> int:
+        return RingSpec(self.size, self.layout).chunks
+
+
+def correct_step(model, batches: list[dict], place: Place, group, dp_group, prepare, *, train: bool,
+                 checkpoint: str | None) -> dict[str, Any]:
+    """ringcheck's own correct transformers step on one rank (see the module's docstring): the
+    loss (summed over the ranks), every gradient (summed), and per micro-batch this rank's
+    logits with the global positions it held."""
+    if checkpoint is not None:
+        model.train()
+        model.activation_checkpointing_enable({"use_reentrant": checkpoint == "reentrant"})
+    total = count_targets(batches)
+    logged = torch.zeros((), dtype=torch.float64)
+    pieces = []
+    for mb in batches:
+        ids, labels, pos = (place.rows(mb[k]) for k in ("input_ids", "labels", "position_ids"))
+        n = ids.shape[1]
+        padded = -(-n // place.multiple()) * place.multiple()
+        cu = mb.get("cu_seqlens")
+        held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
+                         cu_seqlens=None if cu is None else boundaries(mb, padded))
+        targets = _pad(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
+        ids = _pad(ids, padded, 0).index_select(1, held).contiguous()
+        pos = _pad_positions(pos, padded).index_select(1, held).contiguous()
+        if prepare is not None:
+            prepare(boundaries(mb, padded), group)
+        with torch.set_grad_enabled(train):
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                                   reduction="sum") / total
+        if train:
+            loss.backward()
+        logged = logged + loss.detach().double()
+        keep = held < n
+        pieces.append({"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep], "length": n})
+    params = [p for p in model.parameters() if p.grad is not None]
+    if params:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        for g in (group, dp_group):
+            if g is not None:
+                dist.all_reduce(flat, group=g)
+        at = 0
+        for p in params:
+            p.grad.copy_(flat[at:at + p.numel()].view_as(p))
+            at += p.numel()
+    for g in (group, dp_group):
+        if g is not None:
+            dist.all_reduce(logged, group=g)
+    grads = {n: None if p.grad is None else p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
+    return {"loss": float(logged), "grads": grads if train else {}, "logits": pieces}
+
+
+def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> dict[str, Any]:
+    """One rank of the run under test (a `ringcheck.launch` task): the glue installed on the
+    rank's CP group, then every case of `names`, a model built from the seed for each."""
+    tiny, glue = tiny_of(config), glue_of(config)
+    attn = glue.install(member.group)
+    if not isinstance(attn, str) or not attn:
+        raise TypeError(f"--glue {config.glue}: install(group) returned {attn!r}; it must return the "
+                        f"attn_implementation name the model is to use")
+    dp_group = member.groups[REPLICAS]
+    dp = dist.get_world_size(dp_group)
+    place = Place(member.rank, member.world_size, glue.layout, member.group_index, dp)
+    cases, errors = {}, {}
+    dtype = REFERENCE_DTYPES[run_dtype(config, glue)]
+    with default_dtype(config.torch_dtype):
+        for name in names:
+            case = CASES[name]
+            try:  # a case the glue cannot run is not run (its reason), the others keep their verdicts
+                model = tiny.build(attn, dtype=dtype, seed=config.seed)
+                cases[name] = correct_step(model, case_batches(config, tiny, name, dp), place, member.group,
+                                           dp_group if dp > 1 else None, glue.prepare, train=not case.evaluate,
+                                           checkpoint=case.checkpoint)
+            except Exception as exc:
+                errors[name] = _error_words(exc)
+    return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
+            "errors": errors}
+
+
+def run_dtype(config: ModelStepConfig, glue) -> str:
+    """The dtype the model runs in through `glue`: the step's, or the narrower one a glue whose
+    kernels take nothing wider declares (`Glue.dtype`: ring-flash-attn's "bfloat16")."""
+    narrow = getattr(glue, "dtype", None) or config.dtype
+    if narrow not in REFERENCE_DTYPES:
+        raise ValueError(f"--glue {config.glue} declares dtype {narrow!r}; a glue's dtype is one of "
+                         f"{', '.join(REFERENCE_DTYPES)}")
+    wider = torch.finfo(REFERENCE_DTYPES[narrow]).eps <= torch.finfo(config.torch_dtype).eps
+    return config.dtype if wider else narrow
+
+
+def _error_words(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+def _as_list(logits, count: int) -> list[torch.Tensor]:
+    """native_step's logits as one (rows, seq, vocab) tensor per micro-batch."""
+    if isinstance(logits, torch.Tensor):
+        return [logits] if count == 1 and logits.dim() == 3 else list(logits)
+    return list(logits)
+
+
+def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str,
+                   narrow: str | None = None) -> dict[str, Any]:
+    """The truth on one rank: `native_step` on every case's whole batch (every replica's rows),
+    and per parameter the truth's own rounding noise (`ringcheck.models.step_noise`: the targets
+    split as the ranks of `layout` hold them); for a glue run in a `narrow` dtype, the noise
+    runs' changes against the truth (`narrow_noise`)."""
+    # start-up time: the model, the glue and the truth import transformers, only for a --model run
+    from .native import NATIVE, native_logits, native_step
+
+    tiny = tiny_of(config)
+    out, errors, casts = {}, {}, None
+    with default_dtype(config.torch_dtype):
+        for name in names:
+            try:
+                model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
+                if casts is None and config.dtype == "float64":
+                    casts = float32_steps(model, case_batches(config, tiny, name, dp)[0], native_logits)
+                batches = case_batches(config, tiny, name, dp)
+                loss, grads, logits = native_step(model, batches)
+                noise = {} if CASES[name].evaluate else truth_noise(split_gradients(
+                    model, batches, native_logits, layout=layout, world_size=config.world_size,
+                    total=count_targets(batches)), grads)
+            except Exception as exc:
+                errors[name] = _error_words(exc)
+                continue
+            out[name] = {"loss": float(loss), "logits": [t.detach().double().cpu() for t in _as_list(logits, len(batches))],
+                         "grads": {} if CASES[name].evaluate else
+                         {n: None if g is None else g.detach().double().cpu() for n, g in grads.items()},
+                         "noise": noise}
+            if narrow is not None:
+                out[name]["narrow"] = narrow_noise(tiny, config, batches, out[name], REFERENCE_DTYPES[narrow])
+    return {"cases": out, "errors": errors, "float32_steps": casts or 0}
+
+
+def assemble_logits(groups: list[list[dict]], name: str) -> list[torch.Tensor]:
+    """Whole sequences from the ranks' pieces: per micro-batch (every replica's rows, seq, vocab)."""
+    first = groups[0][0]["cases"][name]["logits"]
+    out = []
+    for m, piece in enumerate(first):
+        rows = piece["logits"].shape[0]
+        whole = torch.full((rows * len(groups), piece["length"], piece["logits"].shape[-1]), math.nan,
+                           dtype=torch.float64)
+        for group in groups:
+            for r in group:
+                p = r["cases"][name]["logits"][m]
+                at = r["dp_rank"] * rows
+                whole[at:at + rows, p["positions"]] = p["logits"]
+        out.append(whole)
+    return out
+
+
+def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: list[torch.Tensor],
+                   grads: dict[str, torch.Tensor | None], tolerance: float | None = None) -> dict[str, Any]:
+    """`diagnose` on one rank for a failed case: the lost semantic the CP=P figures match
+    (`tolerance`: a narrowed glue's measured budget; None: the diagnosis's own float64 one)."""
+    # start-up time: the model, the glue and the truth import transformers, only for a --model run
+    from . import semantics
+    from .native import NATIVE
+
+    diagnose = getattr(semantics, "diagnose", None)
+    if diagnose is None:
+        return {"matched": False, "words": "this ringcheck has no diagnosis by semantics (models.semantics.diagnose)"}
+
+    tiny = tiny_of(config)
+    glue = glue_of(config)
+    with default_dtype(config.torch_dtype):
+        model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
+        if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
+            grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
+        found = diagnose(model, tiny, case_batches(config, tiny, name, dp), logits, grads or None,
+                         world_size=config.world_size, layout=glue.layout, tolerance=tolerance)
+    return diagnosis_dict(found)
+
+
+def diagnosis_dict(found: Any) -> dict[str, Any]:
+    """A `Diagnosis` as plain data for the report: the loss of semantics matched (None: none; "none":
+    the figures equal the native model itself, within the diagnosis's tolerance), its layers, its
+    words (`summary()`), and whether the recomputation reproduced the truth at all."""
+    if found is None:
+        return {"matched": False, "words": "no diagnosis"}
+    loss = getattr(found, "matched", None)
+    summary = getattr(found, "summary", None)
+    words = summary() if callable(summary) else str(found)
+    return {"matched": loss not in (None, "none"), "loss": loss, "layers": list(getattr(found, "layers", ()) or ()),
+            "words": words, "reproducible": getattr(found, "reproducible", None),
+            "tolerance": getattr(found, "tolerance", None)}

@@ -1,0 +1,110 @@
+"""`ringcheck step --model`: a tiny transformers model through a glue at CP=P against the model's own
+eager attention at CP=1 (issue 42).
+
+A correct glue (ringcheck's) passes on a model of full layers and on one of sliding layers, its
+logits and gradients within the float64 budget; glues that lose one semantic each fail, their
+diagnosis naming it; a model whose layers an attention glue cannot make context-parallel, and a
+glue that refuses a layer's feature, are refused before any rank starts (exit 2). Every run here
+is P=2 on the cases that matter for the glue (one sequence, packed documents), to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ringcheck.commands.step_model import check_model_before_start, model_report_dict, run_model_step
+from ringcheck.glues import GlueRefused
+from ringcheck.models.step import ModelStepConfig
+from ringcheck.models.tiny import ModelRefused
+from ringcheck.render.model_report import model_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("one_sequence", "packed")
+
+
+def _run(ring_processes, model: str, glue: str = "ringcheck", **kw) -> dict:
+    return run_model_step(ModelStepConfig(model=model, glue=glue, world_size=2, cases=CASES, **kw), ring_processes)
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral"])
+def test_a_correct_glue_passes_against_the_models_own_attention(ring_processes, model):
+    judged = _run(ring_processes, model)
+    assert judged["verdict"] == "pass", judged["why"]
+    for row in judged["cases"]:
+        # the budget of the dtype the model is exact to: its attention float64, its norms' casts float32
+        assert row["logits"]["error"] <= row["logits"]["budget"] <= 1e-5, row
+        assert row["gradients"] and all(g["ratio"] <= 1 for g in row["gradients"])
+    if model == "mistral":  # the sliding window is what a glue must carry here, and the report says it is kept
+        assert any("window" in " ".join(layer["features"]) for layer in judged["model"]["layers"])
+
+
+def test_the_report_says_what_was_scaled_kept_and_switched_off(ring_processes):
+    judged = _run(ring_processes, "llama", layout="zigzag")
+    doc = model_report_dict(ModelStepConfig(model="llama", world_size=2, cases=CASES), judged, "ringcheck step")
+    assert doc["model"]["scaled"] and doc["model"]["kept"] and doc["glue"]["layout"] == "zigzag"
+    text = model_markdown(doc)
+    assert "scaled:" in text and "kept:" in text and "switched off:" in text and "PASSED" in text
+
+
+def test_a_model_an_attention_glue_cannot_make_context_parallel_is_refused_before_any_rank():
+    with pytest.raises(ModelRefused, match="linear_attention"):
+        check_model_before_start(ModelStepConfig(model="qwen3_next", world_size=2))
+
+
+def test_a_glue_that_cannot_carry_a_layers_feature_is_refused_naming_the_layer(monkeypatch):
+    from ringcheck.glues import load_glue
+
+    glue = load_glue("ringcheck")
+
+    def refuses(layer):
+        return ["sliding window (test: a glue that says it cannot carry it)"] if layer.window else []
+    monkeypatch.setattr("ringcheck.commands.step_model.glue_of", lambda config: type(glue)(
+        **{**glue.__dict__, "refuses": refuses}))
+    with pytest.raises(GlueRefused, match=r"layer 0: sliding window"):
+        check_model_before_start(ModelStepConfig(model="mistral", world_size=2))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ringcheck", "step", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.cli
+def test_the_command_end_to_end_writes_its_report(tmp_path):
+    out = _cli("--model", "llama", "--world-size", "2", "--cases", "one_sequence", "--report", str(tmp_path), "-q",
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "step.json").read_text())
+    assert doc["verdict"] == "pass" and doc["model"]["name"] == "llama" and doc["glue"]["spec"] == "ringcheck"
+    assert "PASSED" in (tmp_path / "step.md").read_text()
+
+
+@pytest.mark.cli
+def test_the_command_refuses_a_model_with_exit_2_naming_the_layers(tmp_path):
+    out = _cli("--model", "qwen3_next", "--world-size", "2", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "linear_attention" in out.stderr and "layers 0,1,2" in out.stderr
+    out = _cli("--model", "llama", "--impl", "ring_flash_attn:zigzag", cwd=tmp_path)
+    assert out.returncode == 2 and "--impl" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("model, mutant, case", [("mistral", "window_dropped", "one_sequence"),
+                                                 ("llama", "documents_crossed", "packed")])
+def test_a_glue_that_loses_a_semantic_fails_and_the_diagnosis_names_it(ring_processes, model, mutant, case):
+    """The catalogue's mutant glues (ringcheck's glue with one semantic lost) on a model that has
+    the feature: the logits leave the float64 budget by orders of magnitude, and the diagnosis by
+    semantics names the loss and the layers it was lost on."""
+    judged = run_model_step(ModelStepConfig(model=model, glue=f"ringcheck.catalogue.glue_mutants:{mutant}",
+                                            world_size=2, cases=(case,)), ring_processes)
+    (row,) = judged["cases"]
+    assert judged["verdict"] == "fail" and row["verdict"] == "fail", judged["why"]
+    assert row["logits"]["error"] > 1e4 * row["logits"]["budget"], row["logits"]
+    assert row["diagnosis"]["matched"] and row["diagnosis"]["loss"] == mutant, row["diagnosis"]
+    assert row["diagnosis"]["layers"], row["diagnosis"]
