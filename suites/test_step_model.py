@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -108,3 +109,31 @@ def test_a_glue_that_loses_a_semantic_fails_and_the_diagnosis_names_it(ring_proc
     assert row["logits"]["error"] > 1e4 * row["logits"]["budget"], row["logits"]
     assert row["diagnosis"]["matched"] and row["diagnosis"]["loss"] == mutant, row["diagnosis"]
     assert row["diagnosis"]["layers"], row["diagnosis"]
+
+
+def _one_rank_case(grads: dict, logits: torch.Tensor) -> list[list[dict]]:
+    piece = {"logits": logits, "length": logits.shape[1], "positions": torch.arange(logits.shape[1])}
+    return [[{"cp_rank": 0, "dp_rank": 0,
+              "cases": {"one_sequence": {"loss": 1.0, "grads": grads, "logits": [piece]}}}]]
+
+
+@pytest.mark.parametrize("residue, verdict", [(3e-17, "pass"), (1e-9, "fail")])
+def test_a_gradient_that_cancels_to_rounding_is_judged_as_part_of_the_whole(residue, verdict):
+    """A key bias's true gradient is analytically zero (softmax is shift invariant): truth and glue
+    both hold rounding residue, which a relative error compares with itself (roberta's key.bias read
+    2.6 on a correct glue). Judged as a part of the whole gradient vector, residue passes, while an
+    error far above rounding, on that same parameter, still fails."""
+    from ringcheck.commands.step_model import judge_model_case
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    bias_truth = torch.full((8,), 1e-17, dtype=torch.float64)
+    logits = torch.randn(1, 4, 5, generator=gen, dtype=torch.float64)
+    ref = {"loss": 1.0, "logits": [logits], "grads": {"w": weight, "key.bias": bias_truth}}
+    got = {"w": weight.clone(), "key.bias": bias_truth + residue * torch.randn(8, generator=gen, dtype=torch.float64)}
+    config = ModelStepConfig(model="llama", world_size=2)
+    judged = judge_model_case("one_sequence", _one_rank_case(got, logits), ref, 64, config, truth="float64")
+    assert judged["verdict"] == verdict
+    row = next(g for g in judged["gradients"] if g["name"] == "key.bias")
+    assert row["against"].startswith("whole gradient")
+    assert (row["ratio"] <= 1) == (verdict == "pass")
