@@ -137,3 +137,24 @@ def test_a_gradient_that_cancels_to_rounding_is_judged_as_part_of_the_whole(resi
     row = next(g for g in judged["gradients"] if g["name"] == "key.bias")
     assert row["against"].startswith("whole gradient")
     assert (row["ratio"] <= 1) == (verdict == "pass")
+
+
+@pytest.mark.cli
+def test_the_plugin_runs_a_model_through_a_glue_and_names_the_lost_semantic(tmp_path, torchrun_world):
+    """`pytest --ring-model mistral --ring-glue <window_dropped>` as a user's CI runs it: the cases
+    fail with the diagnosis naming the layers; ringcheck's own glue passes the same cases."""
+    if torchrun_world is not None:
+        pytest.skip("a subprocess pytest per rank: the local run covers it")
+    def plugin(*glue: str) -> tuple[int, str]:
+        argv = [sys.executable, "-m", "pytest", "--ring-model", "mistral", *glue, "-k",
+                "P2 and (one_sequence or packed)", "-p", "no:cacheprovider", "-q", "--noconftest"]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+        return done.returncode, done.stdout[-6000:] + done.stderr[-2000:]
+
+    code, said = plugin("--ring-glue", "ringcheck.catalogue.glue_mutants:window_dropped")
+    assert code == 1, said
+    assert "2 failed" in said
+    assert "test_the_model_through_the_glue_equals_its_own_attention[P2-one_sequence]" in said
+    assert "the sliding windows removed on layers 0 and 1" in said
+    code, said = plugin()
+    assert code == 0 and "2 passed" in said, said
