@@ -184,3 +184,16 @@ def test_a_head_dim_the_model_derives_scales_and_is_said():
 def test_a_model_outside_the_attention_interface_is_refused():
     with pytest.raises(ModelRefused, match="bloom: its attention .* not dispatched through transformers' Attention"):
         tiny_model("bloom")
+
+
+def test_a_config_json_that_transformers_cannot_read_is_refused_in_one_line(tmp_path):
+    """A user's config.json whose model_type this transformers does not know, or that is not JSON:
+    a ValueError that names the file and the fix, not transformers' list of every model type."""
+    unknown, broken = tmp_path / "unknown.json", tmp_path / "broken.json"
+    unknown.write_text('{"model_type": "nosuch", "hidden_size": 64}')
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="model_type 'nosuch' is not one transformers") as info:
+        tiny_model(str(unknown))
+    assert len(str(info.value)) < 400
+    with pytest.raises(ValueError, match="is not JSON"):
+        tiny_model(str(broken))

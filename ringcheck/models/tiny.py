@@ -149,10 +149,20 @@ def _original_config(name_or_path: str):
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise ValueError(f"--model {name_or_path}: no such file {file} (give a config.json or a model_type)")
-        data = json.loads(file.read_text())
-        if "model_type" not in data:
+        try:
+            data = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model {name_or_path}: {file} is not JSON ({e})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{file} has no model_type: it is not a transformers config.json")
-        config = AutoConfig.for_model(data.pop("model_type"), **data)
+        kind = data.pop("model_type")
+        try:
+            config = AutoConfig.for_model(kind, **data)
+        except ValueError:
+            import transformers
+            raise ValueError(f"--model {name_or_path}: its model_type {kind!r} is not one transformers "
+                             f"{transformers.__version__} knows; upgrade transformers, or give a config whose "
+                             f"model_type is one of its causal LMs (ringcheck.models.zoo_names())") from None
     else:
         close = [n for n in names if n.replace("-", "_").startswith(name_or_path.replace("-", "_")[:4])]
         raise ValueError(f"--model {name_or_path!r} is neither a causal-LM model_type of transformers nor a "
