@@ -158,3 +158,18 @@ def test_the_plugin_runs_a_model_through_a_glue_and_names_the_lost_semantic(tmp_
     assert "the sliding windows removed on layers 0 and 1" in said
     code, said = plugin()
     assert code == 0 and "2 passed" in said, said
+
+
+def test_the_models_own_float32_steps_run_in_float64_for_the_truths_own_rounding():
+    """`float64_throughout`: a float64 tensor's casts to float32 (`.float()`, `.to(torch.float32)`,
+    `.type(torch.float32)`) leave it float64, so the truth's distance to that run measures its own
+    float32 rounding; other casts and other dtypes are untouched."""
+    from ringcheck.models.step_noise import float64_throughout
+
+    x = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
+    assert x.float().dtype == torch.float32 and float(x.float().double() - x) != 0.0
+    with float64_throughout():
+        for narrowed in (x.float(), x.to(torch.float32), x.to(dtype=torch.float32), x.type(torch.float32)):
+            assert narrowed.dtype == torch.float64 and bool(narrowed == x)
+        assert x.to(torch.float16).dtype == torch.float16
+        assert torch.ones(2, dtype=torch.float32).double().dtype == torch.float64

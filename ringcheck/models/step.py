@@ -40,7 +40,7 @@ from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec, check_int
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
-from .step_noise import float32_steps, narrow_noise, split_gradients, truth_noise
+from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
 MODEL_DTYPES = ("float64", "float32")
@@ -267,6 +267,20 @@ def _as_list(logits, count: int) -> list[torch.Tensor]:
     return list(logits)
 
 
+def _own_rounding(tiny, config: ModelStepConfig, batches: list[dict], grads: dict) -> dict[str, float]:
+    """Per parameter, the truth's distance to the same code run with no float32 step of its own
+    (`float64_throughout`); {} where that run cannot be made (a model whose float32 step another
+    dtype breaks): the split sums' floor then stands alone."""
+    from .native import NATIVE, native_step
+
+    try:
+        with float64_throughout():
+            exact = native_step(tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed), batches)[1]
+    except Exception:  # the measurement is a floor, never a verdict: without it the derived budget stands
+        return {}
+    return truth_noise({n: g.double() for n, g in exact.items() if g is not None}, grads)
+
+
 def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str,
                    narrow: str | None = None) -> dict[str, Any]:
     """The truth on one rank: `native_step` on every case's whole batch (every replica's rows),
@@ -289,6 +303,9 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                 noise = {} if CASES[name].evaluate else truth_noise(split_gradients(
                     model, batches, native_logits, layout=layout, world_size=config.world_size,
                     total=count_targets(batches)), grads)
+                if noise and casts:  # the model's own float32 steps: the truth's distance to a float64 run of it
+                    own = _own_rounding(tiny, config, batches, grads)
+                    noise = {n: max(v, own.get(n, 0.0)) for n, v in noise.items()}
             except Exception as exc:
                 errors[name] = _error_words(exc)
                 continue

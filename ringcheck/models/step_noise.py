@@ -29,7 +29,7 @@ from ..step.contract import IGNORE, shift_labels
 from ..step.noise import K_NOISE
 from ..step.verdict import relative
 
-__all__ = ["K_NOISE", "split_gradients", "truth_noise"]
+__all__ = ["K_NOISE", "float64_throughout", "split_gradients", "truth_noise"]
 
 
 def _part_targets(labels: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -138,3 +138,32 @@ def float32_steps(model, batch: dict, logits_of) -> int:
     with torch.no_grad(), Casts():
         logits_of(model, ids, pos, None)
     return count
+
+
+def _narrowing(args: tuple, kwargs: dict) -> bool:
+    """Whether a `Tensor.to` / `Tensor.type` call asks for float32 (by dtype, positional or keyword)."""
+    return kwargs.get("dtype") is torch.float32 or any(a is torch.float32 or a == "torch.FloatTensor" for a in args)
+
+
+def float64_throughout():
+    """A context in which the model's own casts of a float64 tensor to float32 (`x.float()`,
+    `x.to(torch.float32)`, `x.type(torch.float32)`) leave it float64: the authors' code run with no
+    float32 step of its own. The truth's distance to that run is its own float32 rounding, measured
+    per parameter (granite_swa forces its sinks' scaling to float32 inside the attention: a correct
+    glue's sinks gradient sat at 1.0x the derived float32 budget on it, off the truth by the truth's
+    rounding, not the glue's); `K_NOISE` x it floors that parameter's budget as the split sums' does."""
+    # start-up time: torch's function mode is needed only for a --model run
+    from torch.overrides import TorchFunctionMode
+
+    class Float64(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            this = args[0] if args else None
+            if isinstance(this, torch.Tensor) and this.dtype == torch.float64:
+                if func is torch.Tensor.float or (func in (torch.Tensor.to, torch.Tensor.type)
+                                                  and _narrowing(args[1:], kwargs)):
+                    return this
+            return func(*args, **kwargs)
+
+    return Float64()
+

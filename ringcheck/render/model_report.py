@@ -59,7 +59,7 @@ def finding_lines(doc: dict) -> list[str]:
     if floored:
         worst = max(floored.values())
         lines.append(f"{len(floored)} parameters' gradients pass through the model's own float32 steps (e.g. "
-                     f"{next(iter(floored))}): the truth itself moves by up to {worst:.2g} when its sums are reordered, "
+                     f"{next(iter(floored))}): the truth itself moves by up to {worst:.2g} when its sums are reordered or its float32 steps run in float64, "
                      f"and their budget is {doc['rule']['k_noise']:g} x that, measured")
     for c in doc["cases"]:
         if c["verdict"] == "not run":
