@@ -271,6 +271,7 @@ def _own_rounding(tiny, config: ModelStepConfig, batches: list[dict], grads: dic
     """Per parameter, the truth's distance to the same code run with no float32 step of its own
     (`float64_throughout`); {} where that run cannot be made (a model whose float32 step another
     dtype breaks): the split sums' floor then stands alone."""
+    # start-up time: the truth imports transformers, only for a --model run
     from .native import NATIVE, native_step
 
     try:

@@ -159,7 +159,7 @@ def _original_config(name_or_path: str):
         try:
             config = AutoConfig.for_model(kind, **data)
         except ValueError:
-            import transformers
+            import transformers  # its version, for the message (the module is loaded already: AutoConfig above)
             raise ValueError(f"--model {name_or_path}: its model_type {kind!r} is not one transformers "
                              f"{transformers.__version__} knows; upgrade transformers, or give a config whose "
                              f"model_type is one of its causal LMs (ringcheck.models.zoo_names())") from None
