@@ -37,9 +37,10 @@ from ..harness import Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.settings import default_dtype
 from ..ring.layouts import positions
-from ..spec import REFERENCE_DTYPES, RingSpec, check_int
+from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
+from ..step.run import check_ring_settings, step_mesh
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
@@ -69,15 +70,10 @@ class ModelStepConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"--model must be a transformers model_type (e.g. llama) or a config.json path, got "
                              f"{self.model!r}")
-        check_int("--world-size", self.world_size, low=1)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        check_ring_settings(self)
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: a model's step is judged in {' or '.join(MODEL_DTYPES)}; "
                              f"pass --dtype float64")
-        if self.mesh is not None and self.mesh_spec.cp != self.world_size:
-            raise ValueError(f"--mesh {self.mesh} has cp={self.mesh_spec.cp} but --world-size is {self.world_size}: "
-                             f"the cp dim is the ring; drop --world-size or make the two agree")
         if self.layout is not None:
             RingSpec(self.world_size, self.layout)
         supported = (*MODEL_CASES, *OPTIONAL_CASES)
@@ -87,7 +83,7 @@ class ModelStepConfig:
 
     @property
     def mesh_spec(self) -> Mesh:
-        return Mesh.ring(self.world_size) if self.mesh is None else Mesh.parse(self.mesh)
+        return step_mesh(self.world_size, self.mesh)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -9,8 +9,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..documents import save
-from .step_report import VERDICT_WORDS
+from .step_report import VERDICT_WORDS, write_step_reports
 
 _STYLE = {"pass": "bold green", "fail": "bold red", "no verdict": "bold yellow"}
 HEADERS = ("case", "loss error", "logits error", "logits budget", "worst gradient error", "gradient budget",
@@ -104,8 +103,5 @@ def model_markdown(doc: dict) -> str:
 
 
 def write_model_reports(doc: dict, out_dir: str | Path) -> dict[str, Path]:
-    """step.json and step.md in `out_dir`; returns their paths."""
-    out = Path(out_dir)
-    paths = {"json": save(doc, out / "step.json"), "md": out / "step.md"}
-    paths["md"].write_text(model_markdown(doc), encoding="utf-8")
-    return paths
+    """step.json and step.md in `out_dir`, as `ringcheck step` writes them; returns their paths."""
+    return write_step_reports(doc, out_dir, model_markdown)

@@ -87,9 +87,10 @@ def step_markdown(doc: dict) -> str:
     return "\n".join(out)
 
 
-def write_step_reports(doc: dict, out_dir: str | Path) -> dict[str, Path]:
-    """step.json and step.md in `out_dir`; returns their paths."""
+def write_step_reports(doc: dict, out_dir: str | Path, markdown=None) -> dict[str, Path]:
+    """step.json and step.md in `out_dir` (`markdown`: the document's Markdown, `step_markdown`
+    by default; `step --model`'s is `model_report.model_markdown`); returns their paths."""
     out = Path(out_dir)
     paths = {"json": save(doc, out / "step.json"), "md": out / "step.md"}
-    paths["md"].write_text(step_markdown(doc), encoding="utf-8")
+    paths["md"].write_text((markdown or step_markdown)(doc), encoding="utf-8")
     return paths

@@ -35,6 +35,22 @@ CANNOT_RUN = "the step cannot run case"  # what `run_case` says when the recipe'
 _CANNOT_RUN = re.compile(CANNOT_RUN + r" (?P<case>\w+) at CP=(?P<cp>\d+) \(.*?\): (?P<what>.*)$")
 
 
+def step_mesh(world_size: int, mesh: str | None) -> Mesh:
+    """The device mesh of a step's settings: `mesh` parsed, else one ring of `world_size`."""
+    return Mesh.ring(world_size) if mesh is None else Mesh.parse(mesh)
+
+
+def check_ring_settings(config) -> None:
+    """What every step's settings (a recipe's and a `--model`'s) must hold: --world-size, --seed,
+    and a --mesh whose cp dim is the ring (ValueError with the value received and the fix)."""
+    check_int("--world-size", config.world_size, low=1)
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {config.seed!r}")
+    if config.mesh is not None and config.mesh_spec.cp != config.world_size:
+        raise ValueError(f"--mesh {config.mesh} has cp={config.mesh_spec.cp} but --world-size is {config.world_size}: "
+                         f"the cp dim is the ring; drop --world-size or make the two agree")
+
+
 @dataclass(frozen=True)
 class StepConfig:
     """`ringcheck step`'s settings."""
@@ -52,15 +68,10 @@ class StepConfig:
     flash_attn_stand_in: bool = False
 
     def __post_init__(self) -> None:
-        check_int("--world-size", self.world_size, low=1)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        check_ring_settings(self)
         if self.dtype not in STEP_DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: the step is judged in {' or '.join(STEP_DTYPES)} (float64 is exact "
                              f"enough to see a 1e-10 bug); pass --dtype float64")
-        if self.mesh is not None and self.mesh_spec.cp != self.world_size:
-            raise ValueError(f"--mesh {self.mesh} has cp={self.mesh_spec.cp} but --world-size is {self.world_size}: "
-                             f"the cp dim is the ring; drop --world-size or make the two agree")
         narrower = [n for n in ATTENTION_DTYPES if DTYPES[n].itemsize < REFERENCE_DTYPES[self.dtype].itemsize]
         if self.attention_dtype is not None and self.attention_dtype not in narrower:
             raise ValueError(f"--attention-dtype {self.attention_dtype!r}: the ring's attention may run narrower than "
@@ -72,7 +83,7 @@ class StepConfig:
 
     @property
     def mesh_spec(self) -> Mesh:
-        return Mesh.ring(self.world_size) if self.mesh is None else Mesh.parse(self.mesh)
+        return step_mesh(self.world_size, self.mesh)
 
     @property
     def reference_mesh(self) -> Mesh:
