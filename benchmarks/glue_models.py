@@ -26,6 +26,9 @@ MODELS = {  # name -> (config class, options, documents); windows and chunks tha
                                              no_rope_layers=[1, 0], floor_scale=4), [0, 13, 32]),  # temperature bites
     "llama_docs": ("LlamaConfig", {}, [0, 9, 20, 32]),
     "mistral_wide": ("MistralConfig", dict(sliding_window=10), None),  # wider than a shard at P=4, narrower than 32
+    "llama4_wide": ("Llama4TextConfig", dict(attention_chunk_size=10, intermediate_size_mlp=32, num_local_experts=2,
+                                             layer_types=["chunked_attention", "full_attention"],
+                                             no_rope_layers=[1, 0], floor_scale=4), [0, 13, 32]),  # chunk > a P=4 shard
 }
 MOE_EAGER = ("GptOssConfig", "Llama4TextConfig")  # experts through grouped_mm refuse float64: eager experts
 

@@ -30,14 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "reports" / "models"
 PROOF = ("llama", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "exaone4", "granite",
          "deepseek_v3")
-# per mutant (ringcheck.catalogue.glue_mutants), models that have its feature; the short-shard loss bites only
-# where a rank's shard is no longer than the window (W = 12: P = 8 on 64 tokens), and granite's scaling (its
-# attention_multiplier) is the one of the ten that differs from head_dim^-0.5
+# per mutant (ringcheck.catalogue.glue_mutants), models that have its feature; the short-shard losses bite at
+# every P since the regime cases (ringcheck.models.regimes) put the shard on both sides of the window and chunk,
+# and granite's scaling (its attention_multiplier) is the one of the ten that differs from head_dim^-0.5
 MUTANT_MODELS = {"window_dropped": ("mistral", "gemma3_text"), "window_wider": ("mistral",),
-                 "window_narrower": ("mistral",), "window_dropped_short_shard": ("gemma3_text",),
+                 "window_narrower": ("mistral",), "window_dropped_short_shard": ("mistral", "gemma3_text"),
                  "sinks_dropped": ("gpt_oss",), "softcap_dropped": ("gemma2",), "scale_default": ("granite",),
-                 "documents_crossed": ("llama",), "mask_plain_causal": ("cohere2",)}
-MUTANT_SIZES = {"window_dropped_short_shard": (8,)}
+                 "documents_crossed": ("llama",), "mask_plain_causal": ("cohere2",),
+                 "chunk_dropped_short_shard": ("llama4_text",)}
 SPEED_MODELS = {"dense": "llama", "MoE": "deepseek_v3"}
 
 
@@ -106,7 +106,7 @@ def mutants(sizes, out: Path) -> list[dict]:
     try:
         for mutant, models in MUTANT_MODELS.items():
             for model in models:
-                for size in MUTANT_SIZES.get(mutant, sizes):
+                for size in sizes:
                     row = run_one(ring, model, f"ringcheck.catalogue.glue_mutants:{mutant}", None, size)
                     row["mutant"] = mutant
                     print(f"{mutant:28s} {model:14s} P={size} {row['verdict']:9s} {row['named']!s:.150}", flush=True)

@@ -402,7 +402,7 @@ def test_the_diagnosis_refuses_figures_it_cannot_compare():
         d.diagnose(z, None)
     assert set(LOSSES) == {"window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard",
                            "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed",
-                           "mask_plain_causal"}
+                           "mask_plain_causal", "chunk_dropped_short_shard"}
 
 
 def _tiny_diagnoser(name: str, cu=DOCS):

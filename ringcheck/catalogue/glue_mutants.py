@@ -17,14 +17,15 @@ names are `ringcheck.models.semantics.LOSSES`):
 | `scale_default` | the layer's `scaling`, replaced by head_dim^-0.5 | prime-rl #2828 (`softmax_scale` not passed) |
 | `documents_crossed` | the global document boundaries: attention across packed documents | axolotl #3608 |
 | `mask_plain_causal` | every stricter mask (sliding and chunked) replaced by plain causal | accelerate #4177 (the CP hook's `is_causal=True`) |
+| `chunk_dropped_short_shard` | llama4's chunks only where the shard is no longer than the chunk | the same local-length test, applied to `attention_chunk_size` |
 """
 
 from __future__ import annotations
 
-from ..glues.ours import RingcheckGlue, refuses, refuses_calls
+from ..glues.ours import RingcheckGlue, chunk_of, refuses, refuses_calls
 
 LOSSES = ("window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard", "sinks_dropped",
-          "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal")
+          "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal", "chunk_dropped_short_shard")
 
 
 class MutantGlue(RingcheckGlue):
@@ -46,6 +47,7 @@ class MutantGlue(RingcheckGlue):
     def ring_options(self, module, local_len: int, **semantics) -> dict:
         options = super().ring_options(module, local_len, **semantics)
         window, loss = options["window"], self.loss
+        chunk = chunk_of(module)
         if loss == "mask_plain_causal":   # the documents stay (the hook keeps the batch's own mask)
             options["window"], options["cu_seqlens"] = None, self.cu_seqlens
         elif window is not None and loss == "window_dropped":
@@ -56,6 +58,8 @@ class MutantGlue(RingcheckGlue):
             options["window"] = (max(window[0] - 1, 0), 0)
         elif window is not None and loss == "window_dropped_short_shard" and local_len <= window[0] + 1:
             options["window"] = None
+        elif chunk is not None and loss == "chunk_dropped_short_shard" and local_len <= chunk:
+            options["cu_seqlens"] = self.cu_seqlens   # the documents' boundaries alone, no chunk's
         elif loss == "sinks_dropped":
             options["sinks"] = None
         elif loss == "softcap_dropped":
@@ -74,3 +78,4 @@ softcap_dropped = MutantGlue("softcap_dropped")
 scale_default = MutantGlue("scale_default")
 documents_crossed = MutantGlue("documents_crossed")
 mask_plain_causal = MutantGlue("mask_plain_causal")
+chunk_dropped_short_shard = MutantGlue("chunk_dropped_short_shard")

@@ -38,8 +38,9 @@ from ..models.step import (
     run_dtype,
     tiny_of,
 )
+from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.step_noise import K_NOISE
-from ..step.cases import CASES
+from ..step.cases import CASES, Case
 from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
@@ -92,8 +93,7 @@ def check_model_before_start(config: ModelStepConfig) -> CheckedModel:
     return CheckedModel(tiny, glue)
 
 
-def _targets(name: str, rings: int) -> int:
-    case = CASES[name]
+def _targets(case: Case, rings: int) -> int:
     return case.micro * case.rows * rings * case.seq_len
 
 
@@ -108,9 +108,11 @@ def _failed_cases(groups: list[list[dict]]) -> dict[str, str]:
 
 
 def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, config: ModelStepConfig,
-                     floor: dict | None = None, truth: str | None = None) -> dict:
+                     floor: dict | None = None, truth: str | None = None, case: Case | None = None) -> dict:
     """One case: every rank's loss and gradients, and the assembled logits, against the truth;
-    `floor`: the measured budgets of a narrowed glue (`narrow_unit`), where wider than derived."""
+    `floor`: the measured budgets of a narrowed glue (`narrow_unit`), where wider than derived;
+    `case`: the case as it ran (default step's of that name)."""
+    case = case or CASES[name]
     loss_budget, budget = model_budgets(n, config, truth)
     logits_budget = budget
     if floor is not None:
@@ -124,7 +126,7 @@ def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, con
     logits_err = max((relative(a, b) for a, b in zip(logits, want)), default=0.0) if shapes_agree else math.inf
     loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
     grads, floored = [], []
-    wanted = {} if CASES[name].evaluate else ref["grads"]
+    wanted = {} if case.evaluate else ref["grads"]
     whole = _whole_norm(wanted)
     cancelled = n * unit_roundoff(truth or config.dtype) * whole
     for pname, want in wanted.items():
@@ -138,7 +140,7 @@ def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, con
     out = [g for g in grads if not g["ratio"] <= 1]
     passed = loss_err <= loss_budget and logits_err <= logits_budget and not out
     first = out[0] if out else None
-    return {"case": name, "words": CASES[name].words, "verdict": "pass" if passed else "fail", "targets": n,
+    return {"case": name, "words": case.words, "verdict": "pass" if passed else "fail", "targets": n,
             "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": loss_err, "budget": loss_budget,
                      "ratio": loss_err / loss_budget},
             "logits": {"error": logits_err, "budget": logits_budget, "ratio": logits_err / logits_budget},
@@ -164,8 +166,8 @@ def _against_whole(row: dict, ranks: list[dict], pname: str, want, whole: float)
     return {**row, "error": worst, "ratio": worst / row["budget"], "against": "whole gradient (cancels to rounding)"}
 
 
-def not_run(name: str, why: str) -> dict[str, Any]:
-    return {"case": name, "words": CASES[name].words, "verdict": "not run", "why": why}
+def not_run(name: str, why: str, case: Case | None = None) -> dict[str, Any]:
+    return {"case": name, "words": (case or CASES[name]).words, "verdict": "not run", "why": why}
 
 
 def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | None = None) -> dict[str, Any]:
@@ -185,15 +187,18 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
     noise = None if narrow is None else narrow_unit(ref["cases"], narrow)
     truth = truth_dtype(config, ref.get("float32_steps", 0))
     ring_errors = _failed_cases(ring)
+    layout = checked.glue.layout
+    cases = {name: model_case(name, checked.tiny, config.world_size, layout) for name in names}
     rows = []
     for name in names:
         if name in ring_errors:
-            rows.append(not_run(name, f"the run through --glue {config.glue} raised: {ring_errors[name]}"))
+            row = not_run(name, f"the run through --glue {config.glue} raised: {ring_errors[name]}", cases[name])
         elif name in ref.get("errors", {}):
-            rows.append(not_run(name, f"the truth (native_step) raised: {ref['errors'][name]}"))
+            row = not_run(name, f"the truth (native_step) raised: {ref['errors'][name]}", cases[name])
         else:
-            rows.append(judge_model_case(name, ring, ref["cases"][name], _targets(name, mesh.rings), config,
-                                         None if noise is None else noise["floor"], truth))
+            row = judge_model_case(name, ring, ref["cases"][name], _targets(cases[name], mesh.rings), config,
+                                   None if noise is None else noise["floor"], truth, cases[name])
+        rows.append({**row, "shape": shape_words(cases[name], checked.tiny, config.world_size, layout)})
     for row in rows:
         if row["verdict"] != "fail":
             continue
@@ -202,12 +207,14 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
             row["diagnosis"] = processes.run_groups(
                 GroupPlan(((first,),), label="diagnosis by semantics"), diagnosis_task, config, name, mesh.rings,
                 assemble_logits(ring, name), ring[0][0]["cases"][name]["grads"],
-                # a glue run in bfloat16 sits its noise away from every candidate: match within its logits
-                # budget (its gradients' may be wide enough to hold the truth itself)
-                None if noise is None else row["logits"]["budget"], **kw)[0][0]
+                # a glue run in bfloat16 sits its noise away from every candidate, and a model with float32 steps
+                # of its own (llama4's) sits a correct glue's float32 noise away from the truth: match within the
+                # logits budget the verdict grants (the gradients' may be wide enough to hold the truth itself)
+                None if noise is None and truth == config.dtype else row["logits"]["budget"], **kw)[0][0]
         except Exception as exc:  # the verdict stands; the report says the diagnosis could not be made
             row["diagnosis"] = {"matched": False, "words": f"the diagnosis could not run: {type(exc).__name__}: "
                                                            f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+    regime_reading(rows, checked.tiny)  # a window kept on long shards and lost on short ones, named so
     judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
     verdict = ("no verdict" if not judged else "fail" if any(r["verdict"] == "fail" for r in judged) else "pass")
     attn = ring[0][0].get("attn_implementation")

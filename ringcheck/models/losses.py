@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 LOSSES = ("window_dropped", "window_wider", "window_narrower", "window_dropped_short_shard",
-          "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal")
+          "sinks_dropped", "softcap_dropped", "scale_default", "documents_crossed", "mask_plain_causal",
+          "chunk_dropped_short_shard")
+# the losses that depend on the ring size: the feature lost only where a rank's shard is not longer
+# than it (a glue testing its local key length against the window or chunk), and the feature's size
+SHARD_SHORT = {"window_dropped_short_shard": "window", "chunk_dropped_short_shard": "chunk"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ def _has(loss: str, sem: LayerSemantics, short: int, head_dim: int) -> bool:
     return {"window_dropped": sem.window is not None, "window_wider": sem.window is not None,
             "window_narrower": sem.window is not None and sem.window >= 2,
             "window_dropped_short_shard": sem.window is not None and short <= sem.window,
+            "chunk_dropped_short_shard": sem.chunk is not None and short <= sem.chunk,
             "sinks_dropped": sem.sinks, "softcap_dropped": sem.softcap is not None,
             "scale_default": abs(sem.scaling - head_dim ** -0.5) > 1e-12 * sem.scaling, "documents_crossed": True,
             "mask_plain_causal": sem.window is not None or sem.chunk is not None}[loss]
@@ -46,7 +51,8 @@ def _lose(loss: str, sem: LayerSemantics, head_dim: int) -> LayerSemantics:
         return replace(sem, window=None)
     if loss in ("window_wider", "window_narrower"):
         return replace(sem, window=sem.window + (1 if loss == "window_wider" else -1))
-    return {"sinks_dropped": lambda: replace(sem, sinks=False), "softcap_dropped": lambda: replace(sem, softcap=None),
+    return {"chunk_dropped_short_shard": lambda: replace(sem, chunk=None),
+            "sinks_dropped": lambda: replace(sem, sinks=False), "softcap_dropped": lambda: replace(sem, softcap=None),
             "scale_default": lambda: replace(sem, scaling=head_dim ** -0.5),
             "documents_crossed": lambda: replace(sem, documents=False),
             "mask_plain_causal": lambda: replace(sem, window=None, chunk=None)}[loss]()
@@ -54,6 +60,7 @@ def _lose(loss: str, sem: LayerSemantics, head_dim: int) -> LayerSemantics:
 
 def _words(loss: str, native: dict[int, LayerSemantics], layers, head_dims, short: int, world_size: int) -> str:
     w = sorted({native[i].window for i in layers if native[i].window is not None})
+    c = sorted({native[i].chunk for i in layers if native[i].chunk is not None})
     return {
         "window_dropped": "the sliding windows removed",
         "window_wider": "the sliding windows one token wider (W + 1, W = " + ", ".join(map(str, w)) + ")",
@@ -68,6 +75,9 @@ def _words(loss: str, native: dict[int, LayerSemantics], layers, head_dims, shor
             sorted({f"{native[i].scaling:.4g}" for i in layers})) + ")",
         "documents_crossed": "attention across the packed documents' boundaries",
         "mask_plain_causal": "the sliding/chunked masks replaced by plain causal",
+        "chunk_dropped_short_shard": f"the chunked attention removed where the shard is not longer than the chunk "
+                                     f"({short} keys per rank at P={world_size}, chunk = {', '.join(map(str, c))}), as "
+                                     f"a glue does that chunks only when its local key length exceeds the chunk",
     }[loss]
 
 
@@ -82,13 +92,15 @@ class Candidate:
     """One recomputation: the native semantics with `parts` (one loss, or two of different
     features) applied on `layers`. `losses`: every loss this computation is a reading of (a
     sliding window dropped is also a sliding mask replaced by plain causal); `readings`: each
-    reading in words, with its layers; `name`: the first reading's losses, joined by "+"."""
+    reading in words, with its layers; `reading_losses`: each reading's losses, in the same order;
+    `name`: the first reading's losses, joined by "+"."""
 
     parts: tuple[str, ...]
     losses: tuple[str, ...]
     layers: tuple[int, ...]
     semantics: tuple[tuple[int, LayerSemantics], ...]
     readings: tuple[str, ...]
+    reading_losses: tuple[tuple[str, ...], ...] = ()
 
     @property
     def name(self) -> str:
@@ -119,7 +131,8 @@ def _canonical(layers: dict[int, LayerSemantics], seq_len: int, longest: int) ->
 
 # losses of one feature: two of them together are no candidate (one overrides the other)
 _FEATURE = {"window_dropped": "mask", "window_wider": "mask", "window_narrower": "mask",
-            "window_dropped_short_shard": "mask", "mask_plain_causal": "mask", "sinks_dropped": "sinks",
+            "window_dropped_short_shard": "mask", "mask_plain_causal": "mask", "chunk_dropped_short_shard": "mask",
+            "sinks_dropped": "sinks",
             "softcap_dropped": "softcap", "scale_default": "scale", "documents_crossed": "documents"}
 
 
@@ -147,10 +160,11 @@ def candidates(native: dict[int, LayerSemantics], head_dims: dict[int, int], *, 
         names = tuple(loss for loss, _ in parts)
         layers = tuple(sorted({i for _, ls in parts for i in ls}))
         if key not in merged:
-            merged[key] = Candidate(names, names, layers, key, (reading,))
+            merged[key] = Candidate(names, names, layers, key, (reading,), (names,))
         elif len(parts) == 1 or len(merged[key].parts) > 1:
             c = merged[key]
-            merged[key] = replace(c, losses=c.losses + names, readings=c.readings + (reading,))
+            merged[key] = replace(c, losses=c.losses + names, readings=c.readings + (reading,),
+                                  reading_losses=c.reading_losses + (names,))
 
     for loss in LOSSES:
         if loss == "documents_crossed" and not packed:

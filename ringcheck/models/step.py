@@ -39,6 +39,7 @@ from ..harness.settings import default_dtype
 from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
+from .regimes import REGIME_CASES, model_case
 from ..step.contract import IGNORE, shift_labels
 from ..step.run import check_ring_settings, step_mesh
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
@@ -47,8 +48,9 @@ DEFAULT_GLUE = "ringcheck"
 MODEL_DTYPES = ("float64", "float32")
 # the cases a model's step runs by default: step's, but those whose point is the user's recipe (its
 # reentrant checkpointing, its evaluate hook) run only when asked for with --cases
+# and the regime cases (`ringcheck.models.regimes`): the shard on both sides of the model's window, at any P
 MODEL_CASES = ("one_sequence", "packed", "uneven", "batch2", "two_micro_batches", "not_divisible",
-               "checkpoint_non_reentrant")
+               "checkpoint_non_reentrant", *REGIME_CASES)
 OPTIONAL_CASES = ("evaluation", "checkpoint_reentrant")
 
 
@@ -77,7 +79,7 @@ class ModelStepConfig:
         if self.layout is not None:
             RingSpec(self.world_size, self.layout)
         supported = (*MODEL_CASES, *OPTIONAL_CASES)
-        bad = [c for c in self.cases if c not in CASES]
+        bad = [c for c in self.cases if c not in CASES and c not in REGIME_CASES]
         if bad or not self.cases:
             raise ValueError(f"--cases: unknown case(s) {bad}; choose from {', '.join(supported)}")
 
@@ -112,9 +114,11 @@ def tiny_of(config: ModelStepConfig):
     return tiny_model(config.model)
 
 
-def case_batches(config: ModelStepConfig, tiny, name: str, dp: int) -> list[dict]:
-    """The case's global micro-batches (every replica's rows), drawn from the tiny model's vocab."""
-    return micro_batches(CASES[name], vocab=tiny.vocab_size, seed=config.seed, dp=dp)
+def case_batches(config: ModelStepConfig, tiny, name: str, dp: int, layout: str) -> list[dict]:
+    """The case's global micro-batches (every replica's rows), drawn from the tiny model's vocab
+    (a regime case's length and documents made for this ring: `ringcheck.models.regimes`)."""
+    case = model_case(name, tiny, config.world_size, layout)
+    return micro_batches(case, vocab=tiny.vocab_size, seed=config.seed, dp=dp)
 
 
 def count_targets(batches: list[dict]) -> torch.Tensor:
@@ -228,12 +232,12 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
     dtype = REFERENCE_DTYPES[run_dtype(config, glue)]
     with default_dtype(config.torch_dtype):
         for name in names:
-            case = CASES[name]
+            case = model_case(name, tiny, config.world_size, glue.layout)
             try:  # a case the glue cannot run is not run (its reason), the others keep their verdicts
                 model = tiny.build(attn, dtype=dtype, seed=config.seed)
-                cases[name] = correct_step(model, case_batches(config, tiny, name, dp), place, member.group,
-                                           dp_group if dp > 1 else None, glue.prepare, train=not case.evaluate,
-                                           checkpoint=case.checkpoint)
+                batches = case_batches(config, tiny, name, dp, glue.layout)
+                cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
+                                           glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint)
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
@@ -293,11 +297,12 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
         for name in names:
             try:
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
+                batches = case_batches(config, tiny, name, dp, layout)
                 if casts is None and config.dtype == "float64":
-                    casts = float32_steps(model, case_batches(config, tiny, name, dp)[0], native_logits)
-                batches = case_batches(config, tiny, name, dp)
+                    casts = float32_steps(model, batches[0], native_logits)
+                evaluate = model_case(name, tiny, config.world_size, layout).evaluate
                 loss, grads, logits = native_step(model, batches)
-                noise = {} if CASES[name].evaluate else truth_noise(split_gradients(
+                noise = {} if evaluate else truth_noise(split_gradients(
                     model, batches, native_logits, layout=layout, world_size=config.world_size,
                     total=count_targets(batches)), grads)
                 if noise and casts:  # the model's own float32 steps: the truth's distance to a float64 run of it
@@ -307,7 +312,7 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                 errors[name] = _error_words(exc)
                 continue
             out[name] = {"loss": float(loss), "logits": [t.detach().double().cpu() for t in _as_list(logits, len(batches))],
-                         "grads": {} if CASES[name].evaluate else
+                         "grads": {} if evaluate else
                          {n: None if g is None else g.detach().double().cpu() for n, g in grads.items()},
                          "noise": noise}
             if narrow is not None:
@@ -350,7 +355,7 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
         model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
         if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
             grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
-        found = diagnose(model, tiny, case_batches(config, tiny, name, dp), logits, grads or None,
+        found = diagnose(model, tiny, case_batches(config, tiny, name, dp, glue.layout), logits, grads or None,
                          world_size=config.world_size, layout=glue.layout, tolerance=tolerance)
     return diagnosis_dict(found)
 
@@ -364,6 +369,14 @@ def diagnosis_dict(found: Any) -> dict[str, Any]:
     loss = getattr(found, "matched", None)
     summary = getattr(found, "summary", None)
     words = summary() if callable(summary) else str(found)
-    return {"matched": loss not in (None, "none"), "loss": loss, "layers": list(getattr(found, "layers", ()) or ()),
-            "words": words, "reproducible": getattr(found, "reproducible", None),
-            "tolerance": getattr(found, "tolerance", None)}
+    out = {"matched": loss not in (None, "none"), "loss": loss, "layers": list(getattr(found, "layers", ()) or ()),
+           "words": words, "reproducible": getattr(found, "reproducible", None),
+           "tolerance": getattr(found, "tolerance", None)}
+    first = (getattr(found, "matches", None) or (None,))[0] if out["matched"] else None
+    if first is not None and getattr(first, "candidate", None) is not None:  # every reading of the nearest match
+        c = first.candidate
+        out.update(readings=[{"losses": list(ls), "words": w}
+                             for ls, w in zip(c.reading_losses, c.readings)],
+                   distance=first.distance(), what="your logits" if found.truth.grads is None else
+                   "your logits and gradients")
+    return out

@@ -12,19 +12,20 @@ from rich.table import Table
 from .step_report import VERDICT_WORDS, write_step_reports
 
 _STYLE = {"pass": "bold green", "fail": "bold red", "no verdict": "bold yellow"}
-HEADERS = ("case", "loss error", "logits error", "logits budget", "worst gradient error", "gradient budget",
+HEADERS = ("case", "tokens, shard", "loss error", "logits error", "logits budget", "worst gradient error", "gradient budget",
            "first parameter out", "verdict")
 
 
 def case_rows(doc: dict) -> list[tuple[str, ...]]:
     rows = []
     for c in doc["cases"]:
+        shape = (c.get("shape") or {}).get("brief", "-")
         if c["verdict"] == "not run":
-            rows.append((c["case"], "-", "-", "-", "-", "-", "-", "not run"))
+            rows.append((c["case"], shape, "-", "-", "-", "-", "-", "-", "not run"))
             continue
         first = c["first_out"]
         grads = bool(c["gradients"])
-        rows.append((c["case"], f"{c['loss']['error']:.2g}", f"{c['logits']['error']:.2g}",
+        rows.append((c["case"], shape, f"{c['loss']['error']:.2g}", f"{c['logits']['error']:.2g}",
                      f"{c['logits']['budget']:.2g}", f"{c['worst_gradient']:.2g}" if grads else "-",
                      f"{c['gradient_budget']:.2g}" if grads else "-",
                      "-" if first is None else f"{first['name']} (x{first['factor']:.4g})", c["verdict"]))
@@ -49,6 +50,11 @@ def model_lines(doc: dict) -> list[str]:
                                               else ""),
             f"truth: {doc['rule']['truth']}; {doc['rule']['precision']}"] + (
         [doc["noise"]["words"]] if doc.get("noise") else [])
+
+
+def shape_lines(doc: dict) -> list[str]:
+    """What each packed case's documents were (the table gives every case's tokens and shard)."""
+    return [f"{c['case']}: {c['shape']['text']}" for c in doc["cases"] if (c.get("shape") or {}).get("documents")]
 
 
 def finding_lines(doc: dict) -> list[str]:
@@ -80,12 +86,13 @@ def print_model_summary(doc: dict, console: Console | None = None) -> None:
     table = Table(title="the model through the glue at CP=P against its own attention at CP=1 (relative errors)",
                   box=box.SIMPLE_HEAD, title_justify="left")
     for name in HEADERS:
-        table.add_column(name, justify="left" if name in ("case", "first parameter out") else "right", no_wrap=True)
+        table.add_column(name, justify="left" if name in ("case", "tokens, shard", "first parameter out")
+                         else "right", no_wrap=True)
     marks = {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "not run": "[yellow]not run[/]"}
     for row in case_rows(doc):
         table.add_row(*row[:-1], marks[row[-1]])
     console.print(table)
-    for line in finding_lines(doc):
+    for line in shape_lines(doc) + finding_lines(doc):
         console.print(f"- {line}", markup=False, highlight=False)
     console.print(f"[{_STYLE[doc['verdict']]}]{VERDICT_WORDS[doc['verdict']]}[/]: ", end="")
     console.print(doc["why"], markup=False, highlight=False)
@@ -97,7 +104,7 @@ def model_markdown(doc: dict) -> str:
            "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     out += ["| " + " | ".join(row) + " |" for row in case_rows(doc)]
     rule = doc["rule"]
-    out += ["", *[f"- {line}" for line in finding_lines(doc)], "",
+    out += ["", *[f"- {line}" for line in shape_lines(doc) + finding_lines(doc)], "",
             f"Rule: loss {rule['loss']}; logits {rule['logits']}; gradients {rule['gradients']}.", ""]
     return "\n".join(out)
 

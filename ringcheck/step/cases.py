@@ -31,6 +31,7 @@ class Case:
     evaluate: bool = False             # forward only, under no_grad: the loss alone
     checkpoint: str | None = None      # activation checkpointing the step is asked for
     fix: str = ""                      # what a step that cannot run the case must do (a not-run case's fix)
+    documents: tuple[tuple[int, ...], ...] | None = None  # packed: each micro-batch's boundaries (default DOCUMENTS)
 
 
 CASES = {c.name: c for c in (
@@ -72,7 +73,7 @@ def micro_batches(case: Case, *, vocab: int, seed: int, dp: int, rank0_positions
     for m in range(case.micro):
         ids = torch.randint(0, vocab, (rows, n), generator=gen)
         labels = ids.clone()
-        cu = DOCUMENTS if case.packed else None
+        cu = (case.documents[m] if case.documents else DOCUMENTS) if case.packed else None
         if cu is None:
             pos = torch.arange(n).expand(rows, n).clone()
         else:
