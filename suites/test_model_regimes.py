@@ -93,7 +93,18 @@ def test_a_window_lost_only_on_short_shards_is_named_from_the_long_ones_passing(
     regime_reading(rows, _tiny())
     for r in rows[1:]:
         assert r["diagnosis"]["loss"] == "window_dropped_short_shard"
-        assert "kept there, lost only where the shard is not longer" in r["diagnosis"]["words"]
+        assert "keep it (1 pass" in r["diagnosis"]["words"]
+        assert "lost only where the shard is not longer than it" in r["diagnosis"]["words"]
+
+
+def test_a_long_shard_failing_on_a_window_one_token_too_wide_still_shows_the_window_kept():
+    """ring-flash-attn's adapter: (W, W) where the shard is longer than W, no window where it is not."""
+    both = ("window_dropped", "window_dropped_short_shard")
+    rows = [_row("one_sequence", "fail", 16, ("window_wider",)), _row("shard_equal_to_window", "fail", 12, both)]
+    regime_reading(rows, _tiny())
+    assert rows[0]["diagnosis"]["loss"] == "window_wider"
+    assert rows[1]["diagnosis"]["loss"] == "window_dropped_short_shard"
+    assert "1 fail on another loss: window_wider" in rows[1]["diagnosis"]["words"]
 
 
 @pytest.mark.parametrize("rows", [

@@ -118,6 +118,11 @@ def shape_words(case: Case, tiny, world_size: int, layout: str) -> dict:
             "sides": sides, "documents": docs, "brief": brief, "text": text}
 
 
+# the losses that leave no window (chunk) at all: a case diagnosed with none of them kept it
+REMOVES = {"window": ("window_dropped", "window_dropped_short_shard", "mask_plain_causal"),
+           "chunk": ("chunk_dropped_short_shard", "mask_plain_causal")}
+
+
 def regime_reading(rows: list[dict], tiny) -> None:
     """Where the cases show a shard-short loss, say it on the failed cases (in place).
 
@@ -125,29 +130,40 @@ def regime_reading(rows: list[dict], tiny) -> None:
     computes what one dropping it everywhere computes (the diagnosis reads both); the cases whose
     shard is longer tell them apart. A failed case whose matched reading includes
     `window_dropped_short_shard` (or the chunk's) is named by it when some case with a shard
-    longer than every window (chunk), documents longer than it, passed: the glue kept the window
-    there."""
+    longer than every window (chunk), and a sequence or document longer than it too, kept it:
+    passed, or failed with a matched loss that leaves the window in place (one token too wide)."""
     found = reaches(tiny)
     for loss, kind in SHARD_SHORT.items():
         sizes = found[kind]
-        if not sizes:
-            continue
-        kept = [r for r in rows if r["verdict"] == "pass" and _bites_beyond_shard(r.get("shape"), max(sizes))]
+        kept = [r for r in rows if sizes and _bites_beyond_shard(r.get("shape"), max(sizes)) and _keeps(r, kind)]
         if not kept:
             continue
+        passed = sum(r["verdict"] == "pass" for r in kept)
+        how = (f"{passed} pass" if passed == len(kept) else
+               f"{passed} pass, {len(kept) - passed} fail on another loss: "
+               + ", ".join(sorted({r["diagnosis"]["loss"] for r in kept if r["verdict"] == "fail"})))
+        shards = sorted({r["shape"]["shard"] for r in kept})
+        span = f"{shards[0]}" if len(shards) == 1 else f"{shards[0]} to {shards[-1]}"
         for row in rows:
             d = row.get("diagnosis") or {}
-            readings = d.get("readings") or []
-            named = next((r for r in readings if tuple(r["losses"]) == (loss,)), None)
+            named = next((r for r in d.get("readings") or [] if tuple(r["losses"]) == (loss,)), None)
             if row["verdict"] != "fail" or not d.get("matched") or named is None:
                 continue
-            shards = sorted({r["shape"]["shard"] for r in kept})
-            span = f"{shards[0]}" if len(shards) == 1 else f"{shards[0]} to {shards[-1]}"
             d.update(loss=loss, named_by="regimes", words=(
                 f"{d.get('what', 'your logits and gradients')} equal the model with {named['words']} "
-                f"({d.get('distance', '')}); the {len(kept)} case(s) whose shard is longer than the {kind} pass "
-                f"(shards of {span} keys, e.g. {kept[-1]['case']}): the {kind} is kept there, lost only where the "
-                f"shard is not longer than it"))
+                f"({d.get('distance', '')}); the {len(kept)} case(s) whose shard is longer than the {kind} keep it "
+                f"({how}; shards of {span} keys, e.g. {kept[-1]['case']}): the {kind} is lost only where the shard "
+                f"is not longer than it"))
+
+
+def _keeps(row: dict, kind: str) -> bool:
+    """Whether a case's figures show the window (chunk) applied: it passed, or its diagnosis matched
+    only losses that leave it in place."""
+    if row["verdict"] == "pass":
+        return True
+    d = row.get("diagnosis") or {}
+    losses = {x for r in d.get("readings") or [] for x in r["losses"]}
+    return row["verdict"] == "fail" and bool(d.get("matched")) and bool(losses) and not losses & set(REMOVES[kind])
 
 
 def _bites_beyond_shard(shape: dict | None, size: int) -> bool:
@@ -156,8 +172,3 @@ def _bites_beyond_shard(shape: dict | None, size: int) -> bool:
         return False
     longest = max((max(d) for d in shape["documents"]), default=0) if shape["documents"] else shape["seq_len"]
     return longest > size
-
-
-def with_shapes(rows: list[dict], cases: dict[str, Case], tiny, world_size: int, layout: str) -> list[dict]:
-    """Every row with its case's `shape` (what it ran with)."""
-    return [{**r, "shape": shape_words(cases[r["case"]], tiny, world_size, layout)} for r in rows]
