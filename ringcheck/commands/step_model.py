@@ -26,6 +26,7 @@ from typing import Any
 
 from ..documents import STEP_SCHEMA, header
 from ..launch import GroupPlan
+from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.step import (
     MODEL_CASES,
     OPTIONAL_CASES,
@@ -38,7 +39,6 @@ from ..models.step import (
     run_dtype,
     tiny_of,
 )
-from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.step_noise import K_NOISE
 from ..step.cases import CASES, Case
 from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
@@ -82,6 +82,9 @@ def check_model_before_start(config: ModelStepConfig) -> CheckedModel:
     tiny = tiny_of(config)
     glue = glue_of(config)
     refused = list(refusals(glue, tiny))
+    if glue.refuses_ring is not None:  # what the glue cannot run at this ring size (heads not divisible by P)
+        refused += [f"{line} (refused by glue {glue.name!r} at P={config.world_size})"
+                    for line in glue.refuses_ring(tiny, config.world_size)]
     if refused:
         raise GlueRefused(f"--glue {config.glue} cannot carry what --model {config.model} hands its attention: "
                           + "; ".join(refused))
@@ -221,7 +224,8 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
     return {"verdict": verdict, "cases": rows, "mesh": mesh, "why": _why(rows), "model": model_words(checked.tiny),
             "glue": {"spec": config.glue, "name": checked.glue.name, "layout": checked.glue.layout,
                      "describe": checked.glue.describe, "attn_implementation": attn,
-                     "prepare": checked.glue.prepare is not None},
+                     "prepare": checked.glue.prepare is not None, "sharding": checked.glue.sharding,
+                     "shims": list(checked.glue.shims)},
             "truth_dtype": truth, "float32_steps": ref.get("float32_steps", 0), "noise": noise}
 
 

@@ -46,6 +46,24 @@ class Glue:
     refuses: Callable[[Any], list[str]] | None = None
     dtype: str = "float64"
     refuses_calls: Callable[[Any], list[str]] | None = None
+    # what a trainer's glue needs (issue 49): the model's config once installed (`configure(config,
+    # group)`: the head counts an all-to-all splits), its own sharding of the batch (`shard(batch,
+    # group)`, see `GLUE_SHARD_KEYS`), an `uninstall()` that puts transformers back, and what it cannot
+    # run at a ring size (`refuses_ring(tiny, world_size)`: heads that do not divide by P), with
+    # `sharding` saying whose sharding ran and `shims` what ringcheck changed so it runs on a CPU
+    configure: Callable[[Any, Any], None] | None = None
+    shard: Callable[[dict, Any], dict] | None = None
+    uninstall: Callable[[], None] | None = None
+    refuses_ring: Callable[[Any, int], list[str]] | None = None
+    sharding: str = "ringcheck's (the glue's layout)"
+    shims: tuple[str, ...] = ()
+
+
+# `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
+# multiple, as a data loader holds it (input_ids, labels not yet shifted, position_ids, cu_seqlens or
+# None) and returns this rank's input_ids, position_ids and labels (the targets of its tokens, shifted
+# on the whole sequence), and positions: the global index of every token it holds, in its order
+GLUE_SHARD_KEYS = ("input_ids", "position_ids", "labels", "positions")
 
 
 def refusals(glue: Glue, tiny: Any) -> list[str]:
@@ -119,5 +137,13 @@ def user_glue(spec: str) -> Glue:
     if dtype not in DTYPES:
         raise ValueError(f"--glue {spec!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)} (the dtype the model "
                          f"is built in for your glue; float64 when the attribute is absent)")
+    hooks = {}
+    for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
+                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines")):
+        value = getattr(obj, hook, None)
+        if value is not None and not callable(value):
+            raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")
+        hooks[hook] = value
     return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
-                describe=describe, refuses=refuses, dtype=dtype, refuses_calls=refuses_calls)
+                describe=describe, refuses=refuses, dtype=dtype, refuses_calls=refuses_calls, **hooks,
+                sharding="the glue's own (shard)" if hooks["shard"] else "ringcheck's (the glue's layout)")

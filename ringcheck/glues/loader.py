@@ -6,7 +6,7 @@ from ..spec import LAYOUTS
 from .contract import Glue, user_glue
 from .ours import ringcheck_glue
 
-BUILT_IN = ("ringcheck", "ring_flash_attn")
+BUILT_IN = ("ringcheck", "ring_flash_attn", "deepspeed_ulysses")
 
 
 def load_glue(spec: str = "ringcheck", *, layout: str | None = None) -> Glue:
@@ -22,6 +22,9 @@ def load_glue(spec: str = "ringcheck", *, layout: str | None = None) -> Glue:
     if spec == "ring_flash_attn":
         from .ring_flash_attn import ring_flash_attn_glue  # imports ring-flash-attn, an optional dependency
         glue = ring_flash_attn_glue()
+    elif spec == "deepspeed_ulysses":
+        from ..trainers.deepspeed_ulysses import deepspeed_ulysses_glue  # imports DeepSpeed, a trainer's package
+        glue = deepspeed_ulysses_glue()
     else:
         glue = user_glue(spec)
     if layout is not None and layout != glue.layout:

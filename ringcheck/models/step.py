@@ -33,15 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..glues.contract import GLUE_SHARD_KEYS
 from ..harness import Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.settings import default_dtype
 from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
-from .regimes import REGIME_CASES, model_case
 from ..step.contract import IGNORE, shift_labels
 from ..step.run import check_ring_settings, step_mesh
+from .regimes import REGIME_CASES, model_case
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
@@ -168,11 +169,29 @@ class Place:
         return RingSpec(self.size, self.layout).chunks
 
 
+def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch.Tensor, ...]:
+    """A glue's own sharding (`Glue.shard`, a trainer's): the rank's (input_ids, position_ids,
+    targets, global positions held), from the padded global rows it was given, checked."""
+    got = shard({"input_ids": _pad(ids, padded, 0), "labels": _pad(labels, padded, IGNORE),
+                 "position_ids": _pad_positions(pos, padded), "cu_seqlens": cu}, group)
+    missing = [k for k in GLUE_SHARD_KEYS if not isinstance(got, dict) or k not in got]
+    if missing:
+        raise TypeError(f"the glue's shard(batch, group) returned no {', '.join(missing)}: it must return a dict of "
+                        f"{', '.join(GLUE_SHARD_KEYS)} (docs/reference/glue-contract.md)")
+    held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
+    out = [got[k].contiguous() for k in ("input_ids", "position_ids", "labels")]
+    if any(t.shape != (ids.shape[0], held.numel()) for t in out):
+        raise ValueError(f"the glue's shard(batch, group) returned input_ids, position_ids, labels of shapes "
+                         f"{[tuple(t.shape) for t in out]} for {held.numel()} positions: each must be (rows, positions)")
+    return (*out, held)
+
+
 def correct_step(model, batches: list[dict], place: Place, group, dp_group, prepare, *, train: bool,
-                 checkpoint: str | None) -> dict[str, Any]:
+                 checkpoint: str | None, shard=None) -> dict[str, Any]:
     """ringcheck's own correct transformers step on one rank (see the module's docstring): the
     loss (summed over the ranks), every gradient (summed), and per micro-batch this rank's
-    logits with the global positions it held."""
+    logits with the global positions it held. `shard`: a glue's own sharding of the batch (a
+    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout."""
     if checkpoint is not None:
         model.train()
         model.activation_checkpointing_enable({"use_reentrant": checkpoint == "reentrant"})
@@ -184,11 +203,15 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
         n = ids.shape[1]
         padded = -(-n // place.multiple()) * place.multiple()
         cu = mb.get("cu_seqlens")
-        held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
-                         cu_seqlens=None if cu is None else boundaries(mb, padded))
-        targets = _pad(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
-        ids = _pad(ids, padded, 0).index_select(1, held).contiguous()
-        pos = _pad_positions(pos, padded).index_select(1, held).contiguous()
+        cu = None if cu is None else boundaries(mb, padded)
+        if shard is not None:
+            ids, pos, targets, held = glue_sharded(shard, ids, labels, pos, cu, padded, group)
+        else:
+            held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
+                             cu_seqlens=cu)
+            targets = _pad(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
+            ids = _pad(ids, padded, 0).index_select(1, held).contiguous()
+            pos = _pad_positions(pos, padded).index_select(1, held).contiguous()
         if prepare is not None:
             prepare(boundaries(mb, padded), group)
         with torch.set_grad_enabled(train):
@@ -225,6 +248,17 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
     if not isinstance(attn, str) or not attn:
         raise TypeError(f"--glue {config.glue}: install(group) returned {attn!r}; it must return the "
                         f"attn_implementation name the model is to use")
+    try:
+        if glue.configure is not None:  # a trainer's glue sizes its all-to-all from the model's heads
+            glue.configure(tiny.config, member.group)
+        return _cases_task(member, config, names, tiny, glue, attn)
+    finally:
+        if glue.uninstall is not None:  # transformers as it was: the process runs the truth and other checks next
+            glue.uninstall()
+
+
+def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, glue, attn: str) -> dict[str, Any]:
+    """Every case of `names` on one rank, through the installed glue."""
     dp_group = member.groups[REPLICAS]
     dp = dist.get_world_size(dp_group)
     place = Place(member.rank, member.world_size, glue.layout, member.group_index, dp)
@@ -237,7 +271,8 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
                 model = tiny.build(attn, dtype=dtype, seed=config.seed)
                 batches = case_batches(config, tiny, name, dp, glue.layout)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
-                                           glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint)
+                                           glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
+                                           shard=glue.shard)
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,

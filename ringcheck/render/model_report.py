@@ -47,7 +47,9 @@ def model_lines(doc: dict) -> list[str]:
             f"scaled: {scaled}", f"kept: {kept}", f"switched off: {off}",
             f"glue {g['spec']} ({g['describe'] or g['name']}): layout {g['layout']}, attn_implementation "
             f"{g['attn_implementation']!r}" + (", prepare(cu_seqlens, group) before every forward" if g["prepare"]
-                                              else ""),
+                                              else "") + (f"; the batch sharded by {g['sharding']}" if g.get("sharding")
+                                                          else "") + (f"; shims: {'; '.join(g['shims'])}"
+                                                                      if g.get("shims") else ""),
             f"truth: {doc['rule']['truth']}; {doc['rule']['precision']}"] + (
         [doc["noise"]["words"]] if doc.get("noise") else [])
 
