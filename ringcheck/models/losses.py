@@ -96,11 +96,14 @@ class Candidate:
     `name`: the first reading's losses, joined by "+"."""
 
     parts: tuple[str, ...]
-    losses: tuple[str, ...]
     layers: tuple[int, ...]
     semantics: tuple[tuple[int, LayerSemantics], ...]
     readings: tuple[str, ...]
-    reading_losses: tuple[tuple[str, ...], ...] = ()
+    reading_losses: tuple[tuple[str, ...], ...]
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        return tuple(loss for names in self.reading_losses for loss in names)
 
     @property
     def name(self) -> str:
@@ -160,11 +163,10 @@ def candidates(native: dict[int, LayerSemantics], head_dims: dict[int, int], *, 
         names = tuple(loss for loss, _ in parts)
         layers = tuple(sorted({i for _, ls in parts for i in ls}))
         if key not in merged:
-            merged[key] = Candidate(names, names, layers, key, (reading,), (names,))
+            merged[key] = Candidate(names, layers, key, (reading,), (names,))
         elif len(parts) == 1 or len(merged[key].parts) > 1:
             c = merged[key]
-            merged[key] = replace(c, losses=c.losses + names, readings=c.readings + (reading,),
-                                  reading_losses=c.reading_losses + (names,))
+            merged[key] = replace(c, readings=c.readings + (reading,), reading_losses=c.reading_losses + (names,))
 
     for loss in LOSSES:
         if loss == "documents_crossed" and not packed:

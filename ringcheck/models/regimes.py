@@ -105,11 +105,12 @@ def shape_words(case: Case, tiny, world_size: int, layout: str) -> dict:
     if case.packed:
         bounds = case.documents or (DOCUMENTS,)
         docs = [[b - a for a, b in zip(cu, cu[1:])] for cu in bounds]
-    sides = {f"{kind} {w}": ("shorter" if shard < w else "equal" if shard == w else "longer")
-             for kind, ws in found.items() for w in ws}
+    marks = [(kind, w, "shorter" if shard < w else "equal" if shard == w else "longer")
+             for kind, ws in found.items() for w in ws]
+    sides = {f"{kind} {w}": side for kind, w, side in marks}
     sign = {"shorter": "<", "equal": "=", "longer": ">"}
     brief = f"{case.seq_len} tok, shard {shard}" + "".join(
-        f" {sign[side]} {w}" for w, side in sorted({(int(k.split()[1]), v) for k, v in sides.items()}))
+        f" {sign[side]} {w}" for w, side in sorted({(w, side) for _, w, side in marks}))
     text = f"{case.seq_len} tokens, shard {shard} keys per rank" + "".join(
         f", {side} than the {k}" if side != "equal" else f", equal to the {k}" for k, side in sides.items())
     if docs:

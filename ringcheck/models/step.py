@@ -115,10 +115,9 @@ def tiny_of(config: ModelStepConfig):
     return tiny_model(config.model)
 
 
-def case_batches(config: ModelStepConfig, tiny, name: str, dp: int, layout: str) -> list[dict]:
+def case_batches(config: ModelStepConfig, tiny, case, dp: int) -> list[dict]:
     """The case's global micro-batches (every replica's rows), drawn from the tiny model's vocab
-    (a regime case's length and documents made for this ring: `ringcheck.models.regimes`)."""
-    case = model_case(name, tiny, config.world_size, layout)
+    (`case`: `regimes.model_case`, a regime case's length and documents made for this ring)."""
     return micro_batches(case, vocab=tiny.vocab_size, seed=config.seed, dp=dp)
 
 
@@ -269,7 +268,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
             case = model_case(name, tiny, config.world_size, glue.layout)
             try:  # a case the glue cannot run is not run (its reason), the others keep their verdicts
                 model = tiny.build(attn, dtype=dtype, seed=config.seed)
-                batches = case_batches(config, tiny, name, dp, glue.layout)
+                batches = case_batches(config, tiny, case, dp)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
                                            shard=glue.shard)
@@ -332,10 +331,11 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
         for name in names:
             try:
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
-                batches = case_batches(config, tiny, name, dp, layout)
+                case = model_case(name, tiny, config.world_size, layout)
+                batches = case_batches(config, tiny, case, dp)
                 if casts is None and config.dtype == "float64":
                     casts = float32_steps(model, batches[0], native_logits)
-                evaluate = model_case(name, tiny, config.world_size, layout).evaluate
+                evaluate = case.evaluate
                 loss, grads, logits = native_step(model, batches)
                 noise = {} if evaluate else truth_noise(split_gradients(
                     model, batches, native_logits, layout=layout, world_size=config.world_size,
@@ -390,7 +390,8 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
         model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
         if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
             grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
-        found = diagnose(model, tiny, case_batches(config, tiny, name, dp, glue.layout), logits, grads or None,
+        found = diagnose(model, tiny, case_batches(config, tiny, model_case(name, tiny, config.world_size, glue.layout),
+                                                    dp), logits, grads or None,
                          world_size=config.world_size, layout=glue.layout, tolerance=tolerance)
     return diagnosis_dict(found)
 
