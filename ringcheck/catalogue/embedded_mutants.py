@@ -77,8 +77,8 @@ def _gather_ring(q, k, v, *, causal, softmax_scale, group=None, bugs=frozenset()
         keys = kk.permute(1, 0, 2, 3, 4).reshape(b, world * n, kvh, d)
         values = vv.permute(1, 0, 2, 3, 4).reshape(b, world * n, kvh, v.shape[-1])
     seq = n * world
-    kpos = torch.cat([positions(layout=LAYOUT, rank=r, world_size=world, seq_len=seq) for r in range(world)])
-    qpos = positions(layout=LAYOUT, rank=rank, world_size=world, seq_len=seq)
+    kpos = torch.cat([positions(layout=LAYOUT, rank=r, world_size=world, seq_len=seq) for r in range(world)]).to(q.device)
+    qpos = positions(layout=LAYOUT, rank=rank, world_size=world, seq_len=seq).to(q.device)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys.float().repeat_interleave(h // kvh, dim=2)) * scale
     if causal:
         s = s.masked_fill(~(kpos[None, :] <= qpos[:, None]).to(s.device), float("-inf"))

@@ -45,7 +45,7 @@ def _workspace(kv, n: int):
     key = (kv[0].shape[0], kv[0].shape[2], kv[0].shape[3], kv[1].shape[3])
     held = _RECEIVED.get(key)
     if held is None or held[0].shape[1] < n:
-        held = _RECEIVED[key] = [torch.zeros(t.shape, dtype=torch.float32) for t in kv]
+        held = _RECEIVED[key] = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
     for buffer, t in zip(held, kv):
         buffer[:, :n] = t.float()
     return held[0], held[1], held[0].shape[1]
@@ -92,20 +92,23 @@ def _wait(requests):
 
 # ---------------------------------------------------------------- one block
 
-def _visible(rank, src, world, n, causal, bugs):
-    """(n, n) bool mask of which keys of rank `src` the queries of `rank` see (None: all)."""
+def _visible(rank, src, world, n, causal, bugs, device):
+    """(n, n) bool mask on `device` of which keys of rank `src` the queries of `rank` see (None: all)."""
     if not causal:
         return None
     seq = n * world
     if "contiguous_mask_on_zigzag" in bugs:  # treats zig-zag shards as if they were contiguous
         if src < rank:
             return None
-        m = torch.ones(n, n, dtype=torch.bool).tril()
+        m = torch.ones(n, n, dtype=torch.bool, device=device).tril()
         return m if src == rank else torch.zeros_like(m)
-    qpos = positions(layout=LAYOUT, rank=rank, world_size=world, seq_len=seq)
-    kpos = positions(layout=LAYOUT, rank=src, world_size=world, seq_len=seq)
+    qpos = positions(layout=LAYOUT, rank=rank, world_size=world, seq_len=seq).to(device)
+    kpos = positions(layout=LAYOUT, rank=src, world_size=world, seq_len=seq).to(device)
     shift = 1 if ("diagonal_off_by_one" in bugs and src == rank) else 0
-    return kpos[None, :] <= qpos[:, None] + shift
+    mask = kpos[None, :] <= qpos[:, None] + shift
+    if "mask_on_default_device" in bugs:  # the mask made again without a device: the CPU, beside a GPU's scores
+        return torch.tensor(mask.tolist())
+    return mask
 
 
 def _kv_heads(x, heads, bugs):
@@ -171,19 +174,19 @@ class _Ring(torch.autograd.Function):
         kv = [k, v]  # on the wire in the input dtype; computed on in float32 (the same values)
         q, k, v = q.float(), k.float(), v.float()
         b, n, h, _ = q.shape
-        out = torch.zeros(b, n, h, v.shape[-1])  # v may have a head dim of its own
-        lse = torch.full((b, h, n), float("-inf"))
+        out = torch.zeros(b, n, h, v.shape[-1], device=q.device)  # v may have a head dim of its own
+        lse = torch.full((b, h, n), float("-inf"), device=q.device)
         block_lses = []
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
                 requests, incoming = _exchange(group, kv, bugs)
-            keys, values, mask = kv[0].float(), kv[1].float(), _visible(rank, src, world, n, causal, bugs)
+            keys, values, mask = kv[0].float(), kv[1].float(), _visible(rank, src, world, n, causal, bugs, q.device)
             if "stale_workspace" in bugs and step > 0:  # reads the workspace to its length, stale tail and all
                 keys, values, held = _workspace(kv, n)
                 if held > n:
-                    mask = torch.cat([torch.ones(n, n, dtype=torch.bool) if mask is None else mask,
-                                      torch.ones(n, held - n, dtype=torch.bool)], dim=1)
+                    mask = torch.cat([torch.ones(n, n, dtype=torch.bool, device=q.device) if mask is None else mask,
+                                      torch.ones(n, held - n, dtype=torch.bool, device=q.device)], dim=1)
             s = _scores(q, keys, mask, scale, bugs)
             if "tail_keys_forward" in bugs:  # the key tiles' grid is n // TILE: the ragged last tile never read
                 s[..., tiled(n):] = float("-inf")
@@ -242,7 +245,7 @@ class _Ring(torch.autograd.Function):
             if step < world - 1:
                 kv_requests, kv_incoming = _exchange(group, kv, bugs)
             k_s, v_s = ([k, v] if "stale_kv_backward" in bugs else [t.float() for t in kv])
-            s = _scores(q, k_s, _visible(rank, src, world, n, causal, bugs), scale, bugs)
+            s = _scores(q, k_s, _visible(rank, src, world, n, causal, bugs, q.device), scale, bugs)
             row_lse = block_lses[step] if "block_lse_backward" in bugs else lse
             p = torch.exp(s - row_lse.masked_fill(torch.isneginf(row_lse), 0.0).unsqueeze(-1))
             if "tail_query_rows" in bugs:  # the backward's query tiles: the same grid, the tail rows never read
@@ -278,6 +281,7 @@ class _Ring(torch.autograd.Function):
             # roundings in every run (a random value added and taken away again: <= 2^-23 of dq in float32,
             # <= 2^-16 in a narrower dtype, so that some of its roundings change too)
             noise = torch.rand(dq.shape, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "big")))
+            noise = noise.to(dq.device)
             noise = noise * dq.abs() * (1 if ctx.dtype == torch.float32 else 256)
             dq = (dq + noise) - noise
         dt = ctx.dtype
@@ -317,6 +321,7 @@ MUTANTS = {
     "low_precision_partial": "low-precision partial output at every hop",
     "scale_twice_backward": "softmax scale applied twice in backward",
     "stale_receive_buffer": "a stale receive buffer (no wait before use)",
+    "mask_on_default_device": "the causal mask made without a device (exact on a CPU, a crash on a GPU)",
 }
 
 for _name, _doc in MUTANTS.items():

@@ -177,9 +177,9 @@ class _NoTanhGrad:
         qf, kf, vf = q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)
         kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
         s = softcap * torch.tanh(torch.matmul(qf, kf.transpose(-1, -2)) * scale / softcap)
-        seen = torch.ones(s.shape[-2:], dtype=torch.bool).tril(diagonal)
+        seen = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(diagonal)
         if mask == "band":
-            seen &= torch.ones(s.shape[-2:], dtype=torch.bool).triu(lower)
+            seen &= torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(lower)
         elif mask == "full":
             seen[:] = True
         p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)).masked_fill(~seen, 0.0)

@@ -33,9 +33,9 @@ for _name, _doc in SWITCHED.items():
     globals()[_name] = mutant_of(_name, _doc)
 
 
-def _masks(rank: int, world: int, n: int, causal: bool):
+def _masks(rank: int, world: int, n: int, causal: bool, device):
     """(this rank's keys visible to its queries (n, n) or None, the others' (n, (P-1) n) or None,
-    the ranks in the order of the others' keys)."""
+    the ranks in the order of the others' keys), on `device`."""
     others = [s for s in range(world) if s != rank]
     if not causal:
         return None, None, others
@@ -44,7 +44,7 @@ def _masks(rank: int, world: int, n: int, causal: bool):
     mine = positions(layout=LAYOUT, rank=rank, world_size=world, seq_len=seq)
     rest = torch.cat([positions(layout=LAYOUT, rank=s, world_size=world, seq_len=seq) for s in others]) if others \
         else torch.empty(0, dtype=torch.int64)
-    return mine[None, :] <= qpos[:, None], rest[None, :] <= qpos[:, None], others
+    return (mine[None, :] <= qpos[:, None]).to(device), (rest[None, :] <= qpos[:, None]).to(device), others
 
 
 def _attend(q, k, v, mask, scale):
@@ -66,7 +66,7 @@ class _GatherRing(torch.autograd.Function):
         packed = torch.cat([k.reshape(-1), v.reshape(-1)])
         parts = [torch.empty_like(packed) for _ in range(world)]
         gathering = dist.all_gather(parts, packed, group=group, async_op=True)  # in flight while we compute
-        mine_mask, rest_mask, others = _masks(rank, world, n, causal)
+        mine_mask, rest_mask, others = _masks(rank, world, n, causal, q.device)
         qf = q.float()
         out, lse = _attend(qf, k.float(), v.float(), mine_mask, scale)
         gathering.wait()
@@ -90,7 +90,7 @@ class _GatherRing(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         b, n, h, d = q.shape
         kvh = keys.shape[2]
-        mine_mask, rest_mask, _ = _masks(ctx.rank, world, n, ctx.causal)
+        mine_mask, rest_mask, _ = _masks(ctx.rank, world, n, ctx.causal, q.device)
         mask = None if mine_mask is None else torch.cat([mine_mask, rest_mask], dim=1)
         dout = dout.float()
         delta = (dout * out).sum(-1).transpose(1, 2)
@@ -106,7 +106,7 @@ class _GatherRing(torch.autograd.Function):
         dv = torch.einsum("bhqk,bqhd->bkhd", p, dout).view(b, -1, kvh, h // kvh, dout.shape[-1]).sum(3)
         # this rank's keys come first, then the others in rank order: put them in rank order to sum
         order = [ctx.rank] + [s for s in range(world) if s != ctx.rank]
-        by_rank = torch.empty(world, *dk.shape[:1], n, kvh, d + dv.shape[-1])
+        by_rank = torch.empty(world, *dk.shape[:1], n, kvh, d + dv.shape[-1], device=dk.device)
         for i, r in enumerate(order):
             by_rank[r] = torch.cat([dk[:, i * n:(i + 1) * n], dv[:, i * n:(i + 1) * n]], dim=-1)
         summing = dist.all_reduce(by_rank, group=ctx.group, async_op=True)  # in flight while dq is computed

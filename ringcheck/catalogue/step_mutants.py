@@ -117,7 +117,7 @@ class LocalPositions(PlainRecipe):
 
     def positions(self, position_ids, cp: CP, cu):
         local = cp.shard(cp.pad(position_ids, 0), cu_seqlens=cu)
-        return torch.arange(local.shape[1]).expand_as(local).clone()
+        return torch.arange(local.shape[1], device=local.device).expand_as(local).clone()
 
 
 class MicroBatchesWeighedEqually(PlainRecipe):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from ..adapters.flash import stand_in_task
@@ -22,7 +23,7 @@ from ..commands.bench import (
 )
 from ..documents import save
 from ..flash_stand_in import install as install_flash_stand_in
-from ..launch import LocalRings
+from ..launch import LocalRings, audit_requested
 from ..render.terminal import (
     make_console,
     print_bench,
@@ -57,7 +58,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     before = machine()
     start = time.perf_counter()
     # every pool the bench starts (also after a failure) installs the stand-in first
-    with (LocalRings(timeout=args.timeout, log_dir=args.log_dir, setup=stand_in_task if stand_in else None) as rings,
+    with (LocalRings(timeout=args.timeout, log_dir=args.log_dir, setup=stand_in_task if stand_in else None,
+                     audit=audit_requested(os.environ)) as rings,
           progress(None, console, enabled=shows_progress(args, console), label="benchmarking") as advance):
         doc = run_bench(spec, rings, progress=advance)
     doc["meta"] = command_meta(args, start, threads=before["parent_threads"], **before, load_after=load_average(),

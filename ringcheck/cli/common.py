@@ -114,11 +114,14 @@ def judged_on(run, incomplete):
     (a `RingError`) as `incomplete(error)`, a setting it refused as a `UsageError`."""
     # start-up time: the launchers import torch, and only a command that runs rings gets here
     from ..launch import RingError
+    from ..launch.audit import DeviceDefect
 
     try:
         return run()
     except RingError as exc:
         raise incomplete(exc) from exc
+    except DeviceDefect as exc:  # the device audit found ringcheck's own code at fault
+        raise UsageError(f"ringcheck's own code would fail on a GPU: {exc}") from exc
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
 

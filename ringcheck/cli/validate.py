@@ -11,7 +11,15 @@ import tomllib
 from pathlib import Path
 
 from ..adapters import load_impl
-from ..commands.validate import Target, check_variant_keywords, placement, report_dict, validate, validate_steps
+from ..commands.validate import (
+    DeviceDefect,
+    Target,
+    check_variant_keywords,
+    placement,
+    report_dict,
+    validate,
+    validate_steps,
+)
 from ..commands.validate.promises import DEFAULT_PROMISES, OVERLAP, parse_require
 from ..commands.validate.rows import stand_in_row
 from ..commands.validate.target import check_keys, check_types
@@ -221,6 +229,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             except RingError as exc:
                 raise incomplete_run(exc, args.log_dir) from exc
             except (ValueError, TypeError) as exc:  # the implementation's contract, judged on the ranks' results
+                raise UsageError(str(exc)) from exc
+            except DeviceDefect as exc:  # the device audit found ringcheck's own code at fault: no verdict
                 raise UsageError(str(exc)) from exc
     finally:
         ring.close()

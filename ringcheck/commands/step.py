@@ -21,6 +21,7 @@ from ..adapters import accepted_keywords
 from ..documents import STEP_SCHEMA, header
 from ..harness.runner import loaded
 from ..launch import GroupPlan, RingError
+from ..launch.audit import check_own_code
 from ..spec import REFERENCE_DTYPES
 from ..step.cases import CASES, DOCUMENTS, SEQ_LEN, case_names, fix_of
 from ..step.contract import load_recipe, vocab_of
@@ -127,6 +128,7 @@ def run_cases(processes, plan_of, first: int, config: StepConfig, names: tuple[s
             return processes.run_groups(plan_of(first, families=True), step_task, config, left, pos0, role, **kw)
         except RingError as exc:
             found = cannot_run(exc.failures)
+            check_own_code(exc.failures.values())   # under the device audit: ringcheck's defect, no verdict
             if found is None or found[0] not in left:
                 raise
             not_run[found[0]] = found[1] + ("" if role == "ring" else f" (in the {role} run)")

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..documents import STEP_SCHEMA, header
 from ..launch import GroupPlan
+from ..launch.audit import check_own_code
 from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.step import (
     MODEL_CASES,
@@ -107,6 +108,7 @@ def _failed_cases(groups: list[list[dict]]) -> dict[str, str]:
         for r in group:
             for name, why in r.get("errors", {}).items():
                 out.setdefault(name, why)
+    check_own_code(out.values())   # under RINGCHECK_DEVICE_AUDIT: ringcheck's defect, never a case not run
     return out
 
 

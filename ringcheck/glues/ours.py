@@ -120,7 +120,7 @@ class RingcheckGlue:
             return torch.log1p(torch.floor((p.to(torch.float64) + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
         ratio = scale(pos) / scale(torch.arange(local_len))
-        return query * ratio.to(query.dtype).view(1, 1, local_len, 1)
+        return query * ratio.to(device=query.device, dtype=query.dtype).view(1, 1, local_len, 1)
 
     def attention(self, module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
                   s_aux=None, softcap=None, is_causal=None, output_attentions=False, **kwargs):

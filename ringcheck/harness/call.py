@@ -49,9 +49,10 @@ def arrange(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
                 lambda g: (g[0][:, :, :h], g[0][:, :, h:], g[1]), ("the fused q/k", "v"))
     if layout == "kv_strides":
         # the K/V buffer's second half holds other values (a fused projection's V slots): a
-        # kernel that reads k past its view reads them, never zeros
-        kv = torch.cat([k, torch.randn(k.shape, generator=torch.Generator().manual_seed(7),
-                                       dtype=torch.float32).to(k.dtype)], dim=2).requires_grad_(grad)
+        # kernel that reads k past its view reads them, never zeros. Drawn on the CPU (the same
+        # values on every device), then moved to k's device
+        filler = torch.randn(k.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float32)
+        kv = torch.cat([k, filler.to(device=k.device, dtype=k.dtype)], dim=2).requires_grad_(grad)
         vt = v.transpose(1, 2).contiguous().requires_grad_(grad)   # (b, h_kv, s, d_v)
         qc = q.contiguous().requires_grad_(grad)
         return (qc, kv[:, :, :kvh], vt.transpose(1, 2), dout.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3),

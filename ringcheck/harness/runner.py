@@ -25,6 +25,7 @@ from ..adapters import Impl, load_impl
 from ..judge.check import Case, Results
 from ..judge.inputs import Inputs
 from ..judge.sinks import combine
+from ..launch.audit import device_audit
 from ..ring.layouts import unshard
 from ..ring.loops import check_sinks_grad
 from .call import INPUT_LAYOUTS, run_shards, run_two_calls
@@ -36,7 +37,8 @@ TWO_CALLS = "two_calls"
 # and v of other strides: every embedding of the inputs in one dispatch (validate's common path)
 TWO_CALLS_ON_VIEWS = "two_calls_on_views"
 SECOND = "second"  # the second call's inputs alone, contiguous: the single-call run beside TWO_CALLS
-CALLS = (*INPUT_LAYOUTS, TWO_CALLS, TWO_CALLS_ON_VIEWS, SECOND, *WRAPPED_CALLS)
+AUDITED = "audited"  # the contiguous call under the device audit, on the rank's audited device
+CALLS = (*INPUT_LAYOUTS, TWO_CALLS, TWO_CALLS_ON_VIEWS, SECOND, *WRAPPED_CALLS, AUDITED)
 PAIRS = {TWO_CALLS: ("contiguous", "contiguous"), TWO_CALLS_ON_VIEWS: ("fused_qkv", "kv_strides")}
 PAIRED = (*PAIRS, *WRAPPED_CALLS)  # the calls whose results are a pair: (the first call's, the second's)
 TENSOR_NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -96,6 +98,10 @@ def impl_task(member, options: ImplOptions, case: Case, inputs: list[Inputs], ca
         elif call == SECOND:
             done[call] = run_shards(impl, case, other, member.rank, member.group, member.device,
                                     forward_only=options.forward_only)
+        elif call == AUDITED:  # a CPU tensor where a GPU run would have one raises here (launch.audit)
+            with device_audit(member.device):
+                done[call] = run_shards(impl, case, mine, member.rank, member.group, member.device,
+                                        forward_only=options.forward_only)
         elif call in WRAPPED_CALLS:  # checkpointed, compiled (`ringcheck.harness.wrappers`)
             done[call] = WRAPPED_CALLS[call](impl, case, mine, other, member.rank, member.group, member.device,
                                              forward_only=options.forward_only)

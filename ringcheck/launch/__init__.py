@@ -32,10 +32,10 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from .environment import CLAIMED_BY, TorchrunEnv, from_torchrun_env, launched_rank
+from .environment import AUDIT_ENV, CLAIMED_BY, TorchrunEnv, audit_requested, from_torchrun_env, launched_rank
 
-__all__ = ["CLAIMED_BY", "GRACE", "START_TIMEOUT", "GroupPlan", "LocalRingPool", "LocalRings", "ProgressFile",
-           "RingError", "RingMember", "Submitted", "Task", "TorchrunEnv", "TorchrunWorld", "control_timeout",
+__all__ = ["AUDIT_ENV", "CLAIMED_BY", "GRACE", "START_TIMEOUT", "GroupPlan", "LocalRingPool", "LocalRings", "ProgressFile",
+           "RingError", "RingMember", "Submitted", "Task", "TorchrunEnv", "TorchrunWorld", "audit_requested", "control_timeout",
            "from_torchrun_env", "launched_rank", "open_ring", "relay"]
 
 # the rest loads on first use (they import torch): whether this process is a launcher's rank is
@@ -52,19 +52,23 @@ def __getattr__(name: str) -> Any:
 
 
 def open_ring(*, timeout: float | None = None, environ: Mapping[str, str] | None = None,
-              log_dir: str | None = None, stuck_exit_code: int | None = None, setup=None):
+              log_dir: str | None = None, stuck_exit_code: int | None = None, setup=None,
+              audit: bool | None = None):
     """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry).
     `timeout`: every ring wait's bound (default `ringcheck.spec.DEFAULT_TIMEOUT`); `log_dir`: one
     log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`; `setup`: a task every
     local ring's processes run first (under torchrun each rank is the calling process, which
-    does its own setup)."""
+    does its own setup). `audit`: every rank's task under the device audit; None: as
+    `RINGCHECK_DEVICE_AUDIT` in `environ` says (`ringcheck.launch.audit`)."""
     # start-up time: the launchers import torch, and are needed only here
     from ..spec import DEFAULT_TIMEOUT
     from .local import LocalRings
     from .torchrun import TorchrunWorld
 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    if audit is None:
+        audit = audit_requested(environ)
     env = from_torchrun_env(environ)
     if env is not None:
-        return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code)
-    return LocalRings(timeout=timeout, log_dir=log_dir, setup=setup)
+        return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code, audit=audit)
+    return LocalRings(timeout=timeout, log_dir=log_dir, setup=setup, audit=audit)

@@ -54,3 +54,13 @@ def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv |
     if not 0 <= env.rank < env.world_size:
         raise RuntimeError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
     return env
+
+
+# the device audit (`ringcheck.launch.audit`): set for any command or test session, every rank's
+# task runs under it; read here, at the edge, and passed on as `audit=`
+AUDIT_ENV = "RINGCHECK_DEVICE_AUDIT"
+
+
+def audit_requested(environ: Mapping[str, str] | None) -> bool:
+    """Whether `RINGCHECK_DEVICE_AUDIT` in `environ` asks for the device audit (1, true, yes, on)."""
+    return environ is not None and environ.get(AUDIT_ENV, "").strip().lower() in ("1", "true", "yes", "on")

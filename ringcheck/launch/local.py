@@ -52,7 +52,7 @@ IDLE_CLOSE = 30.0  # seconds a local ring may sit unused before `LocalRings` clo
 
 
 def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, log_dir: str | None = None,
-                 stderr_path: str | None = None) -> None:
+                 stderr_path: str | None = None, audit: bool = False) -> None:
     """One rank of a local ring: join the group, then run tasks until told to stop (each in
     `rank_task`: the ring's stop flag in the pool's store, the rank's log in `log_dir`).
 
@@ -99,7 +99,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
             if member is None:
                 reply = pickle.dumps(("idle", None))
             else:
-                with rank_task(member, describe_task(task), index, flag=flag, log_dir=log_dir) as failed:
+                with rank_task(member, describe_task(task), index, flag=flag, log_dir=log_dir, audit=audit) as failed:
                     try:
                         reply = wire.dumps(("ok", task(member, *args)))
                     except BaseException:
@@ -141,7 +141,8 @@ class LocalRingPool:
     """
 
     def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 start_timeout: float = START_TIMEOUT, grace: float = GRACE, log_dir: str | None = None):
+                 start_timeout: float = START_TIMEOUT, grace: float = GRACE, log_dir: str | None = None,
+                 audit: bool = False):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"a local ring needs world_size >= 1 processes, got {world_size!r}")
         self.size = world_size
@@ -162,7 +163,7 @@ class LocalRingPool:
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"ringcheck-rank{rank}-of-{world_size}",
                                    args=(rank, world_size, self._store.port, self.timeout, child_end, log_dir,
-                                         self._stderr_path(rank)),
+                                         self._stderr_path(rank), audit),
                                    daemon=True)
                 proc.start()
                 child_end.close()
@@ -369,8 +370,9 @@ class LocalRings:
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
                  log_dir: str | os.PathLike | None = None, setup: Task | None = None,
-                 idle_close: float = IDLE_CLOSE):
+                 idle_close: float = IDLE_CLOSE, audit: bool = False):
         self.timeout = check_timeout(timeout)
+        self.audit = audit  # every rank's task under the device audit (ringcheck.launch.audit)
         self.start_timeout = check_timeout(start_timeout)
         self.log_dir = None if log_dir is None else str(log_dir)  # each rank's log: DIR/rank<G>.log
         self.setup = setup  # a task every new pool runs first on all its processes (e.g. a stand-in)
@@ -393,7 +395,7 @@ class LocalRings:
             del self._used[id(old)]
         if chosen is None:
             chosen = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout,
-                                   log_dir=self.log_dir)
+                                   log_dir=self.log_dir, audit=self.audit)
             if self.setup is not None:  # before any task, and again in every pool started after a failure
                 chosen.run(ring_size, self.setup)
             self._pools.append(chosen)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ring.comm import STOPPED, watched
+from .audit import device_audit
 
 STOP_PREFIX = "ringcheck/stop"
 
@@ -120,9 +121,10 @@ def _rank_log(log_dir, member: Any, task_name: str, index: int) -> Iterator[tupl
 
 @contextlib.contextmanager
 def rank_task(member: Any, task_name: str, index: int, *, flag: StopFlag | None,
-              log_dir: str | os.PathLike | None) -> Iterator[Callable[[str], None]]:
+              log_dir: str | os.PathLike | None, audit: bool = False) -> Iterator[Callable[[str], None]]:
     """The scope a launcher runs one task in on this rank. Yields `failed(text)`, which the
-    launcher calls with the task's error text: it sets the stop flag and logs the text."""
+    launcher calls with the task's error text: it sets the stop flag and logs the text.
+    `audit`: the task runs under the device audit (`ringcheck.launch.audit`) for `member.device`."""
     stop = flag.reason if flag is not None else None
     with _rank_log(log_dir, member, task_name, index) as (trace, finish):
         said: list[str] = []
@@ -135,7 +137,7 @@ def rank_task(member: Any, task_name: str, index: int, *, flag: StopFlag | None,
 
         start = time.monotonic()
         try:
-            with watched(stop=stop, trace=trace):
+            with watched(stop=stop, trace=trace), device_audit(member.device, enabled=audit, judge_impl=False):
                 yield failed
         finally:
             took = time.monotonic() - start

@@ -52,7 +52,7 @@ class TorchrunWorld:
 
     def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
                  log_dir: str | os.PathLike | None = None, stuck_exit_code: int | None = None,
-                 stuck_grace: float = 5.0):
+                 stuck_grace: float = 5.0, audit: bool = False):
         """`log_dir`: each rank's log (`rank_task`). `stuck_exit_code`: a command's code for a
         rank still blocked in the implementation `stuck_grace` seconds after another rank
         failed (`StuckWatchdog`); None (a test session): such a rank waits out the timeout."""
@@ -74,6 +74,7 @@ class TorchrunWorld:
             raise RuntimeError(f"torch.distributed is initialized as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
         self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
+        self.audit = audit  # every task under the device audit (ringcheck.launch.audit)
         self._plans = PlanGroups(self.rank, self.timeout, self.device)  # members per plan, made on first use
         os.environ[CLAIMED_BY] = str(os.getpid())  # this process is the rank (see CLAIMED_BY)
         # the stop flags live in the store every rank joined through; keys unique to this world
@@ -124,7 +125,8 @@ class TorchrunWorld:
         if member is not None:
             watchdog = (StuckWatchdog(flag, self.stuck_grace, self.stuck_exit_code, f"rank {self.rank}", self.log_dir)
                         if flag is not None and self.stuck_exit_code is not None else contextlib.nullcontext())
-            with rank_task(member, describe_task(task), self._tasks, flag=flag, log_dir=self.log_dir) as failed, \
+            with rank_task(member, describe_task(task), self._tasks, flag=flag, log_dir=self.log_dir,
+                           audit=self.audit) as failed, \
                     watchdog:
                 try:
                     outcome = ("ok", task(member, *args))

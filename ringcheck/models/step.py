@@ -37,11 +37,12 @@ from ..glues.contract import GLUE_SHARD_KEYS
 from ..harness import Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.settings import default_dtype
+from ..launch.audit import on_the_host
 from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
-from ..step.run import check_ring_settings, step_mesh
+from ..step.run import check_ring_settings, on_device, step_mesh
 from .regimes import REGIME_CASES, model_case
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
 
@@ -146,7 +147,7 @@ def _pad_positions(pos: torch.Tensor, padded: int) -> torch.Tensor:
     extra = padded - pos.shape[1]
     if not extra:
         return pos
-    tail = pos[:, -1:] + torch.arange(1, extra + 1)
+    tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
     return torch.cat([pos, tail], dim=1)
 
 
@@ -207,7 +208,7 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             ids, pos, targets, held = glue_sharded(shard, ids, labels, pos, cu, padded, group)
         else:
             held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
-                             cu_seqlens=cu)
+                             cu_seqlens=cu).to(ids.device)
             targets = _pad(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
             ids = _pad(ids, padded, 0).index_select(1, held).contiguous()
             pos = _pad_positions(pos, padded).index_select(1, held).contiguous()
@@ -221,7 +222,7 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             loss.backward()
         logged = logged + loss.detach().double()
         keep = held < n
-        pieces.append({"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep], "length": n})
+        pieces.append({"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep].cpu(), "length": n})
     params = [p for p in model.parameters() if p.grad is not None]
     if params:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -267,8 +268,9 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
         for name in names:
             case = model_case(name, tiny, config.world_size, glue.layout)
             try:  # a case the glue cannot run is not run (its reason), the others keep their verdicts
-                model = tiny.build(attn, dtype=dtype, seed=config.seed)
-                batches = case_batches(config, tiny, case, dp)
+                # on the rank's device (a GPU's under torchrun): the glue and its ring run there
+                model = tiny.build(attn, dtype=dtype, seed=config.seed).to(member.device)
+                batches = on_device(case_batches(config, tiny, case, dp), member.device)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
                                            shard=glue.shard)
@@ -327,7 +329,7 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
 
     tiny = tiny_of(config)
     out, errors, casts = {}, {}, None
-    with default_dtype(config.torch_dtype):
+    with default_dtype(config.torch_dtype), on_the_host():  # the truth: on the CPU by design
         for name in names:
             try:
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
@@ -386,7 +388,7 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
 
     tiny = tiny_of(config)
     glue = glue_of(config)
-    with default_dtype(config.torch_dtype):
+    with default_dtype(config.torch_dtype), on_the_host():  # the truth: on the CPU by design
         model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
         if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
             grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}

@@ -1,18 +1,15 @@
 """The ringcheck pytest plugin: search profiles, distributed runs with collective verdicts,
-and the ring fixtures.
+and the ring fixtures (every rank's task under the device audit with RINGCHECK_DEVICE_AUDIT=1).
 
 Registered under the `pytest11` entry point, so an installed ringcheck brings it to every
 pytest run (nothing to copy into a conftest; it imports no torch until a test needs it). Adds:
 
-- ``--profile {ci,nightly,deep}``: the Hypothesis profile of the property suites (example
-  count and the size bounds of drawn cases, `ringcheck.testing.profiles.PROFILES`);
+- ``--profile {ci,nightly,deep}``: the Hypothesis profile of the property suites (`PROFILES`);
 - ``--ring-timeout``: the bound on every ring wait and collective of distributed tests;
-- under torchrun (the launcher's environment is read here, once: the edge) every rank runs
-  the same tests in the same order, every test's verdict is collective (a failure on any rank
-  fails it on all, with every rank's error), only rank 0 prints, and Hypothesis draws the same
-  examples on every rank;
-- fixtures ``search_profile``, ``torchrun_world``, ``ring_pool`` and ``run_on_ring``;
-- ``--ring-impl MOD:FN|ADAPTER`` (with ``--ring-layout``, ``--ring-world-sizes``,
+- under torchrun (its environment read here, once: the edge) every rank runs the same tests in
+  the same order, every verdict is collective (a failure on any rank fails it on all, with every
+  rank's error), only rank 0 prints, and Hypothesis draws the same examples on every rank;
+- fixtures ``search_profile``, ``torchrun_world``, ``ring_pool`` and ``run_on_ring``; ``--ring-impl MOD:FN|ADAPTER`` (with ``--ring-layout``, ``--ring-world-sizes``,
   ``--ring-dtypes``, ``--ring-forward-only``): the property suites on that implementation
   (`ringcheck.testing.impl_suite`, collected from the package: with no test paths given it is
   what runs, with paths it joins them), fixtures ``ring_impl_config``, ``ring_impl``; and
@@ -31,7 +28,7 @@ from hypothesis import settings
 
 # torch-free at load (start-up time: every pytest run where ringcheck is installed loads this
 # plugin); the judge and the launchers are imported where a test asks for them
-from ..launch.environment import from_torchrun_env, launched_rank
+from ..launch.environment import audit_requested, from_torchrun_env, launched_rank
 from ..launch.start import CHECKPOINT_PRELOAD, start_fork_server_here
 from . import impl_promises, recipe_plugin
 from .profiles import PROFILES
@@ -122,6 +119,7 @@ _WORLD = pytest.StashKey()      # TorchrunWorld or None
 _RINGS = pytest.StashKey()      # {timeout: LocalRings}
 _QUIET = pytest.StashKey()      # (real stdout, devnull) on ranks other than 0
 _STAND_IN = pytest.StashKey()   # what --ring-flash-attn-stand-in did, in words
+_AUDIT = pytest.StashKey()      # RINGCHECK_DEVICE_AUDIT: every rank's task under the device audit
 
 
 def _add_ring_options(parser) -> None:
@@ -149,6 +147,7 @@ def _configure_ring(config) -> None:
     env = from_torchrun_env(os.environ)
     config.stash[_WORLD] = None
     config.stash[_RINGS] = {}
+    config.stash[_AUDIT] = audit_requested(os.environ)
     if env is None:
         return
     if getattr(config.option, "numprocesses", None):
@@ -159,7 +158,7 @@ def _configure_ring(config) -> None:
     _derandomize_hypothesis()
     from ..launch.torchrun import TorchrunWorld  # start-up time (above)
     config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"),
-                                         log_dir=config.getoption("--ring-log-dir"))
+                                         log_dir=config.getoption("--ring-log-dir"), audit=config.stash[_AUDIT])
 
 
 def _stand_in(config) -> bool:
@@ -183,7 +182,8 @@ def _local_rings(config, timeout: float):
 
         setup = stand_in_task
     from ..launch.local import LocalRings  # start-up time (above)
-    return LocalRings(timeout=timeout, log_dir=config.getoption("--ring-log-dir"), setup=setup)
+    return LocalRings(timeout=timeout, log_dir=config.getoption("--ring-log-dir"), setup=setup,
+                      audit=config.stash.get(_AUDIT, False))
 
 
 def _unconfigure_ring(config) -> None:

@@ -81,7 +81,7 @@ def rope_tables(rope: torch.Tensor, head_dim: int, device,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin in `dtype` of the rotary positions `rope`: (n, 1, head_dim / 2) for positions
     (n,) shared by every sequence, (b, n, 1, head_dim / 2) for per-sequence positions (b, n)."""
-    inv = 1.0 / ROPE_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = 1.0 / ROPE_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=rope.device) / head_dim)
     angles = (rope.to(torch.float64)[..., None] * inv).to(dtype).to(device)
     return angles.cos().unsqueeze(-2), angles.sin().unsqueeze(-2)
 

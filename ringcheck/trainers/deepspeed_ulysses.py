@@ -102,11 +102,11 @@ class DeepSpeedUlysses:
         rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         sample = {k: v for k, v in batch.items() if k != "cu_seqlens"}  # DeepSpeed's loader holds no boundaries
         adapter = ulysses_sp.UlyssesSPDataLoaderAdapter([sample], sp_rank=rank, sp_group=group, sp_world_size=world,
-                                                        device=torch.device("cpu"))
+                                                        device=batch["input_ids"].device)
         mine = next(adapter)  # the batch of the group's rank 0 (every rank was given the same), this rank's slice
         n = mine["input_ids"].shape[1]
         return {"input_ids": mine["input_ids"], "position_ids": mine["position_ids"], "labels": mine["shift_labels"],
-                "positions": torch.arange(rank * n, (rank + 1) * n)}
+                "positions": torch.arange(rank * n, (rank + 1) * n, device=mine["input_ids"].device)}
 
     @staticmethod
     def refuses_ring(tiny, world_size: int) -> list[str]:

@@ -38,7 +38,9 @@ from ...documents import VALIDATE_SCHEMA, header
 from ...harness import ImplOptions, Mesh, Runner
 from ...harness.mesh import REPLICA
 from ...harness.settings import torch_threads
+from ...launch.audit import OWN_CODE, DeviceDefect
 from ...spec import Budget
+from .device import device_row
 from .promises import promise_rows, promise_steps
 from .ragged import ragged_rows
 from .rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
@@ -46,7 +48,7 @@ from .steps import Run, full_length_rows, mesh_row, scaled_rows
 from .target import SCALED_MIN_BATCH, Target, check_variant_keywords, ragged_cases, scaled_cases
 from .wrapped import RECOMPUTE_ROW, compile_row, recompute_row
 
-__all__ = ["SCALED_MIN_BATCH", "CheckRow", "Placement", "Target", "check_variant_keywords", "placement",
+__all__ = ["SCALED_MIN_BATCH", "CheckRow", "DeviceDefect", "Placement", "Target", "check_variant_keywords", "placement",
            "report_dict", "scaled_cases", "validate", "validate_steps"]
 
 
@@ -94,7 +96,7 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
 def validate_steps(target: Target, promises=(), recompute: bool = True) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism,
     recompute (asked for, and not under --forward-only), compile (with it) and the promises measured."""
-    return (len(scaled_cases(target)) + len(ragged_cases(target)) + 3 + (recompute and not target.forward_only) + target.compile
+    return (len(scaled_cases(target)) + len(ragged_cases(target)) + 4 + (recompute and not target.forward_only) + target.compile
             + promise_steps(promises))
 
 
@@ -129,11 +131,15 @@ def _rows(target, processes, options, where, budget, progress, stand_in, promise
     determinism = run.determinism_row()
     wrapped = [recompute_row(run, determinism.passed) if recompute else not_asked(RECOMPUTE_ROW),
                compile_row(run, determinism.passed)]
-    return [*([stand_in] if stand_in else []), *rows, *ragged, *full,
-            finite_row([*run.verdicts, *ragged_verdicts, *full_verdicts]),
-            determinism, *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
-            balance_row(target, target.world_size), *promise_rows(target, run.runner, promises, require, run.note,
-                                                                  cheap=True)]
+    every = [*([stand_in] if stand_in else []), *rows, *ragged, *full,
+             finite_row([*run.verdicts, *ragged_verdicts, *full_verdicts]),
+             determinism, device_row(run), *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
+             balance_row(target, target.world_size), *promise_rows(target, run.runner, promises, require, run.note,
+                                                                   cheap=True)]
+    ours = [r for r in every if OWN_CODE in r.detail]   # under RINGCHECK_DEVICE_AUDIT: ringcheck's defect
+    if ours:
+        raise DeviceDefect(f"{ours[0].check}: {ours[0].detail}")
+    return every
 
 
 def not_asked(check: str) -> CheckRow:

@@ -1,0 +1,361 @@
+"""The device audit: a CPU run that fails where a GPU run would, for a tensor on the wrong device.
+
+On a GPU, a tensor made without naming its device (`torch.arange(n)`, `torch.zeros(...)`,
+`torch.randn(..., generator=torch.Generator())`) lands on the CPU, and the first op that mixes it
+with the rank's CUDA tensors raises "Expected all tensors to be on the same device". On a CPU the
+default device and the rank's device are the same one, so the mistake never shows. Under the
+audit (`RINGCHECK_DEVICE_AUDIT=1`, read by the commands, the launchers' `open_ring` and the
+plugin; `device_audit()` for one call) every rank runs inside a `TorchFunctionMode` that keeps,
+for every tensor, the side it would live on on a GPU:
+
+- **the rank's side**: tensors the task was handed, and every tensor made with a device named
+  (`device=q.device`, `.to(member.device)`, `.to(q)`, `.cuda()`) or from the rank's tensors
+  (`zeros_like(q)`, `q.new_zeros`, any op on them);
+- **the host side**: tensors made without a device (no tensor among the inputs, no `device=`),
+  `.cpu()` copies, and what is computed from them alone. Each remembers where it was made: the
+  first frame outside torch and this module (and, for a helper of ringcheck's called by a ring of
+  the catalogue, the catalogue's line).
+
+On a CPU a device named is taken for the rank's (it is `q.device` or the member's almost always;
+a literal `device="cpu"` in a ring goes unseen); on a GPU the CPU is the host. An op that mixes
+the two sides raises `DeviceAuditError` naming both lines, except where CUDA mixes them too: a
+0-dim host tensor (a scalar), an index (`x[idx]`), `copy_`, `.to` and `.data =`. A host tensor
+moved to the rank's device before it meets the rank's tensors is fine, as on a GPU. Torch pops a
+mode while its handler runs, so a backward (`Tensor.backward`, `torch.autograd.grad`) is run with
+the audit pushed again: custom Functions' backwards and checkpoint's recompute are audited too.
+Tags live on storages (a view shares its base's side), in one table per process, so that a
+workspace made in one task keeps its side in the next.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .environment import AUDIT_ENV, audit_requested  # noqa: F401  (the audit's names, in one place)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.abspath(__file__)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(_HERE))
+_RUNNERS = ("harness", "launch", "commands", "models", "step", "train", "testing", "measure")
+_RANK = "rank"
+_MIXES_LIKE_CUDA = frozenset({"copy_", "to", "__getitem__", "__setitem__", "index_put_", "index_put",
+                              "_has_compatible_shallow_copy_type", "set_", "is_same_size",
+                              "data.__set__"})
+OWN_CODE = " (in ringcheck's own code: a defect of ringcheck, not of the implementation under test)"
+_MOVES = frozenset({"to", "cpu", "cuda"})
+_state = threading.local()
+# every storage's side, kept across tasks (a ring's workspace made in one task is met in the next)
+_TAGS: Any = WeakIdKeyDictionary()
+# the backward's entry points, whose Python code the audit follows into (`DeviceAudit._autograd`);
+# torch's private pieces of them, present from torch 2.3 to 2.13 (checked at import)
+_ENGINE_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+def _tuple(x) -> tuple:
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+class DeviceDefect(RuntimeError):
+    """The audit found ringcheck's own code at fault: a command has no verdict (exit 2)."""
+
+
+def check_own_code(reasons) -> None:
+    """Raise `DeviceDefect` for the first of `reasons` (what a rank's task raised, in words) that
+    the audit put on ringcheck's own code; a command calls this where it would call such a case
+    'not run' and go on."""
+    for reason in reasons:
+        if OWN_CODE in str(reason):
+            raise DeviceDefect(str(reason).strip().splitlines()[0])
+
+
+class DeviceAuditError(RuntimeError):
+    """A tensor on the host side met the rank's tensors: on a GPU this op raises. `created_at`:
+    where the host tensor was made; `met_at`: the op; `ours`: made in ringcheck's own code (not
+    an implementation under test, whose stand-ins in `ringcheck.catalogue` count as the user's)."""
+
+    def __init__(self, message: str, *, created_at: str, met_at: str, ours: bool):
+        super().__init__(message)
+        self.created_at, self.met_at, self.ours = created_at, met_at, ours
+
+
+def _where(frame) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _site() -> tuple[str, bool]:
+    """(where: the first frame outside torch and this module, ours). Ours: that frame is
+    ringcheck's own code (its rings, glues, harness; not the catalogue, whose rings stand for
+    somebody else's), and no frame of the catalogue called it before ringcheck's harness did;
+    where the catalogue did, its line is named beside the first one."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or "<frozen" in frame.f_code.co_filename
+                                 or os.path.abspath(frame.f_code.co_filename) == _HERE):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>", False
+    first = _where(frame)
+    room = _room(frame.f_code.co_filename)
+    if room != "core":
+        return first, room == "runner"
+    caller = frame.f_back
+    while caller is not None:
+        room = _room(caller.f_code.co_filename)
+        if room == "catalogue":
+            return f"{first}, called from {_where(caller)}", False
+        if room == "runner":
+            break
+        caller = caller.f_back
+    return first, True
+
+
+def _room(filename: str) -> str:
+    """'catalogue', 'runner' (what runs an implementation: harness, launch, the commands' and
+    the models' tasks), 'core' (the rest of ringcheck) or 'other' (a user's, a third party's)."""
+    path = os.path.abspath(filename)
+    if not path.startswith(_PACKAGE_DIR + os.sep):
+        return "other"
+    part = path[len(_PACKAGE_DIR) + 1:].split(os.sep)[0]
+    return "catalogue" if part == "catalogue" else "runner" if part in _RUNNERS else "core"
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    owner = getattr(func, "__self__", None)
+    if name in ("__get__", "__set__") and owner is not None:   # a property of Tensor
+        return f"{getattr(owner, '__name__', owner)}.{name}"
+    return name
+
+
+class _Host:
+    """A host tensor's tag: where it (or the host tensor it was computed from) was made."""
+
+    __slots__ = ("site", "ours", "what")
+
+    def __init__(self, site: str, ours: bool, what: str):
+        self.site, self.ours, self.what = site, ours, what
+
+
+class DeviceAudit(TorchFunctionMode):
+    """The audit of one rank's task, its rank device `rank_device` (see the module's doc)."""
+
+    def __init__(self, rank_device: str | torch.device, *, judge_impl: bool = True):
+        super().__init__()
+        self.rank_device = torch.device(rank_device)
+        self.judge_impl = judge_impl   # False: only ringcheck's own code raises (the launchers' audit)
+        self.suspended = 0             # inside `on_the_host`: nothing is tagged or checked
+        self._tags = _TAGS
+
+    # ---- sides
+    def _is_rank_device(self, device) -> bool | None:
+        """True/False for a device argument; None where there is none."""
+        if device is None:
+            return None
+        if self.rank_device.type == "cpu":   # a device named, on a CPU: taken for the rank's (q.device)
+            return True
+        return isinstance(device, int) or torch.device(device).type != "cpu"
+
+    def _tag(self, t: torch.Tensor):
+        try:
+            return self._tags.get(t.untyped_storage(), _RANK)
+        except (RuntimeError, NotImplementedError):   # a tensor with no storage of its own
+            return _RANK
+
+    def _host_of(self, tensors) -> _Host | None:
+        for t in tensors:
+            tag = self._tag(t)
+            if tag is not _RANK:
+                return tag
+        return None
+
+    def _set(self, out, tag, inputs) -> None:
+        """Tag `out`'s fresh storages; a view of an input keeps its storage's side."""
+        seen = set()
+        for t in inputs:
+            try:
+                seen.add(id(t.untyped_storage()))
+            except (RuntimeError, NotImplementedError):
+                pass
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if id(storage) in seen:
+                continue
+            if tag is _RANK:
+                self._tags.pop(storage, None)
+            else:
+                self._tags[storage] = tag
+
+    def _host(self, what: str) -> _Host:
+        site, ours = _site()
+        return _Host(site, ours, what)
+
+    # ---- the mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        name = _name(func)
+        if name in ("backward", "grad") and func in _ENGINE_CALLS:
+            return self._autograd(func, args, kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if name not in _MIXES_LIKE_CUDA:
+            self._check_mix(name, tensors)
+        out = func(*args, **kwargs)
+        tag = self._out_tag(name, func, args, kwargs, tensors)
+        if name in _MOVES and isinstance(out, torch.Tensor) and (tag is _RANK) != (self._tag(out) is _RANK):
+            out = out.clone()   # same real device, other side: a copy, as the move is on a GPU
+        self._set(out, tag, tensors)
+        return out
+
+    def _check_mix(self, name: str, tensors) -> None:
+        ranks = [t for t in tensors if self._tag(t) is _RANK]
+        hosts = [t for t in tensors if self._tag(t) is not _RANK and t.dim() > 0]
+        if not ranks or not hosts:
+            return
+        host = self._tag(hosts[0])
+        met, _ = _site()
+        ours = host.ours
+        if not ours and not self.judge_impl:
+            return   # the implementation's: validate's `device placement` row judges it, the rest run on
+        raise DeviceAuditError(
+            f"device audit{OWN_CODE if ours else ''}: a tensor made on the host ({host.what} at {host.site}) meets the rank's tensors "
+            f"in {name} at {met}; on a GPU this raises 'Expected all tensors to be on the same device'. "
+            f"Name the device where it is made (device=q.device, or .to(q.device) before it meets them)",
+            created_at=host.site, met_at=met, ours=ours)
+
+    def _out_tag(self, name: str, func, args, kwargs, tensors):
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            # an operator called by name: by a dispatch mode (measure.memory's tracker) on what
+            # autograd's engine allocates, with the real device filled in; it makes nothing
+            # on the host of its own accord
+            return (self._host_of(tensors) or _RANK) if tensors else _RANK
+        if name in ("cpu", "numpy"):
+            return self._host(f"{name}()")
+        if name == "cuda":
+            return _RANK
+        if name == "to":
+            return self._to_tag(args, kwargs, tensors)
+        if name == "grad.__get__":
+            return self._tag(args[0])
+        side = self._is_rank_device(kwargs.get("device"))
+        if side is not None:
+            return _RANK if side else self._host(f"{name}(device='cpu')")
+        if not tensors:
+            return self._host(f"torch.{name} without a device")
+        return self._host_of(tensors) or _RANK
+
+    def _autograd(self, func, args, kwargs):
+        """A backward (`Tensor.backward`, `torch.autograd.backward`, `torch.autograd.grad`) run by
+        autograd's engine with the audit pushed again: torch pops a mode while its handler runs,
+        and the engine would run the backward's Python code (custom Functions, checkpoint's
+        recompute) outside it. Each gradient `grad` returns is on its input's side."""
+        call = inspect.signature(func).bind(*args, **kwargs).arguments
+        if func is torch.autograd.grad:
+            if call.get("is_grads_batched") or call.get("materialize_grads"):
+                return func(*args, **kwargs)   # the vmapped and materialising forms: not audited inside
+            outputs, inputs = _tuple(call["outputs"]), _tuple(call["inputs"])
+            grads, retain, create = call.get("grad_outputs"), call.get("retain_graph"), call.get("create_graph", False)
+        else:
+            outputs = (call["self"],) if "self" in call else _tuple(call["tensors"])
+            inputs = _tuple(call.get("inputs") or ())
+            grads = call.get("gradient", call.get("grad_tensors"))
+            retain, create = call.get("retain_graph"), call.get("create_graph", False)
+        grads = torch.autograd._make_grads(outputs, torch.autograd._tensor_or_tensors_to_tuple(grads, len(outputs)),
+                                           is_grads_batched=False)
+        retain = create if retain is None else retain
+        with self:
+            if func is not torch.autograd.grad:
+                _engine_run_backward(outputs, grads, retain, create, inputs, allow_unreachable=True,
+                                     accumulate_grad=True)
+                return None
+            result = _engine_run_backward(outputs, grads, retain, create, inputs, call.get("allow_unused", False),
+                                          accumulate_grad=False)
+        for x, g in zip(inputs, result):
+            if g is not None:
+                self._set(g, self._tag(x), ())
+        return result
+
+    def _to_tag(self, args, kwargs, tensors):
+        device = kwargs.get("device")
+        others = [a for a in args[1:] if isinstance(a, torch.Tensor)] + ([kwargs["other"]] if "other" in kwargs else [])
+        if others:
+            return self._tag(others[0])
+        if device is None:
+            device = next((a for a in args[1:] if isinstance(a, (str, torch.device, int))
+                           and not isinstance(a, bool)), None)
+        side = self._is_rank_device(device)
+        if side is None:
+            return self._tag(args[0])
+        return _RANK if side else self._host(".to('cpu')")
+
+
+class device_audit:
+    """`with device_audit(device):` runs the block under the audit for a rank on `device` (a
+    launcher's member's). `judge_impl` False (the launchers' audit of
+    every task): only a tensor made in ringcheck's own code raises, so that every verdict is the
+    one without the audit and the implementation's placement is the `device placement` row's to
+    judge. A nested audit of the same thread reuses the outer one, judging the implementation
+    inside the block where it asks to."""
+
+    def __init__(self, device: str | torch.device, *, enabled: bool = True, judge_impl: bool = True):
+        self.device, self.enabled, self.judge_impl = device, enabled, judge_impl
+        self._mode: DeviceAudit | None = None
+        self._outer: tuple[DeviceAudit, bool] | None = None
+
+    def __enter__(self) -> DeviceAudit | None:
+        outer = getattr(_state, "active", None)
+        if not self.enabled:
+            return outer
+        if outer is not None:
+            self._outer = (outer, outer.judge_impl)
+            outer.judge_impl = outer.judge_impl or self.judge_impl
+            return outer
+        self._mode = DeviceAudit(self.device, judge_impl=self.judge_impl)
+        self._mode.__enter__()
+        _state.active = self._mode
+        return self._mode
+
+    def __exit__(self, *exc) -> None:
+        if self._outer is not None:
+            self._outer[0].judge_impl = self._outer[1]
+            self._outer = None
+        if self._mode is not None:
+            _state.active = None
+            self._mode.__exit__(*exc)
+            self._mode = None
+
+
+def active_audit() -> DeviceAudit | None:
+    """The audit this thread runs under, or None."""
+    return getattr(_state, "active", None)
+
+
+
+class on_the_host:
+    """`with on_the_host():` a block that runs on the CPU by design, on a GPU machine too (the
+    truth of `step --model`: the model's own attention in float64, independent of the device):
+    the audit of this thread, if any, neither tags nor checks inside it. On a CPU the audit
+    cannot tell such a block's `device="cpu"` (transformers names its devices) from the rank's."""
+
+    def __enter__(self) -> None:
+        self._audit = active_audit()
+        if self._audit is not None:
+            self._audit.suspended += 1
+
+    def __exit__(self, *exc) -> None:
+        if self._audit is not None:
+            self._audit.suspended -= 1

@@ -1,0 +1,161 @@
+"""The device audit (`ringcheck.launch.audit`): on a CPU, the mistakes a GPU run would raise for.
+
+A tensor made without naming its device lands on the CPU on a GPU machine and raises where it
+meets the rank's CUDA tensors; on a CPU nothing shows it. Under the audit it raises here, naming
+the line that made it, and code that moves it first (as a GPU needs) passes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringcheck.commands.validate.device import DEVICE_ROW
+from ringcheck.harness.call import arrange
+from ringcheck.launch.audit import DeviceAuditError, audit_requested, device_audit
+
+RANK = "cpu"  # the rank's device: on a CPU, the one the launchers give every rank
+
+HERE = __file__
+
+
+def _under_audit(fn, *, judge_impl=True):
+    q = torch.randn(4, 3).to(RANK)  # the rank's tensor, as a launcher hands it over
+    with device_audit(RANK, judge_impl=judge_impl):
+        return fn(q.clone())
+
+
+def _gen():
+    return torch.Generator().manual_seed(1)
+
+
+FLAGGED = {
+    "mask from arange": lambda q: q.masked_fill(torch.arange(4)[:, None] > torch.arange(3)[None, :], 0),
+    "zeros plus q": lambda q: torch.zeros(4, 3) + q,
+    "cat with a CPU generator's draw": lambda q: torch.cat([q, torch.randn(4, 3, generator=_gen())]),
+    "a model never moved": lambda q: torch.nn.Linear(3, 2)(q),
+    "a copy to the host mixed back": lambda q: q.cpu() + q,
+}
+
+PASSING = {
+    "mask moved first": lambda q: q.masked_fill((torch.arange(4)[:, None] > torch.arange(3)[None, :]).to(q.device), 0),
+    "zeros on q's device": lambda q: torch.zeros(4, 3, device=q.device) + q,
+    "draw moved first": lambda q: torch.cat([q, torch.randn(4, 3, generator=_gen()).to(q.device)]),
+    "zeros_like": lambda q: torch.zeros_like(q) + q,
+    "a 0-dim host scalar": lambda q: q * torch.tensor(2.0),
+    "a host index": lambda q: q[torch.tensor([0, 1])],
+    "a model moved": lambda q: torch.nn.Linear(3, 2).to(q.device)(q),
+    "to(q)": lambda q: torch.ones(4, 3).to(q) + q,
+    "new_zeros": lambda q: q.new_zeros(4, 3) + q,
+    "a gradient": lambda q: torch.autograd.grad((q.requires_grad_() * 2).sum(), [q])[0] + q,
+}
+
+
+@pytest.mark.parametrize("name", list(FLAGGED))
+def test_a_tensor_made_without_a_device_that_meets_the_rank_raises_and_names_its_line(name):
+    with pytest.raises(DeviceAuditError) as info:
+        _under_audit(FLAGGED[name])
+    assert f"{HERE}:" in info.value.created_at, info.value.created_at
+    assert "Expected all tensors to be on the same device" in str(info.value)
+    assert not info.value.ours  # a test's line is not ringcheck's own code
+
+
+@pytest.mark.parametrize("name", list(PASSING))
+def test_code_that_is_right_on_a_gpu_passes(name):
+    _under_audit(PASSING[name])
+
+
+def test_the_same_code_runs_unaudited():
+    for fn in (*FLAGGED.values(), *PASSING.values()):
+        fn(torch.randn(4, 3))
+
+
+def test_a_custom_functions_backward_is_audited():
+    class HostGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.zeros(g.shape) + g   # on a GPU: a CPU tensor plus the CUDA gradient
+
+    for run in (lambda y, x: y.backward(), lambda y, x: torch.autograd.grad(y, [x])):
+        def fn(q, run=run):
+            x = q.requires_grad_()
+            run(HostGrad.apply(x).sum(), x)
+        with pytest.raises(DeviceAuditError):
+            _under_audit(fn)
+
+
+def test_the_launchers_audit_lets_an_implementations_tensor_pass_and_an_inner_audit_judges_it():
+    _under_audit(FLAGGED["zeros plus q"], judge_impl=False)   # not ringcheck's code: the row's to judge
+
+    def inner(q):
+        with device_audit(RANK):
+            return torch.zeros(4, 3) + q
+    with pytest.raises(DeviceAuditError):
+        _under_audit(inner, judge_impl=False)
+
+
+def test_the_kv_strides_layout_draws_its_filler_on_the_rank_device():
+    """GPU review defect 1: the filler of the fused K/V buffer was drawn on the CPU and
+    concatenated with the rank's k, so every validate on CUDA failed the input-layouts row."""
+    def x():
+        return torch.randn(2, 4, 2, 8).to(RANK)
+    with device_audit(RANK):
+        for layout in ("contiguous", "fused_qkv", "kv_strides"):
+            arrange(layout, x(), x(), x(), x(), True)
+    filler = arrange("kv_strides", x(), x(), x(), x(), False)[4][1][:, :, 2:]   # the fused K/V leaf
+    assert torch.equal(filler, torch.randn(2, 4, 2, 8, generator=torch.Generator().manual_seed(7)))
+
+
+def test_ringcheck_own_code_is_told_apart():
+    from ringcheck.ring.layouts import positions
+
+    def fn(q):
+        return q[:, :1].T.expand(4, 4) + positions(layout="contiguous", rank=0, world_size=1, seq_len=4)
+    with pytest.raises(DeviceAuditError) as info:
+        _under_audit(fn, judge_impl=False)
+    assert info.value.ours and "ringcheck's own code" in str(info.value)
+
+
+def test_the_environment_variable():
+    assert audit_requested({"RINGCHECK_DEVICE_AUDIT": "1"}) and audit_requested({"RINGCHECK_DEVICE_AUDIT": "on"})
+    assert not audit_requested({}) and not audit_requested({"RINGCHECK_DEVICE_AUDIT": "0"})
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "RINGCHECK_TORCHRUN_RANK_PID")
+
+
+@pytest.mark.cli
+def test_a_users_ring_whose_mask_is_made_without_a_device_fails_the_device_row_alone(tmp_path):
+    """examples/my_ring.py with its causal mask left where torch.arange makes it (no
+    `.to(q.device)`): exact on a CPU, a crash on a GPU. validate fails the `device placement` row
+    alone, naming the ring's own line; with the audit on for every row, the verdicts are the same."""
+    source = (EXAMPLES / "my_ring.py").read_text()
+    broken = source.replace("positions(layout, rank, world, n).to(q.device)", "positions(layout, rank, world, n)")
+    broken = broken.replace("for r in range(world)]).to(q.device)", "for r in range(world)])")
+    assert broken != source
+    (tmp_path / "host_ring.py").write_text(broken)
+    line = next(i for i, text in enumerate(broken.splitlines(), 1) if "torch.arange(rank * half" in text)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and k != "RINGCHECK_DEVICE_AUDIT"}
+    env["PYTHONPATH"] = str(tmp_path)
+    args = [sys.executable, "-m", "ringcheck", "validate", "--impl", "host_ring:ring_fn", "--quick",
+            "--seq-len", "64", "--world-size", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--sample-rows", "8"]
+    for audit in ("0", "1"):
+        report = tmp_path / f"audit{audit}"
+        done = subprocess.run([*args, "--report", str(report)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600, env={**env, "RINGCHECK_DEVICE_AUDIT": audit})
+        assert done.returncode == 1, done.stdout + done.stderr
+        doc = json.loads((report / "validate.json").read_text())
+        failed = [c for c in doc["checks"] if c["status"] == "fail"]
+        assert [c["check"] for c in failed] == [DEVICE_ROW], failed
+        assert f"host_ring.py:{line}" in failed[0]["detail"], failed[0]["detail"]
