@@ -172,3 +172,50 @@ def test_a_gpu_tensor_anywhere_in_a_result_leaves_the_rank_on_the_cpu():
         assert type(got) is torch.Tensor and got.device.type == "cpu" and torch.equal(got, want)
     meta = torch.empty(3, device="meta")  # no data to copy: it travels as it is
     assert wire.loads(wire.dumps(meta)).device.type == "meta"
+
+
+# ---- the commands: --device, and what local rings refuse on a machine with GPUs --------------------
+
+def test_commands_that_run_rings_take_device(capsys):
+    from ringcheck.cli import build_parser
+
+    parser = build_parser()
+    for command in (["validate"], ["drift"], ["train"], ["step"], ["step", "--model", "llama"]):
+        assert parser.parse_args([*command, "--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["validate", "--device", "gpu"])
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["validate", "--backend", "flash_attn"], "--backend flash_attn runs on CUDA tensors, and local rings are gloo"),
+    (["validate", "--backend", "triton"], "--backend triton runs on CUDA tensors, and local rings are gloo"),
+    (["drift", "--impl", "ringcheck", "--backends", "torch,triton"], "--backend triton runs on CUDA tensors"),
+    (["train", "--backend", "flash_attn"], "--backend flash_attn runs on CUDA tensors"),
+    (["validate", "--device", "cuda"], "--device cuda puts each rank on its own GPU, and local rings are gloo"),
+])
+def test_local_rings_on_a_machine_with_gpus_refuse_cuda_only_code_in_one_line(monkeypatch, capsys, torchrun_world,
+                                                                              argv, said):
+    """Before, every rank got CPU tensors and raised ("flash-attn runs on CUDA tensors", "compiled for the
+    GPU but got tensors on cpu"), and nothing said to launch with torchrun."""
+    if torchrun_world is not None:
+        pytest.skip("local rings: run with plain pytest")
+    from ringcheck.cli import EXIT_USAGE, main
+    from ringcheck.launch import devices
+
+    monkeypatch.setattr(devices, "probe", lambda environ=None: EIGHT)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("RINGCHECK_DEVICE", raising=False)
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1, err
+    if "--device" not in argv:
+        assert "launch with torchrun --nproc-per-node=<P> -m ringcheck ... (this machine has 8 GPUs)" in err
+
+
+def test_bench_names_the_transport_it_ran_on(monkeypatch):
+    """bench runs on local gloo rings; before, it said "nccl" wherever CUDA was available."""
+    from ringcheck.commands.bench import machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert machine()["ring_backend"] == "gloo"

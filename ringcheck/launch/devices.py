@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")  # what --device accepts
-DEVICE_HELP = ("where each rank computes: auto (default: under torchrun the rank's GPU where CUDA is available, "
-               "else the CPU), cpu (gloo, also on a machine with GPUs), cuda (the rank's GPU, NCCL; torchrun only)")
-# a world on the CPU where GPUs are visible (the plugin, and any command, read it at the edge)
-DEVICE_VARIABLE = "RINGCHECK_DEVICE"
+from .environment import DEVICE_VARIABLE, DEVICES
+
+__all__ = ["DEVICES", "DEVICE_VARIABLE", "Accelerators", "DeviceError", "check_device_request", "cpu_ranks_refusal",
+           "probe", "rank_device"]
 
 
 class DeviceError(RuntimeError):

@@ -22,6 +22,9 @@ class TorchrunEnv:
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
+DEVICES = ("auto", "cpu", "cuda")  # where ranks compute (`devices.rank_device`): what --device accepts
+DEVICE_VARIABLE = "RINGCHECK_DEVICE"  # the same, for the plugin and any command without --device
+
 # set by the process that joins the world with these variables: its subprocesses inherit them
 # but are not ranks (a rank that runs `ringcheck validate` in a subprocess must not make that
 # subprocess join the world as a second copy of itself, which would hang)
