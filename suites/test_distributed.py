@@ -19,10 +19,12 @@ import torch.distributed as dist
 import ringcheck
 from ringcheck.judge.check import Results
 from ringcheck.judge.inputs import make_inputs
-from ringcheck.launch import RingError
+from ringcheck.launch import CLAIMED_BY, RingError, TorchrunEnv, TorchrunWorld
+from ringcheck.launch.common import live_groups
 from ringcheck.ring import DistributedDriver, Post, ring_attention
 from ringcheck.ring.comm import RingComm
 from ringcheck.testing.cases import DISTRIBUTED_CASES, DISTRIBUTED_FAULT_CASES, DISTRIBUTED_LSE_CASES
+from ringcheck.testing.cases import case as one_case
 
 SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -263,6 +265,55 @@ def test_a_rank_that_raises_fails_the_others_in_bounded_time(run_on_ring):
     assert "rank 1 (global rank" in str(info.value) and "ValueError: planted" in str(info.value)
     assert 1 in info.value.failures
     assert elapsed < timeout + 10, f"took {elapsed:.1f} s"
+
+
+def everyone_raises_task(member):
+    raise ValueError(f"planted: rank {member.rank} fails")
+
+
+def failed_tasks_then_groups(world, failures: int) -> tuple[int, int]:
+    """`failures` failed tasks on a ring of the world's last 2 ranks, every other one with rank 0
+    left waiting in the ring (the stop flag ends its wait; its transfer is given up on): the
+    process groups this rank holds after the first and after the last."""
+    timeout, fault = 5.0, one_case("zigzag", world_size=2)
+    counts = []
+    for i in range(failures):
+        with pytest.raises(RingError, match="planted"):
+            if i % 2:
+                world.run(2, raises_before_the_ring_task, fault, timeout)
+            else:
+                world.run(2, everyone_raises_task)
+        if i == 0:
+            counts.append(live_groups())
+    counts.append(live_groups())
+    return tuple(counts)
+
+
+def torchrun_world_task(member, failures: int) -> tuple[int, int]:
+    """`failed_tasks_then_groups` on a `TorchrunWorld` made of this local ring's processes (their
+    world exists: the torchrun world takes it, as it takes one a user's launcher made)."""
+    env = TorchrunEnv(member.global_rank, member.world_size, member.global_rank, "127.0.0.1", 0)
+    claimed = os.environ.get(CLAIMED_BY)
+    world = TorchrunWorld(env, timeout=5.0, device="cpu")
+    try:
+        return failed_tasks_then_groups(world, failures)
+    finally:
+        world.close()
+        os.environ.pop(CLAIMED_BY, None) if claimed is None else os.environ.update({CLAIMED_BY: claimed})
+
+
+def test_a_failed_tasks_groups_are_destroyed_on_every_rank(run_on_ring, torchrun_world):
+    """After a failure every rank destroys the plan's groups (before: they were only dropped, and
+    each failure left them alive: on NCCL, communicators and GPU memory), so the number of live
+    groups after 50 failed tasks is the number after one, on every rank."""
+    if torchrun_world is not None:
+        if torchrun_world.size < 2:
+            pytest.skip("needs a torchrun world of 2 ranks or more")
+        counts = [failed_tasks_then_groups(torchrun_world, 50)]
+    else:
+        counts = run_on_ring(2, torchrun_world_task, 50, exact=True)
+    for after_one, after_fifty in counts:
+        assert after_fifty == after_one, f"{after_fifty} process groups after 50 failed tasks, {after_one} after one"
 
 
 def test_planted_failure_demonstration(request, run_on_ring):

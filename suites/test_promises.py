@@ -24,6 +24,7 @@ from ringcheck.commands.validate.promises import (
 from ringcheck.commands.validate.rows import CheckRow
 from ringcheck.commands.validate.target import Target
 from ringcheck.harness import ImplOptions, Runner
+from ringcheck.measure.calls import device_clock
 from ringcheck.measure.comm import CommCounter, union
 from ringcheck.measure.model import hops, ideal_bytes, minimum_traffic
 from ringcheck.render.html import validate_html
@@ -156,6 +157,57 @@ def test_a_transfer_waited_at_once_exposes_the_delay_and_one_waited_later_hides_
     for injected, exposed in run_on_ring(2, delay_task, delay):
         assert injected == pytest.approx(3 * delay, abs=0.02)
         assert exposed == pytest.approx(2 * delay, abs=0.02)
+
+
+def coalesced_delay_task(member, delay):
+    """One exchange waited at once, through a `batch_isend_irecv` shaped like NCCL's: the
+    transfers complete inside it, and it answers with one new `Work` for the whole batch, which no
+    dispatched op returned (NCCL's coalesced work). (injected, exposed, seconds the wait took)."""
+    peer = dist.get_global_rank(member.group, 1 - member.rank)
+    x, y = torch.ones(64), torch.empty(64)
+    gloo_batch, plain_wait = dist.batch_isend_irecv, dist.Work.wait
+
+    def like_nccl(ops):
+        for work in gloo_batch(ops):
+            plain_wait(work)
+        done = torch.futures.Future()
+        done.set_result(None)
+        return [torch._C._distributed_c10d._create_work_from_future(done)]
+
+    dist.batch_isend_irecv = like_nccl
+    try:
+        counter = CommCounter(delay)
+        with counter:
+            (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, member.group),
+                                              dist.P2POp(dist.irecv, y, peer, member.group)])
+            start = time.monotonic()
+            work.wait()
+            took = time.monotonic() - start
+    finally:
+        dist.batch_isend_irecv = gloo_batch
+    return counter.injected("forward"), counter.exposed("forward"), took
+
+
+def test_a_coalesced_batch_is_held_like_its_transfers(run_on_ring):
+    """NCCL's batch answers with one coalesced work; held through `batch_isend_irecv` (before,
+    nothing was held on a GPU: exposed 0, hidden 100% for any ring, --require overlap never FLAGs)."""
+    delay = 0.1
+    for injected, exposed, took in run_on_ring(2, coalesced_delay_task, delay):
+        assert injected == pytest.approx(delay, abs=0.03)
+        assert exposed == pytest.approx(delay, abs=0.03) and took >= 0.7 * delay
+
+
+def test_the_clock_of_a_gpu_call_synchronises_first():
+    """A pass on CUDA is timed after its kernels ran (`device_clock`), not when they were launched;
+    on the CPU the clock is plain perf_counter."""
+    synced = []
+    clock = device_clock("cuda:0", synchronize=lambda: synced.append(time.perf_counter()))
+    first = clock()
+    assert len(synced) == 1 and synced[0] <= first
+    clock()
+    assert len(synced) == 2
+    assert device_clock("cpu") is time.perf_counter
+    assert device_clock(torch.device("cpu")) is time.perf_counter
 
 
 # ---- the rows: each mutant caught by its own row, correct rings by none ------------------------

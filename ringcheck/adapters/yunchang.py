@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import importlib
 
-import torch
 import torch.distributed as dist
 
+from ..flash_stand_in import active as stand_in_active
 from .contract import Impl
 from .flash import FLASH_DTYPES, causal_only, flash_dtype, import_error, rank_world, repeat_kv, require, window_size
 
@@ -131,7 +131,7 @@ def _yunchang_impl(spec: str, variant: str, options: list[str]) -> Impl:
         if target.heads % u:
             raise ValueError(f"--impl {spec}: Ulysses scatters the {target.heads} query heads over {u} ranks; "
                              f"pass --heads as a multiple of {u}")
-        if variant == "usp" and target.world_size == u and not torch.cuda.is_available():
+        if variant == "usp" and target.world_size == u and stand_in_active():  # CPU tensors: gloo
             raise ValueError(f"--impl {spec}: a ring degree of 1 (ulysses={u} on {u} ranks) makes yunchang's ring "
                              f"backward send to its own rank, which gloo cannot; use --impl yunchang:ulysses for "
                              f"pure Ulysses, or yunchang:usp:ulysses=D with D < {target.world_size}")

@@ -14,7 +14,8 @@ from typing import Any
 
 from ..documents import meta
 from ..judge.variant_options import VariantOptions, parse_documents, parse_window
-from ..launch import open_ring
+from ..launch import from_torchrun_env, open_ring
+from ..launch.environment import DEVICE_VARIABLE, DEVICES
 from ..render.terminal import make_console
 from ..spec import check_timeout
 
@@ -81,14 +82,50 @@ def add_world_size(parser: argparse.ArgumentParser) -> None:
                         help="ranks of the ring, the mesh's cp dim (default 4; under torchrun without --mesh: the world)")
 
 
+def add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help=f"where each rank computes: auto (under torchrun the rank's GPU where CUDA is available, "
+                             f"else the CPU), cpu (a gloo world, also on a machine with GPUs), cuda (the rank's GPU, "
+                             f"NCCL; torchrun only). Local rings are gloo processes on the CPU (default: "
+                             f"${DEVICE_VARIABLE}, else auto)")
+
+
 def add_run_flags(parser: argparse.ArgumentParser, report: str, default_timeout: float) -> None:
     """The flags every command that runs rings ends with: --report (`report`: what it writes),
-    --timeout, --log-dir, -q."""
+    --timeout, --device, --log-dir, -q."""
     parser.add_argument("--report", metavar="DIR", help=report)
     parser.add_argument("--timeout", type=float, default=None,
                         help=f"seconds any rank may wait on another (default {default_timeout:g})")
+    add_device(parser)
     add_log_dir(parser)
     add_quiet(parser)
+
+
+def open_rings(args: argparse.Namespace, timeout: float | None, stuck_exit_code: int, *, backend: str | None = None,
+               impl: str | None = None):
+    """`open_ring` for a command: --device (else $RINGCHECK_DEVICE, read here at the edge), and
+    what ranks on the CPU cannot run refused first, in one line (`cpu_ranks_refusal`: a CUDA-only
+    `backend` or `impl` on local rings, or under --device cpu, where the machine has GPUs)."""
+    # start-up time: the device choice imports torch, and only a command that runs rings gets here
+    from ..flash_stand_in import active
+    from ..launch.devices import DeviceError, cpu_ranks_refusal, probe
+
+    device = getattr(args, "device", None) or os.environ.get(DEVICE_VARIABLE, "auto")
+    if device not in DEVICES:
+        raise UsageError(f"{DEVICE_VARIABLE}={device!r} is not a device choice; set one of {', '.join(DEVICES)}")
+    torchrun = from_torchrun_env(os.environ) is not None
+    gpus = probe(os.environ)
+    if not torchrun or device == "cpu":
+        flash_based = (impl or "").split(":")[0] in ("ring_flash_attn", "yunchang") and not active()
+        refused = cpu_ranks_refusal(gpus, torchrun=torchrun, backend=backend, impl=impl, impl_needs_cuda=flash_based,
+                                    interpreted=os.environ.get("TRITON_INTERPRET") == "1")
+        if refused:
+            raise UsageError(refused)
+    try:
+        return open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=stuck_exit_code,
+                         device=device, accelerators=gpus)
+    except (DeviceError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def torchrun_ring(world: int, ring: int | None) -> tuple[int, str | None]:
@@ -150,7 +187,8 @@ def ring_command(args: argparse.Namespace, default_timeout: float, exit_of: dict
     config = settle(None)
     console = make_console()
     start = time.perf_counter()
-    ring = open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=exit_of["no verdict"])
+    ring = open_rings(args, timeout, exit_of["no verdict"], backend=getattr(args, "backend", None),
+                      impl=getattr(args, "impl", None))
     try:
         if ring.is_torchrun:
             config = settle(ring.size)

@@ -34,7 +34,7 @@ from ..flash_stand_in import install as install_flash_stand_in
 from ..harness import Mesh
 from ..harness.embedding import EmbeddingFailure
 from ..judge.distributions import DISTRIBUTIONS
-from ..launch import RingError, from_torchrun_env, open_ring
+from ..launch import RingError, from_torchrun_env
 from ..render.files import write_drift_reports
 from ..render.terminal import (
     drift_progress,
@@ -48,11 +48,13 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
+    add_device,
     add_log_dir,
     add_quiet,
     add_variant_flags,
     command_meta,
     list_of,
+    open_rings,
     shows_progress,
     variant_options,
 )
@@ -106,7 +108,8 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     mesh = _mesh(args, spec)
-    ring = open_ring(timeout=args.timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)
+    cuda_only = [b for b in spec.backends if b in ("triton", "flash_attn")]  # refused on ranks on the CPU with GPUs
+    ring = open_rings(args, args.timeout, EXIT_USAGE, backend=(cuda_only or [None])[0], impl=args.impl)
     try:
         if mesh is not None and ring.is_torchrun and mesh.size != ring.size:
             raise UsageError(f"--mesh {mesh.text} has {mesh.size} ranks but the torchrun world has {ring.size}: "
@@ -274,6 +277,7 @@ def _add_drift(sub) -> None:
     p.add_argument("--k-backward", type=float, default=3.0, help="budget factor for dq, dk, dv (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: reproducible bits)")
     p.add_argument("--out", default="drift-report", help="output directory (default ./drift-report)")
+    add_device(p)
     add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_drift)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import time
 import tomllib
@@ -24,7 +23,7 @@ from ..commands.validate.promises import DEFAULT_PROMISES, OVERLAP, parse_requir
 from ..commands.validate.rows import stand_in_row
 from ..commands.validate.target import check_keys, check_types
 from ..harness import Mesh
-from ..launch import RingError, open_ring
+from ..launch import RingError
 from ..render.files import write_validate_reports
 from ..render.terminal import (
     make_console,
@@ -37,12 +36,14 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
+    add_device,
     add_log_dir,
     add_quiet,
     add_variant_flags,
     command_meta,
     list_of,
     log_files_note,
+    open_rings,
     shows_progress,
     where_to_rerun,  # noqa: F401 - train and other commands take it from here too
 )
@@ -203,7 +204,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     console = make_console()
     start = time.perf_counter()
-    ring = open_ring(timeout=timeout, environ=os.environ, log_dir=args.log_dir, stuck_exit_code=EXIT_USAGE)
+    ring = open_rings(args, timeout, EXIT_USAGE, backend=target.backend, impl=target.impl)
     try:
         if ring.is_torchrun and target.mesh is None and args.world_size is None and not args.config:
             target = type(target).from_mapping({**target.to_dict(), "world_size": ring.size})
@@ -318,6 +319,7 @@ def _add_validate(sub) -> None:
                    help="the compile row: torch.compile of a function calling the ring (aot_eager on the CPU, inductor "
                         "on CUDA), its graph breaks, and its results against eager; dynamo takes seconds per rank, so "
                         "it runs only when asked (config key compile = true)")
+    add_device(p)
     add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_validate)

@@ -52,23 +52,31 @@ def __getattr__(name: str) -> Any:
 
 
 def open_ring(*, timeout: float | None = None, environ: Mapping[str, str] | None = None,
-              log_dir: str | None = None, stuck_exit_code: int | None = None, setup=None,
-              audit: bool | None = None):
+              log_dir: str | None = None, stuck_exit_code: int | None = None, setup=None, device: str = "auto",
+              accelerators=None, audit: bool | None = None):
     """The torchrun world when launched by torchrun, else local gloo rings (the CLI's entry).
     `timeout`: every ring wait's bound (default `ringcheck.spec.DEFAULT_TIMEOUT`); `log_dir`: one
     log per rank (`rank_task`); `stuck_exit_code`: see `TorchrunWorld`; `setup`: a task every
     local ring's processes run first (under torchrun each rank is the calling process, which
-    does its own setup). `audit`: every rank's task under the device audit; None: as
-    `RINGCHECK_DEVICE_AUDIT` in `environ` says (`ringcheck.launch.audit`)."""
-    # start-up time: the launchers import torch, and are needed only here
+    does its own setup); `device`: where each rank computes (`devices.rank_device`: "auto",
+    "cpu", "cuda"; local rings are always on the CPU, and refuse "cuda"); `accelerators`: the
+    GPUs the ranks see (`devices.Accelerators`; probed when None); `audit`: every rank's task under
+    the device audit, None: as `RINGCHECK_DEVICE_AUDIT` in `environ` says (`ringcheck.launch.audit`)."""
+    # start-up time: the launchers (and the device choice) import torch, and are needed only here
     from ..spec import DEFAULT_TIMEOUT
+    from .devices import check_device_request
     from .local import LocalRings
     from .torchrun import TorchrunWorld
 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    check_device_request(device)
     if audit is None:
         audit = audit_requested(environ)
     env = from_torchrun_env(environ)
     if env is not None:
-        return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code, audit=audit)
+        return TorchrunWorld(env, timeout=timeout, log_dir=log_dir, stuck_exit_code=stuck_exit_code, device=device,
+                             accelerators=accelerators, audit=audit)
+    if device == "cuda":
+        raise ValueError("--device cuda puts each rank on its own GPU, and local rings are gloo processes on the "
+                         "CPU: launch with torchrun --nproc-per-node=<P> -m ringcheck ..., or drop --device cuda")
     return LocalRings(timeout=timeout, log_dir=log_dir, setup=setup, audit=audit)

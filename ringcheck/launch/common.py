@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..ring.comm import STOPPED
@@ -124,16 +125,35 @@ class GroupPlan:
         return [[values[r] for r in g] for g in self.groups]
 
 
+def group_timeout(timeout: float, device: str) -> float:
+    """The timeout a plan's process groups are made with, for rings whose waits `timeout` bounds.
+    On the CPU (gloo) it is `timeout`: every ring wait passes its own, and an implementation's own
+    collective gets the same bound. On a GPU it is also NCCL's watchdog timeout, which aborts the
+    process (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, on by default) when it fires: it must outlast
+    `RingComm`'s own deadline (`timeout`) and the control plane that reports it, so that a rank
+    that waited too long becomes a `RingError` naming the culprit, never an aborted process."""
+    return timeout if torch.device(device).type == "cpu" else control_timeout(timeout)
+
+
+def ring_backend(device: str) -> str:
+    """The backend of the process groups of ranks that compute on `device`: gloo on the CPU; on
+    a GPU, NCCL for CUDA tensors and gloo for CPU ones (a timing all-reduce, a barrier, an object
+    collective). Named on every group a plan makes, so a world someone else initialised with
+    NCCL alone still gets rings that take CPU tensors."""
+    return "gloo" if torch.device(device).type == "cpu" else "cpu:gloo,cuda:nccl"
+
+
 def _make_groups(plan: GroupPlan, rank: int, timeout: float, device: str) -> tuple[RingMember | None, list]:
     """Make every process group of `plan` (collective: every rank of the world calls it with the
     same plan, in the same order); this rank's `RingMember` (None where the rank is in no ring
     of the plan) and the handles of every group made (to destroy them with)."""
-    handles = [dist.new_group(ranks=list(g), timeout=as_timedelta(timeout)) for g in plan.groups]
+    bound, backend = as_timedelta(group_timeout(timeout, device)), ring_backend(device)
+    handles = [dist.new_group(ranks=list(g), timeout=bound, backend=backend) for g in plan.groups]
     made = list(handles)
     families: dict[str, Any] = {}
     for name, groups in plan.also:
         for g in groups:
-            handle = dist.new_group(ranks=list(g), timeout=as_timedelta(timeout))
+            handle = dist.new_group(ranks=list(g), timeout=bound, backend=backend)
             made.append(handle)
             if rank in g:
                 families[name] = handle
@@ -173,23 +193,41 @@ class PlanGroups:
             self._plans[plan] = _make_groups(plan, self.rank, self.timeout, self.device)
         return self._plans[plan][0]
 
-    def forget(self, plan: GroupPlan) -> None:
-        """Drop a plan's groups without destroying them (after a failure in them: a group may
-        still be busy with work that was given up on)."""
-        self._plans.pop(plan, None)
+    def discard(self, plan: GroupPlan) -> None:
+        """Destroy a plan's groups after a task failed in them (every rank calls it: each has
+        seen the failure). On NCCL they are aborted: a communicator may hold work that a rank gave
+        up on, which a plain destroy would wait for. The next use of the plan makes new groups.
+        Kept instead, every failure left its groups alive (on NCCL: communicators, GPU buffers,
+        proxy threads) until the process ran out of them."""
+        entry = self._plans.pop(plan, None)
+        if entry is not None:
+            _destroy(entry[1], abort=torch.device(self.device).type == "cuda")
 
     def clear(self) -> None:
-        """Drop every plan (as `forget`)."""
-        self._plans.clear()
+        """Destroy every plan's groups (the world is being closed)."""
+        while self._plans:
+            _destroy(self._plans.pop(next(iter(self._plans)))[1], abort=torch.device(self.device).type == "cuda")
 
     def __len__(self) -> int:
         return len(self._plans)
 
 
-def _destroy(handles: list) -> None:
+def _destroy(handles: list, *, abort: bool = False) -> None:
+    """Destroy process groups (with `abort`, NCCL's abort where this torch has it: it does not wait
+    for work in flight)."""
+    # private, but the only way to abort one group's NCCL communicators (torch 2.2 to 2.13)
+    end = getattr(dist.distributed_c10d, "_abort_process_group", None) if abort else None
     for handle in handles:
         if handle is not None and handle is not dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(handle)
+            (end or dist.destroy_process_group)(handle)
+
+
+def live_groups() -> int:
+    """How many process groups this process holds (the default group included): what a long-lived
+    rank must not let grow with every failed task."""
+    if not dist.is_initialized():
+        return 0
+    return len(dist.distributed_c10d._world.pg_map)  # private, present from torch 1.x to 2.13
 
 
 class Submitted:

@@ -17,9 +17,13 @@ class TorchrunEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world_size: int | None = None  # ranks on this machine (torchrun's LOCAL_WORLD_SIZE; None: not said)
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+DEVICES = ("auto", "cpu", "cuda")  # where ranks compute (`devices.rank_device`): what --device accepts
+DEVICE_VARIABLE = "RINGCHECK_DEVICE"  # the same, for the plugin and any command without --device
 
 # set by the process that joins the world with these variables: its subprocesses inherit them
 # but are not ranks (a rank that runs `ringcheck validate` in a subprocess must not make that
@@ -46,11 +50,12 @@ def from_torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv |
         raise RuntimeError(f"the launcher environment is incomplete: {present} are set but {missing} are not; "
                            f"launch with `torchrun --nproc-per-node=<P> ...`, or unset {present}")
     try:
+        local = environ.get("LOCAL_WORLD_SIZE")
         env = TorchrunEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]),
-                          environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+                          environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), None if local is None else int(local))
     except ValueError as exc:
-        raise RuntimeError(f"the launcher environment has a non-integer value: "
-                           f"{ {n: environ[n] for n in TORCHRUN_VARS} }") from exc
+        shown = {n: environ[n] for n in (*TORCHRUN_VARS, "LOCAL_WORLD_SIZE") if n in environ}
+        raise RuntimeError(f"the launcher environment has a non-integer value: {shown}") from exc
     if not 0 <= env.rank < env.world_size:
         raise RuntimeError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
     return env

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import time
 import traceback
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import DEFAULT_TIMEOUT, check_timeout
+from . import wire
 from .common import (
     GroupPlan,
     PlanGroups,
@@ -22,8 +22,10 @@ from .common import (
     control_timeout,
     describe_task,
     raised_text,
+    ring_backend,
     ring_error,
 )
+from .devices import Accelerators, probe, rank_device
 from .environment import CLAIMED_BY, TorchrunEnv
 from .rank_task import STOP_PREFIX, StopFlag, StuckWatchdog, rank_task
 
@@ -42,17 +44,19 @@ class TorchrunWorld:
     """This process as one rank of a launcher-started world; tasks run in-process.
 
     Initializes the default group from the environment (gloo for CPU tensors, and NCCL for
-    CUDA tensors where CUDA is available: the device of the tensors picks the backend), a gloo
+    CUDA tensors where the rank has a GPU: the device of the tensors picks the backend), a gloo
     control group for verdicts, and the groups of each `GroupPlan` (one ring per ring size, or
-    the rings of a mesh), made on first use and replaced after a failure (a ring that timed out
-    may hold stale transfers).
+    the rings of a mesh), made on first use and destroyed on every rank after a failure in
+    them (a ring that timed out may hold stale transfers; kept, they would pile up). The rank's
+    device is `rank_device`'s choice: `device` ("auto", "cpu", "cuda") against the GPUs this
+    process sees (`accelerators`, probed when None).
     """
 
     is_torchrun = True
 
-    def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
-                 log_dir: str | os.PathLike | None = None, stuck_exit_code: int | None = None,
-                 stuck_grace: float = 5.0, audit: bool = False):
+    def __init__(self, env: TorchrunEnv, *, timeout: float = DEFAULT_TIMEOUT, device: str = "auto",
+                 accelerators: Accelerators | None = None, log_dir: str | os.PathLike | None = None,
+                 stuck_exit_code: int | None = None, stuck_grace: float = 5.0, audit: bool = False):
         """`log_dir`: each rank's log (`rank_task`). `stuck_exit_code`: a command's code for a
         rank still blocked in the implementation `stuck_grace` seconds after another rank
         failed (`StuckWatchdog`); None (a test session): such a rank waits out the timeout."""
@@ -61,18 +65,19 @@ class TorchrunWorld:
         self.stuck_exit_code, self.stuck_grace = stuck_exit_code, stuck_grace
         self.timeout = check_timeout(timeout)
         self.rank, self.size = env.rank, env.world_size
-        use_cuda = torch.cuda.is_available() if backend is None else "nccl" in backend
-        self.device = f"cuda:{env.local_rank}" if use_cuda else "cpu"
-        if use_cuda:
-            torch.cuda.set_device(env.local_rank)
+        accelerators = probe() if accelerators is None else accelerators
+        device = rank_device(env.local_rank, env.local_world_size, accelerators, device)
+        self.device = str(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         self._owns_world = not dist.is_initialized()
         if self._owns_world:
-            dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if use_cuda else "gloo"),
-                                    rank=env.rank, world_size=env.world_size,
+            dist.init_process_group(ring_backend(self.device), rank=env.rank, world_size=env.world_size,
                                     timeout=as_timedelta(control_timeout(self.timeout)))
         elif (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             raise RuntimeError(f"torch.distributed is initialized as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
+        # a world someone else made (NCCL alone, say) is fine: the rings' groups name their backends
         self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
         self.audit = audit  # every task under the device audit (ringcheck.launch.audit)
         self._plans = PlanGroups(self.rank, self.timeout, self.device)  # members per plan, made on first use
@@ -135,14 +140,15 @@ class TorchrunWorld:
                     failed(outcome[1])
         else:
             outcome = ("idle", None)
-        try:
-            pickle.dumps(outcome)
+        try:  # a result's tensors leave the rank on the CPU (wire.dumps), wherever they were
+            payload = wire.dumps(outcome)
         except Exception:
-            outcome = ("error", f"returned a result that cannot be sent to the other ranks:\n{traceback.format_exc()}")
-        outcomes = self.all_gather(outcome)
+            payload = wire.dumps(("error", "returned a result that cannot be sent to the other ranks:\n"
+                                           + traceback.format_exc()))
+        outcomes = [wire.loads(sent) for sent in self.all_gather(payload)]
         errors = {g: text for g, (kind, text) in enumerate(outcomes) if kind == "error"}
         if errors:
-            self._plans.forget(plan)  # every rank drops its groups (they all see the failure)
+            self._plans.discard(plan)  # every rank destroys the plan's groups (they all see the failure)
             raise ring_error(task, f"torchrun world of {self.size}", plan, errors)
         return plan.split([value for _, value in outcomes])
 

@@ -1,4 +1,5 @@
-"""Pickling for the pipes between a local ring's parent and its workers.
+"""Pickling for the pipes between a local ring's parent and its workers, and for the results
+a torchrun world's ranks gather.
 
 A task's inputs and a rank's results are mostly small CPU tensors. Plain `pickle` sends each
 through torch's own reduction, which writes every storage with the legacy `torch.save` (a
@@ -8,7 +9,8 @@ validate run moves thousands of them. Here a dense CPU tensor that owns its stor
 `torch.Tensor`) travels as its raw bytes with dtype and shape, and is rebuilt from them: the
 same bits by construction, in a fraction of the time. Anything else (views into a larger
 storage, non-contiguous or quantized tensors, tensors that require grad, subclasses, other
-devices) takes torch's own path unchanged.
+devices once on the CPU) takes torch's own path unchanged. Tensors on a GPU travel as CPU tensors:
+the torchrun world gathers its ranks' results through `dumps` too.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ def _fast(t: torch.Tensor) -> bool:
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any):
-        if isinstance(obj, torch.Tensor) and _fast(obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if obj.device.type not in ("cpu", "meta"):  # a GPU tensor leaves its rank on the CPU
+            obj = obj.to("cpu")
+            if not _fast(obj):
+                return obj.__reduce_ex__(PROTOCOL)
+        if _fast(obj):
             raw = obj.reshape(-1).view(torch.uint8) if obj.numel() else None
             data = b"" if raw is None else raw.numpy().tobytes()
             return _rebuild, (data, obj.dtype, tuple(obj.shape))
@@ -46,7 +54,11 @@ class _Pickler(pickle.Pickler):
 
 
 def dumps(obj: Any) -> bytes:
-    """`pickle.dumps(obj)`, with dense CPU tensors as their raw bytes."""
+    """`pickle.dumps(obj)`, with dense CPU tensors as their raw bytes, and tensors on a GPU (any
+    device but the CPU and `meta`) wherever they are in `obj` as CPU tensors: a rank's result
+    that holds a CUDA tensor would otherwise be rebuilt on the sender's GPU in every process
+    that loads it (a CUDA context on each other GPU, or "invalid device ordinal" where each rank
+    sees one GPU)."""
     buf = io.BytesIO()
     _Pickler(buf, protocol=PROTOCOL).dump(obj)
     return buf.getvalue()

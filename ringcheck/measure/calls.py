@@ -32,6 +32,23 @@ from .memory import instrument, peak_bytes
 MIN_STEP_S = 1e-4  # a pass's compute below this is timer noise: its step is taken as this
 
 
+def device_clock(device: torch.device | str, synchronize: Callable[[], None] | None = None) -> Callable[[], float]:
+    """`time.perf_counter` for calls on `device`: on a GPU the clock first waits for the work
+    queued on it (`synchronize`, by default `torch.cuda.synchronize(device)`), since CUDA runs
+    kernels asynchronously and a pass's time would otherwise be the time to launch it."""
+    device = torch.device(device)
+    if synchronize is None and device.type == "cuda":
+        def synchronize():
+            torch.cuda.synchronize(device)
+    if synchronize is None:
+        return time.perf_counter
+
+    def now() -> float:
+        synchronize()
+        return time.perf_counter()
+    return now
+
+
 def _forward_backward(prep, group, counter: CommCounter, forward_only: bool):
     counter.phase = "forward"
     with torch.set_grad_enabled(not forward_only):
@@ -61,24 +78,27 @@ def measured_call(impl: Impl, case: Case, inputs: Inputs, rank: int, group, devi
 
 def overlap_run(impl: Impl, case: Case, inputs: Inputs, rank: int, group, device: torch.device | str = "cpu", *,
                 fractions: tuple[float, ...] = (0.5, 2.0), repeats: int = 3, held_repeats: int = 2,
-                forward_only: bool = False, barrier: Callable[[], None] | None = None) -> dict[str, Any]:
+                forward_only: bool = False, barrier: Callable[[], None] | None = None,
+                clock: Callable[[], float] | None = None) -> dict[str, Any]:
     """This rank's call timed `repeats` times without a delay (after one warm-up), then
     `held_repeats` times at each delay: `fraction` x one ring step's compute per phase. A step's
     compute is what a pass spent outside its waits (its time less the time its waits on
     transfers were blocked), median over the calls, over P; the smallest rank's, agreed over
     `group` outside the timed calls, so that every rank holds its transfers alike and a rank
-    descheduled while it waited does not stretch the delay past what the ring computes."""
+    descheduled while it waited does not stretch the delay past what the ring computes.
+    `clock`: the timer (`device_clock(device)` by default: synchronised on a GPU)."""
     prep = prepare(impl, case, inputs, rank, device, grad=not forward_only)
     phases = PHASES[:1] if forward_only else PHASES
     barrier = barrier or (lambda: dist.barrier(group=group))
+    clock = clock or device_clock(device)
 
     def once(delay: dict[str, float] | float) -> tuple[list[float], CommCounter]:
         counter = CommCounter(delay, time_waits=True)
         barrier()
         with counter:
-            t0 = time.perf_counter()
-            _forward_backward(prep, group, _Marks(counter, marks := []), forward_only)
-            marks.append(time.perf_counter())
+            t0 = clock()
+            _forward_backward(prep, group, _Marks(counter, marks := [], clock), forward_only)
+            marks.append(clock())
         return [marks[0] - t0, *([] if forward_only else [marks[1] - marks[0]])], counter
 
     once(0.0)
@@ -121,8 +141,8 @@ class _Marks:
     """A `CommCounter` seen by `_forward_backward`: setting the phase to "backward" also marks
     the time the forward ended (the split of a timed call into its passes)."""
 
-    def __init__(self, counter: CommCounter, marks: list[float]):
-        self.counter, self.marks = counter, marks
+    def __init__(self, counter: CommCounter, marks: list[float], clock: Callable[[], float] = time.perf_counter):
+        self.counter, self.marks, self.clock = counter, marks, clock
 
     @property
     def phase(self) -> str:
@@ -131,7 +151,7 @@ class _Marks:
     @phase.setter
     def phase(self, value: str) -> None:
         if value == "backward":
-            self.marks.append(time.perf_counter())
+            self.marks.append(self.clock())
         self.counter.phase = value
 
 

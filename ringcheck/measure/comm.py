@@ -22,7 +22,9 @@ The delay (`delay`: seconds per phase). Each transfer is held: its completion is
 earlier than `delay` after its post returned, as over a link with that latency. A `Work` (what
 ``dist.isend``, ``batch_isend_irecv`` and an ``async_op=True`` collective return, and what the
 blocking calls wait on inside torch) is held in its ``wait``: while the counter is active,
-``Work.wait`` sleeps after the real wait until the deadline. A functional collective is held
+``Work.wait`` sleeps after the real wait until the deadline (NCCL's coalesced batch answers
+with one `Work` no dispatched op returned: `batch_isend_irecv` is wrapped while the counter is
+active, and that work is held with its ops). A functional collective is held
 in its ``wait_tensor``. A ring that computes between posting a transfer and waiting for it does
 not feel the delay; one that waits at once sleeps through it. The counter books both:
 `injected` (the time during which at least one transfer was held: the union of the intervals
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, Work
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -221,6 +224,18 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 
 _ACTIVE: list[CommCounter] = []   # the counter whose delays `Work.wait` applies (one at a time)
 _WORK_WAIT = Work.wait
+_BATCH: list = []  # the `batch_isend_irecv` that the active counter replaced (one at a time)
+
+
+def _held_batch(p2p_op_list):
+    """`dist.batch_isend_irecv` while a counter that holds or times transfers is active. NCCL
+    answers a batch with one coalesced `Work` that no dispatched op returned (the ops inside
+    give placeholders), so the counter would never see the wait the ring makes: the works the
+    batch returns are held with the burst its ops just posted."""
+    works = _BATCH[-1](p2p_op_list)
+    if _ACTIVE:
+        _ACTIVE[-1].adopt(works)
+    return works
 
 
 def _held_wait(work, *args, **kwargs):
@@ -271,6 +286,8 @@ class CommCounter(TorchDispatchMode):
                 raise RuntimeError("CommCounter: a counter with a delay is already active; nest none")
             _ACTIVE.append(self)
             Work.wait = _held_wait
+            _BATCH.append(dist.batch_isend_irecv)
+            dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = _held_batch
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
@@ -280,7 +297,17 @@ class CommCounter(TorchDispatchMode):
             if _ACTIVE and _ACTIVE[-1] is self:
                 _ACTIVE.pop()
                 Work.wait = _WORK_WAIT
+                dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = _BATCH.pop()
             self._pending.clear()
+
+    def adopt(self, works: Any) -> None:
+        """Hold `works` (what a batch of transfers returned) with the burst just posted, where no
+        dispatched op returned them (a coalesced batch)."""
+        with self._lock:
+            if self._burst is None:
+                return
+            for work in works or ():
+                self._pending.setdefault(id(work), (work, self._burst, self.phase))
 
     def hold(self, key: int | torch.Tensor, called: float) -> None:
         """A transfer's wait, called at `called`, returned: sleep until its deadline (if it was

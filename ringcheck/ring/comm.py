@@ -24,10 +24,11 @@ up at once with a RuntimeError that says "stopped waiting" and why, instead of r
 timeout; `trace` is handed one record per completed exchange (the per-rank ring-step trace of
 `--log-dir`).
 
-Timeouts: every wait has one. gloo honours `Work.wait(timeout)`; with NCCL the wait is
-enforced by the process group's own timeout (its watchdog aborts the communicator), so pass
-the same timeout to `init_process_group`. A peer that died, raised or never sent becomes a
-RuntimeError naming that peer's rank (ring rank and global rank).
+Timeouts: every wait has one. gloo honours `Work.wait(timeout)`; a transfer of GPU tensors
+(NCCL) is polled from the waiting thread until it completes or the timeout passes
+(`wait_work`), and its group's own timeout (NCCL's watchdog, which aborts the process) must be
+longer: the launchers make ring groups with `launch.common.group_timeout`. A peer that died,
+raised or never sent becomes a RuntimeError naming that peer's rank (ring rank and global rank).
 """
 
 from __future__ import annotations
@@ -132,6 +133,38 @@ def _wait_watched(work, seconds: float, stop: Callable[[], str | None] | None) -
         raise failed[0]
 
 
+POLL_MAX_S = 1e-3  # the longest pause between two polls of a GPU transfer
+
+
+def wait_work(work, seconds: float, stop: Callable[[], str | None] | None, *, poll: bool) -> None:
+    """Wait for a transfer's `work`, at most `seconds`, giving up when `stop()` gives a reason
+    (asked every STOP_POLL_S). With `poll` (a transfer of GPU tensors, over NCCL) this thread
+    polls `work.is_completed()` and calls `work.wait()` only once the work has completed:
+    NCCL's `wait` makes the calling thread's current CUDA stream wait for the transfer, so a
+    wait given up on in a helper thread would leave the device's default stream (the one the
+    ring computes on) blocked behind a transfer that never ends, and the next task would hang
+    at its first synchronising op. Without `poll` (gloo), `_wait_watched`: a blocked gloo wait
+    can be neither polled cheaply nor cut into slices. Raises RuntimeError at the deadline."""
+    if not poll:
+        _wait_watched(work, seconds, stop)
+        return
+    start = asked = time.monotonic()
+    pause = 1e-5
+    while not work.is_completed():
+        now = time.monotonic()
+        if stop is not None and now - asked >= STOP_POLL_S:
+            asked = now
+            why = stop()
+            if why:
+                raise _Stopped(why)
+        if now - start >= seconds:
+            raise RuntimeError(f"the transfer did not complete within {seconds:g} s (polled; never waited on, so "
+                               f"no CUDA stream waits for it)")
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    work.wait()
+
+
 @dataclass
 class _Exchange:
     """One posted exchange: the requests, the send buffers kept alive, the receive buffers."""
@@ -142,6 +175,7 @@ class _Exchange:
     meta: list             # (dtype, shape, offset, bytes) per tensor, to view the bytes back
     step: int = 0          # the how-many-th exchange on its channel (for the trace)
     posted: float = 0.0    # time.monotonic() at the post
+    polled: bool = False   # GPU tensors (NCCL): waited by polling (`wait_work`)
 
 
 ALIGN = 16  # bytes: each tensor of a packed payload starts at a multiple of this (any dtype views back)
@@ -232,7 +266,8 @@ class RingComm:
         else:  # a coalesced batch (NCCL) answers with one request for all of it
             roles = [(w, "both") for w in works]
         step = self._steps[channel] = self._steps.get(channel, -1) + 1
-        self._in_flight[channel] = _Exchange(roles, sends, recvs, meta, step, time.monotonic())
+        self._in_flight[channel] = _Exchange(roles, sends, recvs, meta, step, time.monotonic(),
+                                             packed.device.type != "cpu")
 
     def wait(self, channel: str) -> tuple:
         """The payload the previous rank posted on `channel`, once the exchange is complete."""
@@ -247,7 +282,7 @@ class RingComm:
         for work, role in exchange.works:
             left = max(deadline - time.monotonic(), 0.001)
             try:
-                _wait_watched(work, left, stop)
+                wait_work(work, left, stop, poll=exchange.polled)
             except _Stopped as why:
                 _ABANDONED.append(exchange)  # its thread still waits on it
                 raise RuntimeError(f"{self.where()}: {STOPPED} for the {channel!r} payload from "

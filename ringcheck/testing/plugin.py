@@ -38,10 +38,6 @@ from .profiles import PROFILES
 PROFILE_NAMES = ("ci", "nightly", "deep")
 
 
-def _under_torchrun() -> bool:
-    return launched_rank(os.environ)
-
-
 def _register_hypothesis_profiles() -> None:
     for name, profile in PROFILES.items():
         settings.register_profile(name, profile.settings())
@@ -57,7 +53,7 @@ def _add_profile_option(parser) -> None:
 def _load_hypothesis_profile(config) -> None:
     _register_hypothesis_profiles()
     name = config.getoption("--profile")
-    settings.load_profile(f"{name}-torchrun" if _under_torchrun() else name)
+    settings.load_profile(f"{name}-torchrun" if launched_rank(os.environ) else name)
 
 
 def _profile_header(config) -> str:
@@ -156,9 +152,13 @@ def _configure_ring(config) -> None:
         config.stash[_QUIET] = (sys.stdout, open(os.devnull, "w"))
         sys.stdout = config.stash[_QUIET][1]
     _derandomize_hypothesis()
-    from ..launch.torchrun import TorchrunWorld  # start-up time (above)
-    config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"),
-                                         log_dir=config.getoption("--ring-log-dir"), audit=config.stash[_AUDIT])
+    from ..launch.devices import DEVICE_VARIABLE, DeviceError  # start-up time (above)
+    from ..launch.torchrun import TorchrunWorld
+    try:  # a device the rank cannot have (more ranks than GPUs): the user's to fix, said without a traceback
+        config.stash[_WORLD] = TorchrunWorld(env, timeout=config.getoption("--ring-timeout"), log_dir=config.getoption(
+            "--ring-log-dir"), device=os.environ.get(DEVICE_VARIABLE, "auto"), audit=config.stash[_AUDIT])
+    except (DeviceError, ValueError) as exc:
+        raise pytest.UsageError(f"ringcheck: {exc}") from None
 
 
 def _stand_in(config) -> bool:

@@ -360,6 +360,9 @@ def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
+RING_BACKEND = "gloo"  # bench runs on local rings: gloo processes on the CPU, GPUs or not
+
+
 def machine() -> dict:
     """What bench adds to a document's `meta` (`ringcheck.documents.meta`), taken before the
     run: the CPU, its load, the thread counts, the ring's transport."""
@@ -371,7 +374,7 @@ def machine() -> dict:
         pass
     return {"machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "load_1_5_15": load_average(),
             "parent_threads": parent_threads(), "worker_threads": 1,
-            "ring_backend": "nccl" if torch.cuda.is_available() else "gloo"}
+            "ring_backend": RING_BACKEND}
 
 
 def run_bench(spec: BenchSpec, rings, progress: Callable[[str], None] = lambda s: None) -> dict:
