@@ -48,6 +48,7 @@ PASSING = {
     "zeros_like": lambda q: torch.zeros_like(q) + q,
     "a 0-dim host scalar": lambda q: q * torch.tensor(2.0),
     "a host index": lambda q: q[torch.tensor([0, 1])],
+    "a host index, then the rank's": lambda q: q[:, torch.tensor([2, 0, 1])] + q,
     "a model moved": lambda q: torch.nn.Linear(3, 2).to(q.device)(q),
     "to(q)": lambda q: torch.ones(4, 3).to(q) + q,
     "new_zeros": lambda q: q.new_zeros(4, 3) + q,
@@ -159,3 +160,17 @@ def test_a_users_ring_whose_mask_is_made_without_a_device_fails_the_device_row_a
         failed = [c for c in doc["checks"] if c["status"] == "fail"]
         assert [c["check"] for c in failed] == [DEVICE_ROW], failed
         assert f"host_ring.py:{line}" in failed[0]["detail"], failed[0]["detail"]
+
+
+def test_the_simulation_beside_a_torchrun_world_runs_on_its_device():
+    """GPU review defect 2: `check_distributed_equals_simulated` simulated on the CPU what the
+    ranks ran on their GPU (the CPU's fused kernel against cuBLAS: other bits for a correct
+    ring). The simulation now runs where the ranks ran."""
+    from types import SimpleNamespace
+
+    from ringcheck.testing.properties import simulation_device
+
+    def impl(processes):
+        return SimpleNamespace(runner=SimpleNamespace(processes=processes))
+    assert simulation_device(impl(SimpleNamespace(device="cuda:3"))) == torch.device("cuda:3")
+    assert simulation_device(impl(SimpleNamespace(size=None))) == torch.device("cpu")   # local rings

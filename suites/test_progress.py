@@ -63,10 +63,11 @@ def test_validate_notes_reach_the_command_that_drives_the_ring():
     with LocalRings(timeout=60) as rings:
         rows = validate(target, rings, progress=got.append)
     assert all(r.passed for r in rows)
-    assert len(got) == validate_steps(target) == 9  # 2 scaled cases, 3 ragged calls (130, 66, 130), 4 more
+    assert len(got) == validate_steps(target) == 10  # 2 scaled cases, 3 ragged calls (130, 66, 130), 5 more
     assert got[:2] == ["normal, 2 tokens per rank", "normal, 6 tokens per rank"]
     assert got[2:5] == [f"ragged shards: {n} tokens per rank, 1 distribution(s)" for n in (130, 66, 130)]
     assert "full length 32" in got and "determinism" in got and "recompute under activation checkpointing" in got
+    assert "device placement" in got
 
 
 def test_validate_off_a_terminal_prints_no_progress(capsys, tmp_path):

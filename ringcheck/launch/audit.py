@@ -249,6 +249,8 @@ class DeviceAudit(TorchFunctionMode):
             return _RANK
         if name == "to":
             return self._to_tag(args, kwargs, tensors)
+        if name in ("__getitem__", "index_put", "index_put_"):   # x[idx] is on x's device, wherever idx is
+            return self._tag(args[0])
         if name == "grad.__get__":
             return self._tag(args[0])
         side = self._is_rank_device(kwargs.get("device"))
