@@ -12,7 +12,9 @@
    backward 2.5 x forward. The Triton backward includes its D preprocess kernel; the last
    column is max |out - SDPA out| as a sanity check of the compiled forward.
 
-Without a CUDA device it prints why and exits 0 (nothing to check); a failing suite exits 1.
+Without a CUDA device it prints why and exits 0 (nothing to check); a failing suite exits 1, and so
+does a Python without the test kit's modules (pytest, hypothesis, mpmath: said up front, with the
+fix). The whole GPU run of issue 64, with this table as one stage: `benchmarks.gpu_run`.
 Budget: a few minutes on one H100/H200 (kernel compilation dominates the first run; Triton
 caches it).
 """
@@ -38,26 +40,38 @@ WIDTH = 2048     # heads x head_dim
 
 
 def run_suites(suites: list[str], timeout_s: int) -> int:
-    """pytest on `suites` in a child process whose kernels compile for the GPU."""
+    """pytest on each of `suites` in a child process whose kernels compile for the GPU, one at a
+    time with its own timeout (`timeout_s` each: a cold Triton cache compiles every variant),
+    its result printed as soon as it is known. The test kit's modules are checked first."""
+    from benchmarks.gpu_run import check_dependencies  # the one dependency check (gpu_run's)
+
     missing = [s for s in suites if not (REPO / s).exists()]
     if missing:
         print(f"gpu_check: suites not found under {REPO}: {missing} (run from a source checkout)")
         return 1
+    deps = check_dependencies()
+    if deps["missing"]:
+        print(f"gpu_check: the suites need modules this Python lacks; {deps['advice']}")
+        return 1
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", *suites, "-q", "-ra", "-p", "no:cacheprovider"]
-    if importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", "4"]  # compiling the kernel variants dominates: spread it over processes
-    print("gpu_check: " + " ".join(cmd), flush=True)
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        print(f"gpu_check: the suites did not finish within {timeout_s} s")
-        return 1
-    print(f"gpu_check: suites {'passed' if done.returncode == 0 else 'FAILED'} "
-          f"in {time.perf_counter() - start:.0f} s", flush=True)
-    return done.returncode
+    status = 0
+    for suite in suites:
+        cmd = [sys.executable, "-m", "pytest", suite, "-q", "-ra", "-p", "no:cacheprovider"]
+        if importlib.util.find_spec("xdist") is not None:
+            cmd += ["-n", "4"]  # compiling the kernel variants dominates: spread it over processes
+        print("gpu_check: " + " ".join(cmd), flush=True)
+        start = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            print(f"gpu_check: {suite} did not finish within {timeout_s} s", flush=True)
+            status = 1
+            continue
+        print(f"gpu_check: {suite} {'passed' if rc == 0 else 'FAILED'} in {time.perf_counter() - start:.0f} s",
+              flush=True)
+        status = status or rc
+    return status
 
 
 def _tflops(flops: float, ms: float) -> float:
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--suites", nargs="+", default=list(SUITES), help="pytest paths, relative to the repo")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
-    parser.add_argument("--tests-timeout", type=int, default=420, help="seconds allowed for the suites")
+    parser.add_argument("--tests-timeout", type=int, default=300, help="seconds allowed for each suite")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device here (torch.cuda.is_available() is False). On a CPU "

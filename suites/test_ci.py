@@ -66,6 +66,7 @@ NOT_A_COMMAND = {
     "test_cpu_tensors_with_compiled_kernels_raise_with_the_fix": "python -c: a Triton kernel without the interpreter",
     "test_kernels_compile_for_an_h100_without_one": "python -c: Triton compiles for sm_90",
     "test_variant_kernels_compile_for_an_h100_without_one": "python -c: Triton compiles for sm_90",
+    "test_every_tile_address_is_computed_in_int64": "python -c: Triton compiles for sm_90",
 }
 
 

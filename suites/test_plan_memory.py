@@ -15,9 +15,11 @@ from ringcheck.catalogue.planted import MEMORY_PLANTED
 from ringcheck.measure import peak_bytes
 from ringcheck.plan import Shape, call_peak
 from ringcheck.ring.api import make_config
+from ringcheck.ring.backends.torch_backend import TorchBackend
 from ringcheck.ring.comm import RingComm
 from ringcheck.ring.drivers import DistributedDriver
 from ringcheck.ring.function import run_ring
+from ringcheck.ring.loops import RingParts
 
 BUDGET = 0.10  # the issue's: the prediction within 10% of the measured peak
 # (ring size, tokens per rank, heads, kv heads, head dim, dtype, causal, layout)
@@ -28,9 +30,10 @@ SIZES = [
 ]
 
 
-def measured_peak_task(member, n, heads, kv_heads, head_dim, dtype, causal, layout, planted=None):
+def measured_peak_task(member, n, heads, kv_heads, head_dim, dtype, causal, layout, planted=None, tile=None):
     """This rank's peak bytes of one forward and backward of our ring (after one unmeasured call:
-    lazy set-up is not the ring's memory); with `planted`, of that ring of `MEMORY_PLANTED`."""
+    lazy set-up is not the ring's memory); with `planted`, of that ring of `MEMORY_PLANTED`; with
+    `tile`, of the ring on the torch backend's plain path (CUDA's) with score tiles of `tile` bytes."""
     world = member.world_size
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
@@ -40,11 +43,12 @@ def measured_peak_task(member, n, heads, kv_heads, head_dim, dtype, causal, layo
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def forward_backward():
-        if planted is None:
+        if planted is None and tile is None:
             out = ring_attention(q, k, v, causal=causal, group=member.group, layout=layout, timeout=member.timeout)
         else:
             config = make_config(world_size=world, layout=layout, causal=causal, softmax_scale=None,
-                                 head_dim=head_dim, backend="torch", parts=MEMORY_PLANTED[planted])
+                                 head_dim=head_dim, backend="torch",
+                                 parts=MEMORY_PLANTED[planted] if tile is None else plain_parts(tile))
             driver = DistributedDriver(RingComm(member.group, timeout=member.timeout))
             out = run_ring(config, driver, [q], [k], [v])[0][0]
         out.backward(dout)
@@ -54,10 +58,37 @@ def measured_peak_task(member, n, heads, kv_heads, head_dim, dtype, causal, layo
     return peak_bytes(forward_backward, device="cpu")[0]
 
 
-def prediction(world, n, heads, kv_heads, head_dim, dtype, causal, layout) -> int:
+def plain_parts(tile: int) -> RingParts:
+    return RingParts(backend=TorchBackend(fast=False, row_tile_bytes=tile))
+
+
+def prediction(world, n, heads, kv_heads, head_dim, dtype, causal, layout, kernel="torch-cpu", tile=None) -> int:
     size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     shape = Shape(batch=1, n=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, e=size)
-    return call_peak(shape, layout=layout, causal=causal, world_size=world, kernel="torch-cpu")["bytes"]
+    tiles = {} if tile is None else {"row_tile_bytes": tile}
+    return call_peak(shape, layout=layout, causal=causal, world_size=world, kernel=kernel, **tiles)["bytes"]
+
+
+# the torch backend on CUDA (its plain path, `--kernel torch-cuda`), run here on the CPU with score
+# tiles small enough that every block takes several: (size as in SIZES, tile bytes)
+PLAIN_SIZES = [
+    ((2, 512, 8, 2, 64, "bfloat16", True, "zigzag"), 2**20),      # GQA 4:1, 8 rows a tile of the 512 x 256 blocks
+    ((4, 256, 8, 8, 64, "bfloat16", False, "contiguous"), 2**18),  # MHA, every block full, 32 rows a tile
+]
+
+
+@pytest.mark.parametrize("size,tile", PLAIN_SIZES, ids=lambda s: f"P{s[0]}-n{s[1]}-h{s[2]}/{s[3]}" if isinstance(s, tuple) else f"tile{s >> 10}K")
+def test_the_torch_cuda_prediction_bounds_the_plain_paths_measured_peak(size, tile, run_on_ring):
+    """Issue 59, defect 13: on CUDA the torch backend runs its plain path by tiles of query rows;
+    `plan --kernel torch-cuda` counts them. Measured here on the CPU, where logsumexp keeps no
+    shifted copy of a tile (CUDA's does): the prediction is above the busiest rank by at most
+    that tile and the budget. Untiled, the same blocks would hold more than was measured."""
+    world, n, heads, kv_heads, head_dim, dtype, causal, layout = size
+    busiest = max(run_on_ring(world, measured_peak_task, *size[1:], None, tile))
+    predicted = prediction(*size, kernel="torch-cuda", tile=tile)
+    assert busiest <= predicted * (1 + BUDGET) and predicted - tile <= busiest * (1 + BUDGET), (busiest, predicted)
+    untiled = prediction(*size, kernel="torch-cuda", tile=2**40)
+    assert untiled > busiest * (1 + BUDGET), (untiled, busiest)  # the tiles are what keeps it down
 
 
 def test_a_ring_that_keeps_every_kv_block_is_caught(run_on_ring):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -291,6 +292,32 @@ def test_kernels_compile_for_an_h100_without_one():
     for line in done.stdout.strip().splitlines():
         shared = eval(line, {})  # {kernel: bytes}
         assert len(shared) == 4 and max(shared.values()) <= H100_SHARED_MEMORY, line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="this triton has no NVIDIA backend")
+def test_every_tile_address_is_computed_in_int64():
+    """Issue 59, defect 11: a tile's element offset (row x stride_s + column x stride_d) in
+    int32 wraps once (local_len - 1) x heads x head_dim reaches 2^31 (524,288 tokens per rank at
+    32 heads of 128), an illegal or silently wrong address on the GPU. No CPU can hold such a
+    shard, so read what the compiler made of the arithmetic: in the sm_90 TTIR of every kernel,
+    every `tt.addptr` (tile loads and stores, row statistics, the batch and head bases) adds an
+    i64 offset."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    code = ("import json, torch\nfrom ringcheck.ring.backends.triton_backend import gpu_assembly\n"
+            "print(json.dumps(gpu_assembly('ttir', arch=90, dtype=torch.bfloat16, head_dim=128, causal=True)))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ttir = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(ttir) == 4
+    for kernel, text in ttir.items():
+        # `%p = tt.addptr %base, %offset : <pointer type>, <offset type> loc(...)`
+        offsets = [line.split(" : ")[-1].split(" loc(")[0].rsplit(", ", 1)[-1]
+                   for line in text.splitlines() if "tt.addptr" in line]
+        assert offsets, kernel
+        narrow = [t for t in offsets if not (t == "i64" or t.endswith("xi64>"))]
+        assert not narrow, f"{kernel}: {len(narrow)} of {len(offsets)} addresses add a narrower offset: {narrow}"
 
 
 def test_missing_triton_raises_runtime_error(monkeypatch):

@@ -125,9 +125,10 @@ def _add_plan(sub) -> None:
                    help=f"the ring's sequence layout: {', '.join(LAYOUTS)} (default zigzag)")
     r.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                    help="causal attention (default) or bidirectional (--no-causal)")
-    r.add_argument("--kernel", default="flash-attn2", metavar="flash-attn2|torch-cpu",
+    r.add_argument("--kernel", default="flash-attn2", metavar="flash-attn2|torch-cpu|torch-cuda",
                    help=f"the block kernel whose tensors count: {', '.join(KERNELS)} (default flash-attn2; torch-cpu: "
-                        "ringcheck's CPU backend)")
+                        "ringcheck's CPU backend; torch-cuda: ringcheck's torch backend on CUDA, its scores by tiles "
+                        "of query rows)")
     r.add_argument("--loss-chunk", dest="loss_chunk", metavar="TOKENS",
                    help="the loss's logits exist for this many tokens at a time (a chunked or fused cross-entropy; "
                         "default: every token of the micro-batch at once)")

@@ -14,6 +14,8 @@ EXIT_OF = {"fits": 0, "does not fit": 1}
 KERNEL_WORDS = {
     "flash-attn2": "the block kernel's tensors are flash-attn 2's (dq, dk, dv, its float32 dq accumulator)",
     "torch-cpu": "the block kernel's tensors are ringcheck's CPU backend's (float32 heads-first copies)",
+    "torch-cuda": "the block kernel's tensors are ringcheck's torch backend's on CUDA (float32 copies, scores by "
+                  "tiles of query rows)",
 }
 
 

@@ -15,7 +15,8 @@ returns in the model's dtype). What it holds while it runs (`call_peak`), step b
 - backward: the float32 output, lse and delta; the float32 dq accumulator; the K/V blocks as in
   the forward; the float32 dK/dV accumulators that travel with them (the pair it adds into, and
   from step 1 on the pair it is sending and the pair it is receiving);
-- the block kernel's own tensors for the block of that step (`KERNELS`).
+- the block kernel's own tensors for the block of that step (`KERNELS`: flash-attn 2's, ringcheck's
+  torch backend on the CPU (its fused path) and on CUDA (its plain path, by tiles of query rows)).
 
 The peak of one attention call is the largest of these sums over the steps of both passes.
 """
@@ -110,7 +111,28 @@ def _flash_attn2(shape: Shape, block: Block, backward: bool) -> int:
     return q + shape.q(block.q_rows) + shape.rows(block.q_rows)
 
 
-KERNELS = {"flash-attn2": _flash_attn2, "torch-cpu": _torch_cpu}
+ROW_TILE_BYTES = 128 * 2**20  # = ringcheck.ring.backends.torch_backend.ROW_TILE_BYTES (a test holds them equal)
+
+
+def _torch_cuda(shape: Shape, block: Block, backward: bool, tile_bytes: int = ROW_TILE_BYTES) -> int:
+    """ringcheck's torch backend on CUDA: its plain path (`--backend torch_plain` anywhere),
+    which runs a block's query rows a tile at a time. Its float32 copies of the inputs, the
+    block's output (dq in the backward, with the dK/dV accumulators and a tile's dV); at the
+    worst moment of a tile, two float32 score tiles of at most `tile_bytes` each (the scores
+    and logsumexp's shifted copy; the probabilities and dP), or one and a K/V block repeated
+    over each group's query heads for a matmul (dK before its sum over the group). A softcap
+    holds its tanh as one tile more; this counts none."""
+    row = shape.batch * shape.heads * block.kv_rows * shape.w       # one query row's scores
+    tile = min(block.q_rows, max(1, tile_bytes // max(row, 1))) * row
+    q, kv = shape.q(block.q_rows), shape.q(block.kv_rows)           # kv: over the query heads
+    kv_heads = kv * shape.kv_heads // shape.heads
+    grouped = kv if shape.kv_heads < shape.heads else 0             # K or V repeated for a matmul
+    if backward:  # copies of q, dout, k, v; dq; dk, dv and a tile's dv
+        return 2 * q + 2 * kv_heads + q + 3 * kv_heads + max(2 * tile + grouped, tile + kv)
+    return q + 2 * kv_heads + max(q + max(2 * tile, tile + grouped), 2 * q) + shape.rows(block.q_rows)
+
+
+KERNELS = {"flash-attn2": _flash_attn2, "torch-cpu": _torch_cpu, "torch-cuda": _torch_cuda}
 
 
 def saved_bytes(shape: Shape) -> int:
@@ -119,14 +141,19 @@ def saved_bytes(shape: Shape) -> int:
     return inputs + shape.q() + shape.rows()
 
 
-def call_peak(shape: Shape, *, layout: str, causal: bool, world_size: int, kernel: str) -> dict[str, int]:
+def call_peak(shape: Shape, *, layout: str, causal: bool, world_size: int, kernel: str,
+              row_tile_bytes: int = ROW_TILE_BYTES) -> dict[str, int]:
     """The peak bytes one attention call (forward and backward) holds beyond its inputs, and at
     which moment: {"bytes", "pass", "step", "kv_buffers", "grad_buffers", "kernel", "kept"}.
     `kept`: the float32 output, lse, delta and dq accumulator (and the returned output where
-    it is a copy in another dtype), alive through the backward."""
+    it is a copy in another dtype), alive through the backward. `row_tile_bytes`: the torch-cuda
+    kernel's score tile (`TorchBackend(row_tile_bytes=...)`)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
     workspace = KERNELS[kernel]
+    if kernel == "torch-cuda":
+        def workspace(shape, block, backward):
+            return _torch_cuda(shape, block, backward, row_tile_bytes)
     last = world_size - 1
     returned = shape.q(size=shape.e) if shape.e != shape.w else 0
     best: dict[str, int] = {"bytes": -1}

@@ -3,7 +3,14 @@
 - The plain path (`TorchBackend(fast=False)`, backend name ``torch_plain``): readable float32
   matmuls, the path every other backend is compared with. Inputs are upcast to float32 once
   per block; grouped-query attention broadcasts each K/V head over its group of query heads
-  (K/V are not copied). Handles every mask, including the striped layout's diagonal -1.
+  (K/V are not copied). Handles every mask, including the striped layout's diagonal -1. It
+  never holds a block's whole score matrix: it runs the block's query rows a tile at a time,
+  each tile's float32 scores within `ROW_TILE_BYTES` (rows are independent in the forward;
+  the backward adds each tile's dK/dV into the block's), and holds at most three such tiles at
+  once (scores and their tanh under a softcap, probabilities, dP). Tiled and untiled results
+  agree within rounding (a matmul's bits depend on its row count). A block that fits in one tile runs as one. This is the path of the ``torch`` backend
+  on CUDA, where a long block's whole scores would not fit (16384 x 8192 rows and keys at 32
+  heads: 16 GiB a tensor).
 - The fast path (the default ``torch`` backend): PyTorch's fused CPU flash-attention kernels
   (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which take the merged
   out and lse exactly as the ring's backward needs), on inputs upcast to float32 so that no
@@ -52,24 +59,50 @@ def _scores(qg: torch.Tensor, kg: torch.Tensor, scale: float, mask: str, diagona
             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Capped and masked scores, and tanh of the uncapped ones (None without a softcap)."""
     check_mask(mask, diagonal, lower)
-    s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
+    s = torch.matmul(qg, kg.transpose(-1, -2)).mul_(scale)
     t = None
     if softcap is not None:
-        t = torch.tanh(s / softcap)
+        t = s.div_(softcap).tanh_()
         s = softcap * t
     if mask != "full":
         sq, sk = s.shape[-2:]
         visible = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(diagonal)
         if mask == "band":
             visible &= torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(lower)
-        s = s.masked_fill(~visible, float("-inf"))
+        s = s.masked_fill_(~visible, float("-inf"))
     return s, t
 
 
 def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    # exp(s - lse) with empty rows (lse = -inf) giving 0 instead of NaN
+    """exp(s - lse), in the place of `s`, with empty rows (lse = -inf) giving 0 instead of NaN."""
     safe = lse.masked_fill(torch.isneginf(lse), 0.0)
-    return torch.exp(s - safe.unsqueeze(-1))
+    return s.sub_(safe.unsqueeze(-1)).exp_()
+
+
+ROW_TILE_BYTES = 128 * 2**20  # the plain path's bytes of one tile of float32 scores (module docstring)
+
+
+def row_tiles(rows: int, row_bytes: int, tile_bytes: int = ROW_TILE_BYTES) -> list[tuple[int, int]]:
+    """The plain path's query-row tiles [r0, r1) of a block of `rows` rows whose scores take
+    `row_bytes` a row: as many rows as `tile_bytes` holds, at least one (one tile, possibly
+    empty, for a block that fits)."""
+    step = max(1, tile_bytes // max(row_bytes, 1))
+    return [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)] or [(0, rows)]
+
+
+def _by_rows(tiles: list[tuple[int, int]], compute) -> list[torch.Tensor]:
+    """`compute(r0, r1)`'s tensors, whose dim 3 holds the rows [r0, r1), for every tile, written
+    into tensors of all the rows (a single tile's are returned as they are)."""
+    if len(tiles) == 1:
+        return list(compute(*tiles[0]))
+    whole: list[torch.Tensor] = []
+    for r0, r1 in tiles:
+        parts = compute(r0, r1)
+        if not whole:
+            whole = [t.new_empty(*t.shape[:3], tiles[-1][1], *t.shape[4:]) for t in parts]
+        for into, part in zip(whole, parts):
+            into[:, :, :, r0:r1] = part
+    return whole
 
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor, mask: str, diagonal: int) -> bool:
@@ -109,9 +142,10 @@ _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class TorchBackend:
-    def __init__(self, fast: bool = True):
+    def __init__(self, fast: bool = True, row_tile_bytes: int = ROW_TILE_BYTES):
         self.fast = fast
         self.name = "torch" if fast else "torch_plain"
+        self.row_tile_bytes = row_tile_bytes  # the plain path's score tile (`row_tiles`)
 
     def _strict(self, q, k, mask, diagonal) -> bool:
         """A square block with the striped layout's strict causal mask (diagonal -1): query i
@@ -172,12 +206,22 @@ class TorchBackend:
         zero = (dout == 0).all(-1).transpose(1, 2)  # (b, h, s)
         return bool((zero & (delta != 0)).any())
 
+    def _tiles(self, qg: torch.Tensor, kg: torch.Tensor) -> list[tuple[int, int]]:
+        """The query-row tiles of a block: qg (b, kvh, g, sq, d), kg (b, kvh, 1, sk, d)."""
+        b, kvh, g, sq, _ = qg.shape
+        return row_tiles(sq, b * kvh * g * kg.shape[3] * qg.element_size(), self.row_tile_bytes)
+
     def _plain_forward(self, q, k, v, *, scale, mask, diagonal=0, lower=0, softcap=None):
         q, k, v = (_owned(_up(t)) for t in (q, k, v))
         kvh = k.shape[2]
-        s, _ = _scores(_grouped(q, kvh), _kv(k), scale, mask, diagonal, lower, softcap)  # (b, kvh, g, sq, sk)
-        lse = torch.logsumexp(s, dim=-1)                                                  # (b, kvh, g, sq)
-        out = torch.matmul(_probabilities(s, lse), _kv(v))
+        qg, kg, vg = _grouped(q, kvh), _kv(k), _kv(v)
+
+        def rows(r0, r1):  # a row tile's mask is the block's, moved by its first row
+            s, _ = _scores(qg[:, :, :, r0:r1], kg, scale, mask, diagonal + r0, lower + r0, softcap)
+            lse = torch.logsumexp(s, dim=-1)                                  # (b, kvh, g, rows)
+            return torch.matmul(_probabilities(s, lse), vg), lse
+
+        out, lse = _by_rows(self._tiles(qg, kg), rows)
         b, _, _, sq = lse.shape
         return _ungroup(out), lse.reshape(b, -1, sq)
 
@@ -188,13 +232,22 @@ class TorchBackend:
         kvh = k.shape[2]
         qg, kg, vg, dog = _grouped(q, kvh), _kv(k), _kv(v), _grouped(dout, kvh)
         b, h, sq = lse.shape
-        s, t = _scores(qg, kg, scale, mask, diagonal, lower, softcap)
-        p = _probabilities(s, lse.view(b, kvh, h // kvh, sq))
-        dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)               # (b, kvh, sk, d_v)
-        dp = torch.matmul(dog, vg.transpose(-1, -2))
-        ds = p * (dp - delta.view(b, kvh, h // kvh, sq).unsqueeze(-1))
-        if t is not None:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
-            ds = ds * (1 - t * t)
-        dq = torch.matmul(ds, kg) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
-        return _ungroup(dq), dk.transpose(1, 2), dv.transpose(1, 2)
+        lse, delta = lse.view(b, kvh, h // kvh, sq), delta.view(b, kvh, h // kvh, sq)
+        dkv: list[torch.Tensor] = []  # the block's dK and dV, (b, kvh, sk, d): the tiles' sums
+
+        def rows(r0, r1):
+            qr, dor = qg[:, :, :, r0:r1], dog[:, :, :, r0:r1]
+            s, t = _scores(qr, kg, scale, mask, diagonal + r0, lower + r0, softcap)
+            p = _probabilities(s, lse[..., r0:r1])
+            dv = torch.matmul(p.transpose(-1, -2), dor).sum(2)                  # (b, kvh, sk, d_v)
+            ds = torch.matmul(dor, vg.transpose(-1, -2)).sub_(delta[..., r0:r1].unsqueeze(-1)).mul_(p)
+            del p, s
+            if t is not None:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh^2
+                ds = ds.mul_(t.mul_(t).neg_().add_(1))
+            dk = torch.matmul(ds.transpose(-1, -2), qr).sum(2)
+            dkv[:] = [dk, dv] if not dkv else [dkv[0].add_(dk), dkv[1].add_(dv)]
+            return (torch.matmul(ds, kg).mul_(scale),)
+
+        dq, = _by_rows(self._tiles(qg, kg), rows)
+        dk, dv = dkv
+        return _ungroup(dq), dk.mul_(scale).transpose(1, 2), dv.transpose(1, 2)

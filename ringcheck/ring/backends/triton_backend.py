@@ -181,21 +181,34 @@ def _ast_source(kernel, args: dict, constexprs: dict):
     return ASTSource(kernel, signature, constants, attrs)
 
 
-def compile_for_gpu(*, arch: int = 90, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
-                    causal: bool = True, dot_fp32: bool | None = None, seq: int = 4096,
-                    heads: int = 8, kv_heads: int = 2, v_head_dim: int | None = None,
-                    band: bool = False, softcap: bool = False) -> dict[str, int]:
-    """Compile the four kernels for an NVIDIA GPU of compute capability `arch` on a machine
+def compile_for_gpu(**launch) -> dict[str, int]:
+    """Compile the four kernels for an NVIDIA GPU on a machine without one (`compiled_for_gpu`,
+    which takes the same keywords); returns each kernel's shared memory in bytes."""
+    return {name: kernel.metadata.shared for name, kernel in compiled_for_gpu(**launch).items()}
+
+
+def gpu_assembly(stage: str = "ttir", **launch) -> dict[str, str]:
+    """Each kernel's code at one compilation `stage` ("ttir", "ttgir", "llir", "ptx"), compiled
+    as `compiled_for_gpu` compiles it: what the arithmetic became (e.g. the width of the tile
+    offsets), read on a CPU."""
+    return {name: kernel.asm[stage] for name, kernel in compiled_for_gpu(**launch).items()}
+
+
+def compiled_for_gpu(*, arch: int = 90, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                     causal: bool = True, dot_fp32: bool | None = None, seq: int = 4096,
+                     heads: int = 8, kv_heads: int = 2, v_head_dim: int | None = None,
+                     band: bool = False, softcap: bool = False) -> dict:
+    """The four kernels compiled for an NVIDIA GPU of compute capability `arch` on a machine
     without one (Triton ships ptxas), as a launch on contiguous (1, seq, heads, head_dim)
     tensors (v: `v_head_dim`, default head_dim) would, with the mask switches `causal` and
-    `band` and the softcap switch; returns each kernel's shared memory in bytes. This catches
-    on a CPU what the interpreter lets through (types, constexpr scoping, shared-memory size).
+    `band` and the softcap switch: {kernel name: Triton's compiled kernel}. This catches on a
+    CPU what the interpreter lets through (types, constexpr scoping, shared-memory size).
     Needs the compiled kernels: a process without TRITON_INTERPRET."""
     import triton  # optional dependency: triton (GPU compilation only)
     from triton.backends.compiler import GPUTarget
 
     if is_interpreted():
-        raise RuntimeError("compile_for_gpu needs the compiled kernels; run it in a process without TRITON_INTERPRET")
+        raise RuntimeError("compiling for a GPU needs the compiled kernels; run it in a process without TRITON_INTERPRET")
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     flag = TritonBackend(dot_fp32=dot_fp32).dot_fp32(dtype)
     pad, v_pad = triton_fwd.head_dim_pad(head_dim), triton_fwd.head_dim_pad(v_head_dim)
@@ -229,10 +242,10 @@ def compile_for_gpu(*, arch: int = 90, dtype: torch.dtype = torch.bfloat16, head
             ("backward dQ", triton_bwd._attn_bwd_dq, dq_config, common),
             ("backward preprocess", triton_bwd._attn_bwd_preprocess, dict(BLOCK_M=64),
              dict(HEAD_DIM=v_head_dim, HEAD_DIM_PAD=v_pad))]
-    shared = {}
+    compiled = {}
     for name, kernel, config, consts in jobs:
         config = dict(config)
         options = {key: config.pop(key) for key in ("num_warps", "num_stages") if key in config}
         source = _ast_source(kernel, {**pointers, **ints}, {**consts, **config})
-        shared[name] = triton.compile(source, target=target, options=options).metadata.shared
-    return shared
+        compiled[name] = triton.compile(source, target=target, options=options)
+    return compiled

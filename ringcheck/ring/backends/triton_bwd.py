@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _key_tiles, _load_tile, _mm, _tanh, _visible, head_dim_pad, head_dims, is_interpreted
+from .triton_fwd import _key_tiles, _load_tile, _mm, _offsets, _tanh, _visible, head_dim_pad, head_dims, is_interpreted
 
 # ---------------------------------------------------------------------------------------------
 # preprocess: D = rowsum(dO * O)
@@ -53,16 +53,16 @@ def _attn_bwd_preprocess(O, DO, Delta,
     do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_d, stride_dos, stride_dod,
                     seq, HEAD_DIM).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
-    tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m * stride_ds, delta, mask=offs_m < seq)
+    tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m.to(tl.int64) * stride_ds, delta, mask=offs_m < seq)
 
 
 @triton.jit
 def _load_row_stats(Lse, Delta, offs_m, stride_ls, stride_ds, sq):
     """lse in log2 units (0 for rows that see no key, so that exp2 gives 0, not NaN) and D."""
     m_ok = offs_m < sq
-    lse = tl.load(Lse + offs_m * stride_ls, mask=m_ok, other=0.0)
+    lse = tl.load(Lse + offs_m.to(tl.int64) * stride_ls, mask=m_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.44269504)  # 1/ln(2): exp(x) = exp2(x / ln 2)
-    delta = tl.load(Delta + offs_m * stride_ds, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + offs_m.to(tl.int64) * stride_ds, mask=m_ok, other=0.0)
     return lse2, delta
 
 
@@ -183,9 +183,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, softcap, diagonal,
     dk *= sm_scale
     DK += off_b * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
     DV += off_b * stride_dvb + off_kvh.to(tl.int64) * stride_dvh
-    tl.store(DK + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk,
+    tl.store(DK + _offsets(offs_n, offs_d, stride_dks, stride_dkd), dk,
              mask=(offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv,
+    tl.store(DV + _offsets(offs_n, offs_dv, stride_dvs, stride_dvd), dv,
              mask=(offs_n[:, None] < sk) & (offs_dv[None, :] < HEAD_DIM_V))
 
 
@@ -269,7 +269,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, softcap, diagonal, lower
 
     dq *= sm_scale
     DQ += off_b * stride_dqb + off_h * stride_dqh
-    tl.store(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq,
+    tl.store(DQ + _offsets(offs_m, offs_d, stride_dqs, stride_dqd), dq,
              mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM))
 
 

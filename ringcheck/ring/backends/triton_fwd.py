@@ -57,7 +57,15 @@ def _mm(a, b, DOT_FP32: tl.constexpr):
 def _load_tile(base, offs_s, offs_d, stride_s, stride_d, s_len, HEAD_DIM: tl.constexpr):
     """The (len(offs_s), len(offs_d)) tile at base[offs_s, offs_d]; 0 outside s_len x HEAD_DIM."""
     mask = (offs_s[:, None] < s_len) & (offs_d[None, :] < HEAD_DIM)
-    return tl.load(base + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+    return tl.load(base + _offsets(offs_s, offs_d, stride_s, stride_d), mask=mask, other=0.0)
+
+
+@triton.jit
+def _offsets(offs_s, offs_d, stride_s, stride_d):
+    """The element offsets of the tile [offs_s, offs_d] in int64: in int32 a long shard's row
+    offset (s - 1) x stride_s (heads x head_dim for a contiguous (b, s, h, d) tensor, more for
+    fused QKV views) passes 2^31 and wraps to a wrong address."""
+    return offs_s[:, None].to(tl.int64) * stride_s + offs_d[None, :].to(tl.int64) * stride_d
 
 
 @triton.jit
@@ -204,9 +212,9 @@ def _attn_fwd(Q, K, V, Out, Lse, sm_scale, softcap, diagonal, lower,
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln(2): back to natural log
     m_ok = offs_m < sq
-    tl.store(Out + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od, out,
+    tl.store(Out + _offsets(offs_m, offs_dv, stride_os, stride_od), out,
              mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(Lse + offs_m * stride_ls, lse, mask=m_ok)
+    tl.store(Lse + offs_m.to(tl.int64) * stride_ls, lse, mask=m_ok)
 
 
 # ---------------------------------------------------------------------------------------------
