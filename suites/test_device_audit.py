@@ -165,12 +165,12 @@ def test_a_users_ring_whose_mask_is_made_without_a_device_fails_the_device_row_a
 def test_the_simulation_beside_a_torchrun_world_runs_on_its_device():
     """GPU review defect 2: `check_distributed_equals_simulated` simulated on the CPU what the
     ranks ran on their GPU (the CPU's fused kernel against cuBLAS: other bits for a correct
-    ring). The simulation now runs where the ranks ran."""
+    ring). The simulation now runs where the ranks ran: `RingImpl.device`."""
     from types import SimpleNamespace
 
-    from ringcheck.testing.properties import simulation_device
+    from ringcheck.testing.impl_runner import RingImpl
 
     def impl(processes):
-        return SimpleNamespace(runner=SimpleNamespace(processes=processes))
-    assert simulation_device(impl(SimpleNamespace(device="cuda:3"))) == torch.device("cuda:3")
-    assert simulation_device(impl(SimpleNamespace(size=None))) == torch.device("cpu")   # local rings
+        return RingImpl("ringcheck", SimpleNamespace(processes=processes))
+    assert impl(SimpleNamespace(device="cuda:3")).device == torch.device("cuda:3")
+    assert impl(SimpleNamespace(size=None)).device == torch.device("cpu")   # local rings

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..adapters import accepted_keywords
 from ..harness import TWO_CALLS, GroupRun, ImplOptions, Mesh, Runner
 from ..harness.embedding import alone_words, check_witnesses, default_mesh, embedding_message, group_inputs
@@ -77,6 +79,12 @@ class RingImpl:
     def is_ours(self) -> bool:
         """Whether this is our own ring (the built-in adapter `ringcheck`)."""
         return self.spec == "ringcheck"
+
+    @property
+    def device(self) -> torch.device:
+        """Where the ranks compute: the torchrun world's device (`TorchrunWorld.device`, a GPU's
+        under NCCL), else the CPU (local rings)."""
+        return torch.device(getattr(self.runner.processes, "device", None) or "cpu")
 
     def accepts(self, names) -> tuple[str, ...]:
         """Of the keywords `names`, those the implementation takes (`accepted_keywords`)."""

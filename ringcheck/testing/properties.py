@@ -414,26 +414,16 @@ def check_determinism(case: Case, impl=simulated_impl) -> None:
 
 def check_distributed_equals_simulated(case: Case, impl) -> None:
     """Our ring on processes (`impl`: ringcheck.testing.impl_runner.RingImpl of ``ringcheck``)
-    equals its simulation bit for bit: a property of our ring's internals, for no other ring. The
-    simulation runs on the device the ranks ran on (a torchrun world's GPU: the same kernels;
-    the CPU's fused kernel against cuBLAS would differ in bits for a correct ring)."""
-    x = _inputs(case)
+    equals its simulation bit for bit, simulated where the ranks ran (`RingImpl.device`: a GPU's
+    kernels against the CPU's differ in bits): a property of our ring's internals, for no other ring."""
+    x, device = _inputs(case), impl.device
     got = _run(case, x, impl)
-    device = simulation_device(impl)
-    on = Inputs(*(None if t is None else t.to(device) for t in (x.q, x.k, x.v, x.dout, x.sinks)))
-    want = run_whole(simulated_impl(case), on)
-    want = Results(*(None if getattr(want, n) is None else getattr(want, n).cpu()
-                     for n in ("out", "lse", "dq", "dk", "dv", "dsinks")))
+    want = run_whole(simulated_impl(case), Inputs(*(None if t is None else t.to(device) for t in
+                                                    (x.q, x.k, x.v, x.dout, x.sinks))))
+    want = Results(*(None if getattr(want, n) is None else getattr(want, n).cpu() for n in (*TENSORS, "dsinks")))
     for name in present(got, (*TENSORS, "dsinks")):
         _expect_equal("check_distributed_equals_simulated", case, f"{name} on processes vs simulated",
                       got.get(name), want.get(name))
-
-
-def simulation_device(impl) -> torch.device:
-    """Where `impl`'s ranks computed: the torchrun world's device (`TorchrunWorld.device`), else
-    the CPU (local rings)."""
-    processes = getattr(getattr(impl, "runner", None), "processes", None)
-    return torch.device(getattr(processes, "device", None) or "cpu")
 
 
 def check_layout_round_trip(case: Case) -> None:
