@@ -223,7 +223,7 @@ def _escape_outside_code(text: str) -> str:
 
 # each public catalogue: its registry (name -> description, or a tuple ending in one) and its correct rings
 REGISTRIES = {
-    "ringcheck.catalogue.mutants": ("MUTANTS", ("textbook",)),
+    "ringcheck.catalogue.mutants": ("MUTANTS", ("textbook", "nondeterministic_sum")),
     "ringcheck.catalogue.variant_mutants": ("VARIANT_MUTANTS", ("textbook_varlen",)),
     "ringcheck.catalogue.precision_mutants": ("PRECISION_MUTANTS", ()),
     "ringcheck.catalogue.embedded_mutants": ("EMBEDDED_MUTANTS", ("gather_textbook",)),

@@ -52,9 +52,9 @@ follows it), `flagged` ("flag" checks), `target` (`Target`'s fields, named as th
 required} per row, in the table's order (error, budget null where a row has none; `tensors`: per
 judged tensor {passed, ratio (worst error / budget), ranks over budget}; `failing_ranks` their
 union; `failing_groups`: the CP groups whose results failed; `detail` locates the worst element
-or says what was measured; `figures`: what the recompute and compile rows measured beyond the
-tensors; `promise`: memory, communication or overlap, its figure and FLAG threshold as error and
-budget; `required`: --require), and `meta`.
+or says what was measured; `figures`: what the recompute, compile and determinism rows measured
+beyond the tensors; `promise`: memory, communication, overlap or determinism, its figure and FLAG
+threshold as error and budget; `required`: --require, or torch's deterministic algorithms), and `meta`.
 
 `ringcheck.bench`, version 2 (`ringcheck.commands.bench.run_bench`, `ringcheck bench --json
 FILE`; version 2: overlap and memory measured by `ringcheck.measure`). Top-level keys in this

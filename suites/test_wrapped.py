@@ -71,9 +71,10 @@ def test_a_ring_whose_backward_reads_a_slot_the_recompute_overwrote_fails_the_re
 
 def test_a_ring_that_is_not_deterministic_is_judged_by_the_budget_rule_not_by_its_bits(ring_processes):
     """No crying wolf: its bits differ from run to run, so the recompute row cannot ask for the same
-    bits; the determinism row says what it is (and fails, as it always has)."""
+    bits; the determinism row says what it is (FLAG: reported, not failed)."""
     rows = _rows(ring_processes, impl=f"{WRAPPED}:textbook_nondeterministic", dtype="float32")
-    assert list(_failed(rows)) == ["determinism (two runs, same bits)"]
+    assert not _failed(rows), list(_failed(rows))
+    assert rows["determinism (two runs, same bits)"].status == "flag"
     row = rows[RECOMPUTE_ROW]
     assert row.status == "pass" and row.figures["comparison"] == "budget rule", row.detail
     assert "not deterministic" in row.detail and "within the budget" in row.detail

@@ -20,6 +20,11 @@ ring-flash-attn's package ``__init__`` imports its Hugging Face adapter, which i
 ``transformers`` (not a declared dependency). Where transformers is not installed, the adapter
 loads the ring modules without that ``__init__`` (a bare package object whose submodules are
 imported one by one); with transformers installed the package is imported whole.
+
+``deterministic`` is left at ring-flash-attn's default, False, as users run it: on a GPU its
+backward then accumulates with atomic adds, and validate reports that (the determinism row's
+FLAG) and judges the bit-exact properties within budgets, rather than judging a setting users do
+not run (docs/reference/determinism.md).
 """
 
 from __future__ import annotations

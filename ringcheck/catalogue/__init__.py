@@ -13,6 +13,9 @@ shown to catch what it claims and to pass what is right.
 - `wrapped_mutants`: rings that are right called plainly and wrong as training wraps them
   (inside activation checkpointing, under torch.compile), and a correct ring that is not
   deterministic.
+- `nondeterministic`: what the rings `mutants.nondeterministic_sum` (correct) and
+  `mutants.nondeterministic_noise` (beyond rounding) add to the textbook ring's sums, which do
+  not give the same bits twice, as GPU kernels with atomic adds.
 - `bad_impls`: implementations that break the contract (usage errors), and correct ones that
   use its optional parts.
 - `custom_layouts`: example layouts of the `package.module:FN` kind.

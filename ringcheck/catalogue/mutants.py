@@ -9,7 +9,9 @@ with q this rank's shard (batch, local_seq, heads, head_dim) and k, v (batch, lo
 kv_heads, head_dim) in the zig-zag layout. `textbook` is a correct, plain ring (forward and
 backward by hand, communication with torch.distributed); every other function is `textbook`
 with exactly one real bug class switched on. `validate` must pass `textbook` and fail every
-mutant; suites/test_validate.py asserts it.
+mutant; suites/test_validate.py asserts it. `nondeterministic_sum` is correct too, but not
+deterministic (its backward's sums in a random order, as atomic adds give); `nondeterministic_noise`
+is not, beyond rounding (`ringcheck.catalogue.nondeterministic`; suites/test_nondeterministic.py).
 
 This module deliberately does not use ringcheck's ring: it stands for someone else's code.
 """
@@ -339,3 +341,78 @@ CATALOGUES = {
     "ringcheck.catalogue.promise_mutants": "PROMISE_MUTANTS",
     "ringcheck.catalogue.length_mutants": "LENGTH_MUTANTS",
 }
+
+
+# ---------------------------------------------------------------- rings that do not give the same bits twice
+# (as GPU kernels with atomic adds: `ringcheck.catalogue.nondeterministic` says how, and how much)
+
+from .nondeterministic import add_at_random, first_and_last, generator, noisy, spread  # noqa: E402
+
+MUTANTS["nondeterministic_noise"] = "dq off by up to 100x the output dtype's rounding, at random on each call"
+
+
+class _RandomOrderRing(torch.autograd.Function):
+    """The textbook ring's forward; a backward that sums over the ring steps in a random order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group):
+        return _Ring.forward(ctx, q, k, v, causal, scale, group, frozenset())
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *_ = ctx.saved_tensors
+        rank, world, gen, size, none = ctx.rank, dist.get_world_size(ctx.group), generator(), spread(ctx.dtype), set()
+        b, n, h, d = q.shape
+        dout = dout.float()
+        delta = (dout * out).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
+        kvh = k.shape[2]
+        dq, kv, dkv = [torch.zeros_like(q)] * 2, [k.to(ctx.dtype), v.to(ctx.dtype)], [torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(world):
+            if step < world - 1:
+                kv_requests, kv_incoming = _exchange(ctx.group, kv)
+            k_s, v_s = (t.float() for t in kv)
+            s = _scores(q, k_s, _visible(rank, (rank - step) % world, world, n, ctx.causal, none, q.device), ctx.scale, none)
+            p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
+            ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, _kv_heads(v_s, h, none)) - delta.unsqueeze(-1))
+            add_at_random(dq, torch.einsum("bhqk,bkhd->bqhd", ds, _kv_heads(k_s, h, none)) * ctx.scale, size, gen)
+            dk = (torch.einsum("bhqk,bqhd->bkhd", ds, q) * ctx.scale).view(b, n, kvh, h // kvh, d).sum(3)
+            dv = torch.einsum("bhqk,bqhd->bkhd", p, dout).view(b, n, kvh, h // kvh, -1).sum(3)
+            if step == 0:  # this rank's own keys: part of its term as the sums set out, the rest when home
+                (dk, last_k), (dv, last_v) = first_and_last(dk, size, gen), first_and_last(dv, size, gen)
+            dkv = [dkv[0] + dk, dkv[1] + dv]
+            if world == 1:
+                break  # a ring of one: the accumulators are home
+            grad_requests, grad_incoming = _exchange(ctx.group, dkv, what="grad")
+            if step < world - 1:
+                _wait(kv_requests)
+                kv = kv_incoming
+            _wait(grad_requests)
+            dkv = grad_incoming
+        dt = ctx.dtype
+        return (dq[0] + dq[1]).to(dt), (dkv[0] + last_k).to(dt), (dkv[1] + last_v).to(dt), None, None, None
+
+
+class _NoisyRing(torch.autograd.Function):
+    """The textbook ring, its dq off by up to 100 roundings at random on each call (`noisy`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group):
+        return _Ring.forward(ctx, q, k, v, causal, scale, group, frozenset())
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        dq, dk, dv, *_ = _Ring.backward(ctx, dout, dlse)
+        return noisy(dq, ctx.dtype), dk, dv, None, None, None
+
+
+def nondeterministic_sum(q, k, v, *, causal, softmax_scale, group=None):
+    """A correct ring that is not deterministic: the textbook ring whose backward sums dq and
+    dK/dV over the ring steps in a random order on each call (as atomic adds do)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _RandomOrderRing.apply(q, k, v, causal, scale, group if group is not None else dist.group.WORLD)
+
+
+def nondeterministic_noise(q, k, v, *, causal, softmax_scale, group=None):
+    """The textbook ring with dq off by up to 100x the output dtype's rounding, at random on each call."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _NoisyRing.apply(q, k, v, causal, scale, group if group is not None else dist.group.WORLD)

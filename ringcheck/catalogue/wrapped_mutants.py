@@ -14,7 +14,7 @@ one backward, the mesh, the views, determinism, the full length):
 
 `textbook_nondeterministic` is a correct control: the textbook ring with other float32 roundings
 of dq in every run, as a GPU kernel's atomic adds give (a random value added and taken away
-again: 2^-23 of dq in float32, 2^-16 in bf16). It is not deterministic (the determinism row fails it), so these
+again: 2^-23 of dq in float32, 2^-16 in bf16). It is not deterministic (the determinism row FLAGs it), so these
 rows judge it by the budget rule, and pass it, instead of by its bits.
 
 This module stands for someone else's code: it does not use ringcheck's ring.

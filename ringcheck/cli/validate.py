@@ -306,8 +306,10 @@ def _add_validate(sub) -> None:
                         "of that time the ring hides (it times calls: a few seconds; memory and communication are "
                         "measured by default)")
     p.add_argument("--require", metavar="PROMISES",
-                   help="promises whose FLAG fails the run (exit 1): any of memory, communication, overlap, comma-"
-                        "separated (default: none; a FLAG is reported, exactness alone gates)")
+                   help="promises whose FLAG fails the run (exit 1): any of memory, communication, overlap, "
+                        "determinism (a second run gives the same bits; also required where the implementation "
+                        "turns on torch.use_deterministic_algorithms), comma-separated (default: none; a FLAG is "
+                        "reported, exactness alone gates)")
     p.add_argument("--report", metavar="DIR", help="write validate.json, validate.md and validate.html to DIR")
     p.add_argument("--full-table", dest="full_table", action="store_true",
                    help="the wide table with every row's located detail in it (default: one line per check, "

@@ -24,6 +24,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+import torch
+
 from ..adapters import BUILTIN, Impl, accepted_keywords, load_impl
 from ..harness import Mesh
 from ..judge.check import Case
@@ -84,6 +86,7 @@ class ImplConfig:
     stand_in: bool = False              # --ring-flash-attn-stand-in: replays need it too
     mesh: Mesh | None = None            # --ring-mesh: its other dims replicate every ring size
     sinks_grad: str = "partial"         # --sinks-grad
+    deterministic_algorithms: bool = False  # torch.use_deterministic_algorithms on at configure: determinism required
 
     @property
     def plain_layouts(self) -> tuple[str, ...]:
@@ -179,4 +182,5 @@ def impl_config(spec: str, *, layouts: str | None = None, world_sizes: str | Non
     template = None if mesh is None else Mesh.parse(mesh)
     return ImplConfig(spec.strip(), impl, tuple(chosen), _world_sizes(world_sizes, torchrun_size, template), picked,
                       bool(forward_only), float(timeout), torchrun_size, note, bool(stand_in), template,
-                      check_sinks_grad(sinks_grad))
+                      check_sinks_grad(sinks_grad),
+                      torch.are_deterministic_algorithms_enabled())  # read once, after the implementation's import

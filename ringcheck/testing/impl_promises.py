@@ -37,8 +37,9 @@ def _require(text: str) -> tuple[str, ...]:
 def add_options(group) -> None:
     """The plugin's options of the promise tests (in its --ring-impl group)."""
     group.addoption("--ring-require", type=_require, default=(), metavar="PROMISES",
-                    help="promises whose FLAG fails its test: memory, communication, overlap, comma-separated "
-                         "(default: none; a ring off a promise is reported as XFAIL)")
+                    help="promises whose FLAG fails its test: memory, communication, overlap, determinism (a "
+                         "second run gives the same bits), comma-separated (default: none; a ring off a promise is "
+                         "reported as XFAIL)")
     group.addoption("--ring-overlap", action="store_true", default=False,
                     help="also run the overlap test (it times calls, with every transfer held)")
 

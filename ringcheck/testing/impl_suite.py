@@ -16,7 +16,9 @@ implementation (`ringcheck.testing.impl_check`).
 What applies to any ring: the budget against float64 for every tensor, dtype and
 distribution; no NaN/Inf; the metamorphic properties (linear in V, V -> -V, causal prefix,
 batch and head independence, K/V permutation, GQA = MHA on repeated K/V); invariance under
-ring size and layout; determinism; the variants the implementation takes keywords for
+ring size and layout; determinism (XFAIL for a ring whose second run changes bits within
+rounding, as GPU kernels with atomic adds do; where it does, the bit-exact properties judge it
+within the two runs' budgets); the variants the implementation takes keywords for
 (packed documents with padding, windows, softcap, sinks), and a value head dim of its own
 (d_v != d_qk, which the contract allows without a keyword: its own test, so an implementation
 that does not support it fails that test alone); as training wraps it, two layers under
@@ -141,6 +143,25 @@ def test_no_nan_or_inf(cfg, ring_impl, search_profile, part):
     _search(body)
 
 
+def test_determinism(cfg, ring_impl, search_profile, part, request):
+    """Two runs of one case: the same bits. A ring whose second run changes bits within rounding
+    (as atomic adds make GPU kernels) is reported as an expected failure (XFAIL) naming a case;
+    it fails under --ring-require determinism, or where torch.use_deterministic_algorithms(True)
+    was on when the plugin configured. A second run beyond rounding fails. It runs before the
+    bit-exact properties, which then know the ring is not deterministic where it showed that."""
+    required = "determinism" in request.config.getoption("--ring-require") or cfg.deterministic_algorithms
+    params, differed = ({"required": True} if required else {}), []
+
+    def body(data):
+        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
+        _holds(cfg, lambda c, **p: props.check_determinism(c, **p, impl=ring_impl) or differed.append(c),
+               "check_determinism", case, **params)
+    _search(body)
+    if differed:
+        pytest.xfail(f"not deterministic (reported; --ring-require determinism fails it): a second run of "
+                     f"{differed[0].describe()} changed bits, within rounding")
+
+
 def test_linear_in_v(cfg, ring_impl, search_profile, part):
     def body(data):
         case = data.draw(_plain(cfg, search_profile.bounds), label="case")
@@ -236,13 +257,6 @@ def test_calls_that_change_length(cfg, ring_impl, search_profile, part):
         _holds(cfg, lambda c, **p: props.check_changing_lengths(c, **p, impl=ring_impl), "check_changing_lengths",
                case, shorter=shorter)
     _search(body, max_examples=ragged_examples(search_profile))
-
-
-def test_determinism(cfg, ring_impl, search_profile, part):
-    def body(data):
-        case = data.draw(_plain(cfg, search_profile.bounds), label="case")
-        _holds(cfg, lambda c: props.check_determinism(c, impl=ring_impl), "check_determinism", case)
-    _search(body)
 
 
 def test_distributed_equals_simulated_bit_for_bit(cfg, ring_impl, search_profile, part):

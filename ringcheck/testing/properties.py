@@ -10,7 +10,9 @@ its implementation calls before comparing whole (gathered) results, so under tor
 rank makes the same collective calls and reaches the same verdict.
 
 Where a property holds exactly in our arithmetic it is checked bit for bit (causal prefix,
-batch and head independence, V -> -V, lse and dV independent of V, the layouts); where it
+batch and head independence, V -> -V, lse and dV independent of V, the layouts), and for a
+ring that is not deterministic (a second run of the same inputs changes bits, as atomic adds
+do on GPUs) within the two runs' budgets instead (`ringcheck.testing.compare.Exact`); where it
 holds up to rounding, against a bound derived from float32 accumulation and the output
 dtype's rounding (linearity of out in V); where only "within budget" is justified
 (permutation of K/V, GQA vs repeated K/V, ring size and layout), against the sum of the two
@@ -24,19 +26,13 @@ from hypothesis import strategies as st
 
 from ringcheck.reference import dense_attention
 
-from ..judge.check import (
-    Case,
-    Results,
-    judge_results,
-    peer,
-    run_whole,
-    simulated_impl,
-    truth,
-)
+from ..judge.check import Case, Results, run_whole, simulated_impl, truth
 from ..judge.inputs import Inputs, make_inputs
-from ..judge.verdict import TENSORS, Verdict
+from ..judge.verdict import TENSORS
 from ..ring.layouts import positions, shard, unshard
 from ..spec import LAYOUTS, RingSpec
+from .compare import Exact, failure, first_unequal, not_deterministic, present, same_bits, worst
+from .compare import verdict_of as _verdict
 from .strategies import Bounds, cases
 
 # ---- where the budget rule is meaningful ----------------------------------------------------
@@ -78,21 +74,6 @@ def gamma(n: int) -> float:
     return n * U32 / (1 - n * U32)
 
 
-def repro(check: str, case: Case, **params) -> str:
-    """A one-line shell command (from the repository root) that re-runs one property."""
-    args = ", ".join([repr(case)] + [f"{k}={v!r}" for k, v in params.items()])
-    return (f"python -c \"from ringcheck.testing.properties import {check}; "
-            f"from ringcheck.judge.check import Case; from ringcheck.spec import AttentionSpec, RingSpec, Variant; "
-            f"{check}({args})\"")
-
-
-def failure(check: str, case: Case, what: str, *, subject: str | None = None, **params) -> AssertionError:
-    """The error of a failed property: what failed, for `subject` (default: the case's words),
-    and the command that replays it."""
-    return AssertionError(f"{check} failed for {case.describe() if subject is None else subject}: {what}\n"
-                          f"  reproduce: {repro(check, case, **params)}")
-
-
 def _inputs(case: Case, *, seed: int | None = None) -> Inputs:
     return make_inputs(case.spec, seed=case.seed if seed is None else seed,
                        distribution=case.distribution, ring=case.ring)
@@ -112,37 +93,11 @@ def _run(case: Case, inputs: Inputs, impl) -> Results:
     return run_whole(whole, inputs)
 
 
-def present(results: Results, names) -> tuple[str, ...]:
-    """Of `names`, the tensors `results` holds: an implementation run forward only has no dq,
-    dk and dv, one that returns out alone no lse (`ringcheck.testing.impl_runner`); the
-    properties compare what is there."""
-    return tuple(name for name in names if results.get(name) is not None)
-
-
-def _verdict(case: Case, inputs: Inputs, got: Results, tensors=TENSORS) -> Verdict:
-    return judge_results(case, got, truth(case.spec, inputs), peer(case.spec, inputs), tensors=present(got, tensors),
-                         inputs=inputs)
-
-
-def _worst(diff: torch.Tensor, allowed: torch.Tensor | float) -> str:
-    over = diff - allowed
-    i = tuple(int(j) for j in torch.unravel_index(over.argmax(), over.shape))
-    a = allowed[i] if isinstance(allowed, torch.Tensor) else allowed
-    return (f"{int((over > 0).sum())} of {diff.numel()} elements over; worst at index {list(i)}: "
-            f"|difference| {float(diff[i]):.3e} > allowed {float(a):.3e}")
-
-
-def _first_unequal(a: torch.Tensor, b: torch.Tensor) -> str:
-    ne = ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
-    i = [int(j) for j in torch.nonzero(ne)[0]]
-    return f"{int(ne.sum())} of {a.numel()} elements differ, first at index {i}: {float(a[tuple(i)])!r} vs {float(b[tuple(i)])!r}"
-
-
 def _expect_equal(check, case, name, x, y, **params):
     if x is None and y is None:  # not run (forward only) or not returned (lse): nothing to compare
         return
     if not torch.equal(x, y):
-        raise failure(check, case, f"{name} is not bit-identical: {_first_unequal(x, y)}", **params)
+        raise failure(check, case, f"{name} is not bit-identical: {first_unequal(x, y)}", **params)
 
 
 # ---- budget and finiteness ---------------------------------------------------------------------
@@ -194,9 +149,11 @@ def check_linear_in_v(case: Case, a: float = 1.0, b: float = 1.0, impl=simulated
     runs = [Inputs(x1.q, x1.k, v, x1.dout) for v in (x1.v, x2.v, v3)]
     r1, r2, r3 = (_run(case, x, impl) for x in runs)
     params = dict(a=a, b=b)
+    exact = Exact("check_linear_in_v", case, r1, lambda: _run(case, runs[0], impl), impl=impl, **params)
     for name in ("lse", "dv"):
-        _expect_equal("check_linear_in_v", case, f"{name} of V1 and of V2", r1.get(name), r2.get(name), **params)
-        _expect_equal("check_linear_in_v", case, f"{name} of V1 and of V3", r1.get(name), r3.get(name), **params)
+        for label, x, r in (("V2", runs[1], r2), ("V3", runs[2], r3)):
+            exact.equal(f"{name} of V1 and of {label}", name, r1.get(name), r.get(name),
+                        ((case, runs[0], r1), (case, x, r)))
 
     def att(v):
         return dense_attention(x1.q.double(), x1.k.double(), v, causal=spec.causal, softmax_scale=spec.scale)
@@ -210,7 +167,7 @@ def check_linear_in_v(case: Case, a: float = 1.0, b: float = 1.0, impl=simulated
         allowed = allowed + abs(c) * ((2 * u + 2 * g) * att(v.double().abs()) + eta)
     diff = (resid - att(dv)).abs()
     if not (diff <= allowed).all():
-        raise failure("check_linear_in_v", case, "out is not linear in V within rounding: " + _worst(diff, allowed),
+        raise failure("check_linear_in_v", case, "out is not linear in V within rounding: " + worst(diff, allowed),
                     **params)
 
 
@@ -218,12 +175,14 @@ def check_v_negation(case: Case, impl=simulated_impl) -> None:
     """V -> -V negates out, dq and dk and leaves lse and dv unchanged, bit for bit (round to
     nearest is symmetric, and every V-dependent quantity is linear in V)."""
     x = _inputs(case)
-    r = _run(case, x, impl)
-    n = _run(case, Inputs(x.q, x.k, -x.v, x.dout), impl)
+    xn = Inputs(x.q, x.k, -x.v, x.dout)
+    r, n = _run(case, x, impl), _run(case, xn, impl)
+    exact = Exact("check_v_negation", case, r, lambda: _run(case, x, impl), impl=impl)
+    runs = ((case, xn, n), (case, x, r))
     for name in present(r, ("out", "dq", "dk")):
-        _expect_equal("check_v_negation", case, f"{name}(-V) vs -{name}(V)", n.get(name), -r.get(name))
+        exact.equal(f"{name}(-V) vs -{name}(V)", name, n.get(name), -r.get(name), runs)
     for name in ("lse", "dv"):
-        _expect_equal("check_v_negation", case, f"{name}(-V) vs {name}(V)", n.get(name), r.get(name))
+        exact.equal(f"{name}(-V) vs {name}(V)", name, n.get(name), r.get(name), runs)
 
 
 # ---- metamorphic: K/V order, causal prefix, batch and heads, GQA -----------------------------
@@ -260,7 +219,7 @@ def _budget_agreement(check, case_a, inputs_a, got_a, case_b, inputs_b, got_b, t
         diff = (x - y).abs()
         if not (diff <= allowed).all():
             raise failure(check, case_a, f"{name} of {la} and of {lb} differ by more than the two budgets "
-                          f"({va[name].max_allowed:.3e} + {vb[name].max_allowed:.3e}): " + _worst(diff, allowed)
+                          f"({va[name].max_allowed:.3e} + {vb[name].max_allowed:.3e}): " + worst(diff, allowed)
                           + "; " + _off_from_truth(name, ((la, va[name]), (lb, vb[name]))), subject=subject,
                           **params)
 
@@ -291,11 +250,12 @@ def check_causal_prefix(case: Case, cut: int, impl=simulated_impl) -> None:
     z = Inputs(*(torch.cat([a[:, :cut], b[:, cut:]], dim=1) for a, b in zip(
         (x.q, x.k, x.v, x.dout), (y.q, y.k, y.v, y.dout))))
     r, rz = _run(case, x, impl), _run(case, z, impl)
+    exact = Exact("check_causal_prefix", case, r, lambda: _run(case, x, impl), impl=impl, cut=cut)
     for name, part in (("out", lambda t: t[:, :cut]), ("lse", lambda t: t[:, :, :cut]), ("dq", lambda t: t[:, :cut])):
         if name not in present(r, (name,)):
             continue
-        _expect_equal("check_causal_prefix", case, f"{name} of rows before {cut}",
-                      part(r.get(name)), part(rz.get(name)), cut=cut)
+        exact.equal(f"{name} of rows before {cut}", name, part(r.get(name)), part(rz.get(name)),
+                    ((case, x, r), (case, z, rz)))
 
 
 def _splice(x: Inputs, y: Inputs, *, batch=None, kv_head=None, q_head=None, group=1) -> Inputs:
@@ -321,14 +281,16 @@ def check_batch_and_head_independence(case: Case, impl=simulated_impl) -> None:
     spec, g = case.spec, case.spec.group_size
     x, y = _inputs(case), _other_inputs(case)
     r = _run(case, x, impl)
-    rb = _run(case, _splice(x, y, batch=spec.batch - 1), impl) if spec.batch > 1 else None
-    rh = _run(case, _splice(x, y, kv_head=spec.kv_heads - 1, group=g), impl) if spec.kv_heads > 1 else None
-    rq = _run(case, _splice(x, y, q_head=spec.heads - 1), impl) if spec.heads > 1 else None
-    check = "check_batch_and_head_independence"
+    xb, xh, xq = (_splice(x, y, batch=spec.batch - 1), _splice(x, y, kv_head=spec.kv_heads - 1, group=g),
+                  _splice(x, y, q_head=spec.heads - 1))
+    rb = _run(case, xb, impl) if spec.batch > 1 else None
+    rh = _run(case, xh, impl) if spec.kv_heads > 1 else None
+    rq = _run(case, xq, impl) if spec.heads > 1 else None
+    exact = Exact("check_batch_and_head_independence", case, r, lambda: _run(case, x, impl), impl=impl)
     if rb is not None:
         for name in present(r, TENSORS):
-            _expect_equal(check, case, f"{name} of batch elements before the replaced one",
-                          r.get(name)[:-1], rb.get(name)[:-1])
+            exact.equal(f"{name} of batch elements before the replaced one", name, r.get(name)[:-1],
+                        rb.get(name)[:-1], ((case, x, r), (case, xb, rb)))
     if rh is not None:
         keep_q = slice(0, spec.heads - g)
         for name, part in (("out", lambda t: t[:, :, keep_q]), ("lse", lambda t: t[:, keep_q]),
@@ -336,15 +298,15 @@ def check_batch_and_head_independence(case: Case, impl=simulated_impl) -> None:
                            ("dv", lambda t: t[:, :, :-1])):
             if name not in present(r, (name,)):
                 continue
-            _expect_equal(check, case, f"{name} of the heads other than the replaced K/V head",
-                          part(r.get(name)), part(rh.get(name)))
+            exact.equal(f"{name} of the heads other than the replaced K/V head", name, part(r.get(name)),
+                        part(rh.get(name)), ((case, x, r), (case, xh, rh)))
     if rq is not None:
         for name, part in (("out", lambda t: t[:, :, :-1]), ("lse", lambda t: t[:, :-1]),
                            ("dq", lambda t: t[:, :, :-1])):
             if name not in present(r, (name,)):
                 continue
-            _expect_equal(check, case, f"{name} of the query heads other than the replaced one",
-                          part(r.get(name)), part(rq.get(name)))
+            exact.equal(f"{name} of the query heads other than the replaced one", name, part(r.get(name)),
+                        part(rq.get(name)), ((case, x, r), (case, xq, rq)))
 
 
 def check_gqa_is_mha_with_repeated_kv(case: Case, impl=simulated_impl) -> None:
@@ -404,12 +366,24 @@ def check_changing_lengths(case: Case, shorter: int, impl=simulated_impl) -> Non
                           f"rank{before}) over budget:\n" + verdict.message(), shorter=shorter)
 
 
-def check_determinism(case: Case, impl=simulated_impl) -> None:
-    """Two runs of one case give the same bits in every tensor (on the same ring)."""
+def check_determinism(case: Case, impl=simulated_impl, required: bool = False) -> bool:
+    """Two runs of one case (on the same ring): the same bits in every tensor (True), else a ring
+    that is not deterministic (False), as atomic adds make GPU kernels; its two runs must then be
+    within the sum of their budgets of each other (rounding), and it fails where determinism is
+    `required` (``--ring-require determinism``, or torch.use_deterministic_algorithms)."""
     x = _inputs(case)
     a, b = _run(case, x, impl), _run(case, x, impl)
-    for name in present(a, (*TENSORS, "dsinks")):
-        _expect_equal("check_determinism", case, f"{name} of two runs", a.get(name), b.get(name))
+    if same_bits(a, b):
+        return True
+    not_deterministic(impl)
+    names, params = (*TENSORS, "dsinks"), ({"required": True} if required else {})
+    _budget_agreement("check_determinism", case, x, a, case, x, b, names, labels=("run 1", "run 2"), **params)
+    if required:
+        said = "; ".join(f"{n}: {first_unequal(a.get(n), b.get(n))}" for n in present(a, names)
+                         if not torch.equal(a.get(n), b.get(n)))
+        raise failure("check_determinism", case, f"not deterministic, and determinism is required: two runs of the "
+                      f"same inputs differ in bits (within rounding: {said})", **params)
+    return False
 
 
 def check_distributed_equals_simulated(case: Case, impl) -> None:

@@ -30,6 +30,7 @@ from ..judge.inputs import Inputs, make_inputs
 from ..judge.verdict import TENSORS, Verdict, float32_floors
 from ..ring.layouts import block_plan, positions
 from ..spec import DOC_LAYOUTS, RingSpec, Variant
+from .compare import Exact
 from .properties import HALF_SUBNORMAL, UNIT_ROUNDOFF, gamma, present
 
 U32 = 2.0 ** -24
@@ -247,10 +248,11 @@ def check_full_window_is_no_window(case: Case, left: int, right: int, impl=simul
     x = _inputs(plain)
     a, b = _run(plain, x, impl), _run(full, x, impl)
     params = {"left": left, "right": right}
-    if our_plan and same_plan(plain, full):
+    if our_plan and same_plan(plain, full):  # (a ring that is not deterministic: within the two budgets)
+        exact = Exact(check, case, a, lambda: _run(plain, x, impl), impl=impl, fail=failure, **params)
         for name in _names(a):
-            _expect_equal(check, case, f"{name} with window ({left}, {right}) vs no window", b.get(name), a.get(name),
-                          **params)
+            exact.equal(f"{name} with window ({left}, {right}) vs no window", name, b.get(name), a.get(name),
+                        ((full, x, b), (plain, x, a)))
         return
     va, vb = _verdict(plain, x, a), _verdict(full, x, b)
     for name in _names(a):
@@ -311,13 +313,14 @@ def check_sink_minus_inf(case: Case, impl=simulated_impl) -> None:
     """Sinks all -inf equal no sinks, bit for bit for out, lse, dq, dk, dv (exp(-inf) = 0
     joins every denominator exactly), and dsinks is exactly 0 (the case's own sinks kind is
     ignored: the sinks are -inf)."""
-    check = "check_sink_minus_inf"
-    x = _inputs(_with(case, sinks=None))
-    minus_inf = torch.full((case.spec.heads,), float("-inf"))
-    a = _run(_with(case, sinks=None), x, impl)
-    b = _run(_with(case, sinks=case.spec.sinks or "normal"), Inputs(x.q, x.k, x.v, x.dout, minus_inf), impl)
+    check, plain, sunk = "check_sink_minus_inf", _with(case, sinks=None), _with(case, sinks=case.spec.sinks or "normal")
+    x = _inputs(plain)
+    xs = Inputs(x.q, x.k, x.v, x.dout, torch.full((case.spec.heads,), float("-inf")))
+    a, b = _run(plain, x, impl), _run(sunk, xs, impl)
+    exact = Exact(check, case, a, lambda: _run(plain, x, impl), impl=impl, fail=failure)  # (not deterministic: budgets)
     for name in present(a, TENSORS):
-        _expect_equal(check, case, f"{name} with sinks -inf vs no sinks", b.get(name), a.get(name))
+        exact.equal(f"{name} with sinks -inf vs no sinks", name, b.get(name), a.get(name),
+                    ((sunk, xs, b), (plain, x, a)))
     if b.dsinks is not None:
         _expect_equal(check, case, "dsinks with sinks -inf", b.dsinks, torch.zeros_like(b.dsinks))
 
@@ -371,10 +374,11 @@ def check_padding_is_inert(case: Case, extra: int, impl=simulated_impl, our_plan
     exact = (same_plan(base, long, tokens=base.spec.variant.cu_seqlens[-1]) and case.spec.dtype not in STRIDE_SENSITIVE
              and our_plan)
     budgeted = [name for name in _names(a) if not exact or name == "dsinks"]
+    exact = Exact(check, case, a, lambda: _run(base, x, impl), impl=impl, fail=failure, **params)  # (or budgets)
     for name in _names(a):
         if name not in budgeted:
-            _expect_equal(check, case, f"{name} of the first {n} tokens after padding", _tokens(name, b.get(name), first),
-                          a.get(name), **params)
+            exact.equal(f"{name} of the first {n} tokens after padding", name, _tokens(name, b.get(name), first),
+                        a.get(name), ((long, xl, b), (base, x, a)))
     if budgeted:
         va, vb = _verdict(base, x, a), _verdict(long, xl, b)
     for name in budgeted:

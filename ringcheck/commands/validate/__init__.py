@@ -18,7 +18,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
   short, long again: the calls that change length);
 - at the full target length (on the target world: a ring that is the whole world, or the
   mesh), sampled query rows against the row-sampled reference (never an N x N matrix);
-- NaN/Inf anywhere; determinism (two runs, same bits); output shape and dtype; what the mesh
+- NaN/Inf anywhere; determinism (two runs, same bits: measured, a FLAG where a second run
+  changes bits within rounding, a gate under ``--require determinism`` or where
+  ``torch.use_deterministic_algorithms(True)`` is on); output shape and dtype; what the mesh
   found (a ring that passes alone and fails inside the mesh); the layout's per-rank work
   balance (information, not a gate);
 - the ring as training wraps it (`wrapped`): two layers under activation checkpointing
@@ -34,6 +36,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ...documents import VALIDATE_SCHEMA, header
 from ...harness import ImplOptions, Mesh, Runner
 from ...harness.mesh import REPLICA
@@ -44,7 +48,7 @@ from .device import device_row
 from .promises import promise_rows, promise_steps
 from .ragged import ragged_rows
 from .rows import FLAG, NOT_RUN, CheckRow, balance_row, finite_row, shape_row, stand_in_row
-from .steps import Run, full_length_rows, mesh_row, scaled_rows
+from .steps import DETERMINISM, Run, full_length_rows, mesh_row, scaled_rows
 from .target import SCALED_MIN_BATCH, Target, check_variant_keywords, ragged_cases, scaled_cases
 from .wrapped import RECOMPUTE_ROW, compile_row, recompute_row
 
@@ -109,28 +113,33 @@ def validate(target: Target, processes, *, budget: Budget = Budget(),
     command measures `DEFAULT_PROMISES` (memory, communication) unless told otherwise; this
     function none unless asked, so that callers that judge exactness alone (the suites) do not
     pay for the measurements. `recompute` False leaves out the recompute row's runs (the row says
-    it was not run): the suites that judge other rows do, the command never."""
+    it was not run): the suites that judge other rows do, the command never. Determinism is
+    required where `require` names it, or where `torch.use_deterministic_algorithms(True)` is on
+    when this starts (read once here, after the implementation's module is imported)."""
     stand_in = stand_in_row(target.flash_attn_stand_in)  # before the implementation is imported
     options = ImplOptions(target.impl, target.layout, target.backend, target.forward_only,
                           target.flash_attn_stand_in, target.sinks_grad)
     impl = options.load()
+    required = determinism_required(require, torch.are_deterministic_algorithms_enabled())  # read once, here
     impl.check_layout(target.layout, target.causal)
     check_variant_keywords(impl, target)
     where = placement(target, processes.size, impl.world_only)
     with torch_threads(1):  # small tensors: a second thread only spins against the ranks' processes
-        return _rows(target, processes, options, where, budget, progress, stand_in, promises, require, recompute)
+        return _rows(target, processes, options, where, budget, progress, stand_in, promises, require, recompute,
+                     required)
 
 
 def _rows(target, processes, options, where, budget, progress, stand_in, promises, require,
-          recompute) -> list[CheckRow]:
+          recompute, required: str) -> list[CheckRow]:
     run = Run(target, Runner(processes, options), where.scaled, budget,
-              progress if getattr(processes, "is_main", True) else None)
+              progress if getattr(processes, "is_main", True) else None, determinism_required=required)
     rows = scaled_rows(run)
     ragged, ragged_verdicts = ragged_rows(run, where.full)
     full, full_verdicts = full_length_rows(run, where.full)
     determinism = run.determinism_row()
-    wrapped = [recompute_row(run, determinism.passed) if recompute else not_asked(RECOMPUTE_ROW),
-               compile_row(run, determinism.passed)]
+    deterministic = determinism.status == "pass"
+    wrapped = [recompute_row(run, deterministic) if recompute else not_asked(RECOMPUTE_ROW),
+               compile_row(run, deterministic)]
     every = [*([stand_in] if stand_in else []), *rows, *ragged, *full,
              finite_row([*run.verdicts, *ragged_verdicts, *full_verdicts]),
              determinism, device_row(run), *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
@@ -140,6 +149,15 @@ def _rows(target, processes, options, where, budget, progress, stand_in, promise
     if ours:
         raise DeviceDefect(f"{ours[0].check}: {ours[0].detail}")
     return every
+
+
+def determinism_required(require, deterministic_algorithms: bool) -> str:
+    """Why the determinism row's FLAG fails the run, in words ("": it is reported only): `require`
+    names it, or `deterministic_algorithms` (torch.are_deterministic_algorithms_enabled() where
+    the run starts) is on."""
+    if deterministic_algorithms:
+        return "torch.use_deterministic_algorithms(True) is on"
+    return f"--require {DETERMINISM}" if DETERMINISM in require else ""
 
 
 def not_asked(check: str) -> CheckRow:

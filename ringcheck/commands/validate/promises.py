@@ -19,7 +19,9 @@ implementation's own ranks (`ringcheck.measure`) and say FLAG where it is broken
   the smaller delay (where a ring that overlaps hides it all but its last transfer).
 
 A FLAG is reported, in the row and in the verdict line, and fails the exit only for the
-promises named by ``--require`` (`parse_require`). Exactness stays the gate.
+promises named by ``--require`` (`parse_require`). Exactness stays the gate. ``--require``
+also takes ``determinism``: the determinism row (`steps.Run.determinism_row`) is measured with
+the exactness checks, not here, and FLAGs a ring whose second run changes bits within rounding.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from ...measure.calls import overlap_figures, promise_task
 from ...measure.model import Shapes, hops, ideal_bytes, minimum_traffic
 from ...spec import RingSpec
 from .rows import FLAG, CheckRow
-from .steps import short
+from .steps import DETERMINISM, short
 from .target import Target
 
 MEMORY, COMMUNICATION, OVERLAP = "memory", "communication", "overlap"
-PROMISES = (MEMORY, COMMUNICATION, OVERLAP)
+PROMISES = (MEMORY, COMMUNICATION, OVERLAP)  # measured here
+REQUIRABLE = (*PROMISES, DETERMINISM)        # what --require takes
 DEFAULT_PROMISES = (MEMORY, COMMUNICATION)   # cheap and exact; overlap times calls (--overlap)
 MEMORY_BLOCKS = 0.5      # FLAG: the peak grows by half a K/V block or more per rank added to the ring
 TRAFFIC_RATIO = 1.75     # FLAG: a pass moves 1.75x the ring's minimum or more (K/V sent twice: 2x)
@@ -70,16 +73,16 @@ def parse_require(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value)]
-    unknown = [n for n in names if n not in PROMISES]
+    unknown = [n for n in names if n not in REQUIRABLE]
     if unknown or not names or "" in names:
-        raise ValueError(f"--require {value!r}: choose one or more of {', '.join(PROMISES)}, separated by commas "
+        raise ValueError(f"--require {value!r}: choose one or more of {', '.join(REQUIRABLE)}, separated by commas "
                          f"(e.g. --require memory,communication); got {unknown or names}")
     return tuple(dict.fromkeys(names))
 
 
 def promise_steps(promises: Sequence[str]) -> int:
     """The progress notes the promise rows make: one, where any is measured."""
-    return int(bool(promises))
+    return int(any(p in PROMISES for p in promises))
 
 
 def _mb(x: float) -> str:

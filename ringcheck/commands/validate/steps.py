@@ -1,6 +1,12 @@
 """The steps of a validate run: the scaled-down cases on a mesh (every group, every call), the
 full length on sampled rows, determinism, and what the mesh found.
 
+Determinism is measured, not gated: a ring whose second run of the first case changes bits
+within the two runs' budgets of each other (the other float32 roundings of atomic adds, as
+flash-attn's and SDPA's backward give on GPUs) is FLAGged, a gate only where required
+(``--require determinism``, or ``torch.use_deterministic_algorithms(True)`` where validate
+starts); a second run further off than that fails.
+
 Each scaled-down case runs in one dispatch on every CP group of the mesh at once: the contiguous
 shards, and two calls before one backward on views (the first of a fused QKV projection, the
 second with k and v of other strides and the other group's data). The contiguous results are
@@ -31,7 +37,7 @@ from ...judge.precision import judge_precision
 from ...judge.verdict import TENSORS, Verdict
 from ...launch import RingError
 from ...spec import AttentionSpec, Budget
-from .rows import BACKWARD, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
+from .rows import BACKWARD, FLAG, NOT_RUN, CheckRow, backward_row, class_rows, judge_rows, same_results, summarise
 from .target import Target, scaled_cases
 
 CONTIGUOUS = "contiguous"
@@ -41,6 +47,8 @@ LAYOUTS_ROW = "input layouts: fused qkv views, k/v strides, non-contiguous dout"
 TWO_CALLS_ROW = "two calls before backward"
 ALL_TENSORS = (*TENSORS, "dsinks")
 FULL_SEED = 100003  # the full-length inputs' seed offset
+DETERMINISM = "determinism"  # what --require names to make the determinism row's FLAG a gate
+DETERMINISM_ROW = "determinism (two runs, same bits)"
 
 
 def judged_tensors(returns_lse: bool, forward_only: bool = False) -> tuple[str, ...]:
@@ -71,6 +79,7 @@ class Run:
     mesh_raised: str = ""                                        # what raised inside the mesh (then: alone)
     returns_lse: bool = True
     first: tuple | None = None                                   # (case, inputs, second, runs): determinism
+    determinism_required: str = ""                               # why it is a gate ("": a FLAG is reported)
 
     def note(self, text: str) -> None:
         if self.progress is not None:
@@ -151,16 +160,56 @@ class Run:
         return True
 
     def determinism_row(self) -> CheckRow:
-        """The first case again: the same bits on every rank of every group."""
+        """The first case again: the same bits on every rank of every group (pass); else the two
+        runs judged by the budget rule against each other (`run_to_run_row`)."""
         self.note("determinism")
         case, inputs, second, runs = self.first
         again = self.runner.run(case, inputs, self.mesh, (CONTIGUOUS,), second=second)
         same = all(same_results(Results(*(p.get(t) for t in TENSORS), p.get("dsinks")),
                                 Results(*(q.get(t) for t in TENSORS), q.get("dsinks")))
                    for a, b in zip(runs, again) for p, q in zip(a.parts[CONTIGUOUS], b.parts[CONTIGUOUS]))
-        return CheckRow("determinism (two runs, same bits)", "pass" if same else "fail",
-                        detail=f"[{case.describe()}]" + (f" on every group of mesh {self.mesh.text}"
-                                                           if self.mesh.rings > 1 else ""))
+        where = f"[{case.describe()}]" + (f" on every group of mesh {self.mesh.text}" if self.mesh.rings > 1 else "")
+        if same:
+            return CheckRow(DETERMINISM_ROW, "pass", detail=where, figures={"deterministic": True},
+                            promise=DETERMINISM, required=bool(self.determinism_required))
+        return run_to_run_row(self, runs, again, where)
+
+
+def run_to_run_row(run: Run, runs, again, where: str) -> CheckRow:
+    """Two runs of the first case whose bits differ, on every group: within the sum of their
+    budgets against float64 (each within its own of the truth), the difference is rounding and
+    the ring is not deterministic (FLAG; a gate where `run.determinism_required`); beyond it, the
+    difference is no rounding (fail)."""
+    case, inputs = run.first[0], run.first[1]
+    judge = Judge(run, case, judged_tensors(run.returns_lse, run.target.forward_only))
+    differ, worst = {}, (0.0, 0.0, 0.0, "")  # (difference / allowed, difference, allowed, tensor)
+    for g, (a, b) in enumerate(zip(runs, again)):
+        got, other = a.calls[CONTIGUOUS], b.calls[CONTIGUOUS]
+        va, vb = (judge.budget(r, inputs[g], group_label(a, run.mesh)) for r in (got, other))
+        for name in (t.tensor for t in va.tensors):
+            x, y = got.get(name), other.get(name)
+            if x is None or y is None or torch.equal(x, y):
+                continue
+            diff = float((x.double() - y.double()).abs().nan_to_num(float("inf")).max())
+            allowed = va[name].max_allowed + vb[name].max_allowed
+            differ[name] = differ.get(name, 0) + int((x != y).sum())
+            ratio = diff / allowed if allowed > 0 else float("inf")
+            worst = max(worst, (ratio, diff, allowed, name))
+    ratio, diff, allowed, name = worst
+    figures = {"deterministic": False, "differ": differ, "worst": {"tensor": name, "difference": diff,
+                                                                    "allowed": allowed}}
+    said = (f"a second run changed the bits of {', '.join(f'{t} ({n} elements)' for t, n in differ.items())}; the "
+            f"largest difference, {diff:.3e} in {name}, is {ratio:.3g}x the two runs' budgets ({allowed:.3e})")
+    if not ratio <= 1.0:
+        return CheckRow(DETERMINISM_ROW, "fail", diff, allowed, figures=figures, detail=(
+            f"{said}: beyond rounding (not the order of float32 additions: a race, or memory read before it is "
+            f"written) {where}"))
+    why = run.determinism_required
+    gate = (f"required ({why}): the run fails" if why else
+            f"reported; --require {DETERMINISM} (or torch.use_deterministic_algorithms(True)) fails the run")
+    return CheckRow(DETERMINISM_ROW, FLAG, diff, allowed, figures=figures, promise=DETERMINISM, required=bool(why),
+                    detail=(f"not deterministic: {said}: within rounding, as kernels that accumulate with atomic adds "
+                            f"give (flash-attn's and SDPA's backward on GPUs); {gate} {where}"))
 
 
 def group_label(run, mesh: Mesh) -> str:
