@@ -82,6 +82,8 @@ RULES = [
                             "ringcheck.catalogue"),
      "a glue sits between a model and a ring: below the step, the commands and the catalogue that use it"),
     (("ringcheck",), ("ringcheck.entry",), "only the console script's own modules import the entry"),
+    (("ringcheck.pin",), ("ringcheck", "torch"),
+     "the pin is the standard library's alone: the entry and the launcher take it before anything else"),
     (("ringcheck.plan",), ("torch", "ringcheck.spec", "ringcheck.ring", "ringcheck.judge", "ringcheck.commands",
                            "ringcheck.testing", "ringcheck.render", "ringcheck.documents", "ringcheck.cli",
                            "ringcheck.launch", "ringcheck.harness", "ringcheck.adapters", "ringcheck.measure",
