@@ -174,6 +174,13 @@ def test_the_pin_holds_only_the_package():
     assert pytest_environ({"PYTHONPATH": "/x"})["PYTHONPATH"].split(os.pathsep) == [str(pin), "/x"]
     worker_context()  # pins the workers' PYTHONPATH (before their fork server starts)
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(pin)
+
+
+@pytest.mark.cli
+def test_the_pin_loads_this_package():
+    """A process that starts with only the pin on its path imports this package, under its own
+    name and from its own files, and the references with it."""
+    pin = Path(pin_directory())
     loads = subprocess.run([sys.executable, "-c", "import ringcheck, ringcheck.reference as r; "
                             "print(ringcheck.__file__); print(r.__name__)"], cwd=pin.parent,
                            env={"PYTHONPATH": str(pin), "PATH": os.environ.get("PATH", "")},
