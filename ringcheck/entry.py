@@ -6,7 +6,9 @@ every later import gets, here and in the worker processes a local ring starts. A
 beside the user's own code) is otherwise imported in its place: a namespace package without
 the API, so the command would end in an ImportError traceback and its workers could not
 start. Where the package cannot be pinned, the command exits 2 naming the folder that shadows
-it. Only the standard library is imported here, before the pin. A command that starts local
+it. The pin is a directory that holds only this package (`ringcheck.pin`), so that the
+user's own packages named like the folders beside it (`reference`, `suites`, `examples`) stay
+the user's. Only the standard library is imported here, before the pin. A command that starts local
 rings starts their fork server as a fork of this process once it has imported what the
 workers need (`ringcheck.launch.start`), so torch is imported once per command, not twice.
 """
@@ -18,8 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent  # this package's directory
-ROOT = str(PACKAGE.parent)                  # the directory that holds it (a checkout or site-packages)
+from .pin import PACKAGE, pinned_paths  # standard library only, as this module before the pin
 
 
 class ShadowedPackage(RuntimeError):
@@ -37,10 +38,10 @@ def _where(module) -> str:
 
 
 def pin_package() -> None:
-    """Put this package's directory first on sys.path (worker processes inherit it through
+    """Put the pin first on sys.path (a directory that holds only this `ringcheck`, not the
+    checkout or site-packages beside it: `ringcheck.pin`; worker processes inherit it through
     the launcher) and, if another `ringcheck` was imported already, import this one instead."""
-    if sys.path[:1] != [ROOT]:
-        sys.path.insert(0, ROOT)
+    sys.path[:] = pinned_paths(sys.path)
     loaded = sys.modules.get("ringcheck")
     if loaded is None or _ours(loaded):
         return

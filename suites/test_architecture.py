@@ -82,6 +82,8 @@ RULES = [
                             "ringcheck.catalogue"),
      "a glue sits between a model and a ring: below the step, the commands and the catalogue that use it"),
     (("ringcheck",), ("ringcheck.entry",), "only the console script's own modules import the entry"),
+    (("ringcheck.pin",), ("ringcheck", "torch"),
+     "the pin is the standard library's alone: the entry and the launcher take it before anything else"),
     (("ringcheck.plan",), ("torch", "ringcheck.spec", "ringcheck.ring", "ringcheck.judge", "ringcheck.commands",
                            "ringcheck.testing", "ringcheck.render", "ringcheck.documents", "ringcheck.cli",
                            "ringcheck.launch", "ringcheck.harness", "ringcheck.adapters", "ringcheck.measure",
@@ -316,3 +318,53 @@ def test_no_circle_of_imports():
     circles = _circles()
     assert not circles, "import circles (move what both need to a module below them): " + "; ".join(
         " <-> ".join(c) for c in circles)
+
+
+# the dependencies whose private names ringcheck calls only through its doors (ringcheck/thirdparty/),
+# with the names modules bind them to
+DEPENDENCIES = ("torch", "transformers", "deepspeed", "flash_attn", "triton")
+BOUND = {"dist": "torch.distributed", "F": "torch.nn.functional", "mpu": "deepspeed", "tl": "triton.language"}
+DOORS = ("ringcheck.thirdparty", "ringcheck.flash_stand_in")  # the doors, and our own copy of flash-attn's API
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """`module:line name` for every private name of a dependency that `path` imports or reaches
+    as an attribute (torch.autograd._make_grads, dist.distributed_c10d._world)."""
+    def private(dotted: str) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
+
+    def chain(node) -> str | None:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name):
+            return None
+        return ".".join([BOUND.get(node.id, node.id), *reversed(parts)])
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and private(node.attr):  # the first private step of a chain
+            names = [c for c in [chain(node)] if c and not private(c.rsplit(".", 1)[0])]
+        found += [f"{_name(path)}:{node.lineno} {n}" for n in names
+                  if n.split(".")[0] in DEPENDENCIES and private(n)]
+    return found
+
+
+def test_third_party_private_names_go_through_their_door():
+    """Each dependency's private surface is reached through one module of ringcheck/thirdparty/,
+    which names the version and the fix where it has moved (issue 60, item 2)."""
+    found = [f for p in _modules() if not _under(_name(p), *DOORS) for f in _private_reaches(p)]
+    assert not found, "reach these through ringcheck/thirdparty/ (one door per dependency):\n" + "\n".join(found)
+
+
+def test_the_doors_import_nothing_else_of_ringcheck():
+    """Every floor uses the doors (launch/, adapters/, the ring's backends), so they stand below all."""
+    up = [f"{_name(p)}:{line} imports {m}" for p in _modules() if _under(_name(p), "ringcheck.thirdparty")
+          for line, m, _ in _imports(p) if _under(m, "ringcheck") and not _under(m, "ringcheck.thirdparty")]
+    assert not up, "\n".join(up)

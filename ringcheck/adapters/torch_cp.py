@@ -8,6 +8,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..thirdparty.torch_private import (
+    cp_options,
+    cpu_flash_attention,
+    templated_ring_attention,
+    templated_ring_attention_backward,
+)
 from .contract import Impl, ImplFn, refuse_value_head_dim
 
 
@@ -16,42 +22,32 @@ class _TorchCPRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, balance):
-        # optional: torch's private context-parallel API, present only in some torch versions
-        from torch.distributed.tensor.experimental._attention import _cp_options
-        from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention,
-        )
-
-        old = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = balance
+        # torch's private context-parallel API, through its door (one line where it has moved)
+        options = cp_options()
+        old = options.enable_load_balance
+        options.enable_load_balance = balance
         try:
-            out, lse = _templated_ring_attention(
-                group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                q, k, v, is_causal=causal, dropout_p=0.0, scale=scale)[:2]
+            out, lse = templated_ring_attention(
+                group, 2, cpu_flash_attention()[0], q, k, v, is_causal=causal, dropout_p=0.0, scale=scale)[:2]
         finally:
-            _cp_options.enable_load_balance = old
+            options.enable_load_balance = old
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.group, ctx.balance = causal, scale, group, balance
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # optional: torch's private context-parallel API, present only in some torch versions
-        from torch.distributed.tensor.experimental._attention import _cp_options
-        from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention_backward,
-        )
-
         q, k, v, out, lse = ctx.saved_tensors
-        old = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = ctx.balance
+        options = cp_options()
+        old = options.enable_load_balance
+        options.enable_load_balance = ctx.balance
         try:
-            dq, dk, dv = _templated_ring_attention_backward(
-                ctx.group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            dq, dk, dv = templated_ring_attention_backward(
+                ctx.group, 2, cpu_flash_attention()[1],
                 grad_out=dout.contiguous(), grad_out_name="grad_out", query=q, key=k, value=v, out=out,
                 logsumexp=lse, is_causal=ctx.causal, dropout_p=0.0, scale=ctx.scale)[:3]
         finally:
-            _cp_options.enable_load_balance = old
+            options.enable_load_balance = old
         return dq, dk, dv, None, None, None, None
 
 

@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-from ..launch.start import ROOT
+from ..pin import pinned_paths
 from .common import UsageError
 
 # our flag -> the plugin's pytest option (the flags mean what validate's mean)
@@ -42,12 +42,12 @@ def pytest_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 
 def pytest_environ(environ) -> dict[str, str]:
-    """The environment of the pytest process: this one's, with the directory that holds this
-    ringcheck first on PYTHONPATH, so that pytest imports the package this command runs from
-    (`ringcheck.entry.pin_package`; a folder named ringcheck in the working directory does not
-    shadow it)."""
-    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
-    return {**environ, "PYTHONPATH": os.pathsep.join([ROOT, *paths])}
+    """The environment of the pytest process: this one's, with the pin first on PYTHONPATH (a
+    directory that holds only this ringcheck: `ringcheck.pin`), so that pytest imports the
+    package this command runs from (a folder named ringcheck in the working directory does not
+    shadow it, and the folders beside the package do not shadow the user's)."""
+    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**environ, "PYTHONPATH": os.pathsep.join(pinned_paths(paths))}
 
 
 def _test(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ..adapters import ContractError, Impl
 from ..judge.check import Case
 from ..judge.inputs import Inputs
+from ..thirdparty.torch_private import dynamo_counters, dynamo_reset
 from .call import _Prepared, _require_graph, run_shards
 
 CHECKPOINT = "checkpoint"                      # torch.utils.checkpoint(use_reentrant=False)
@@ -113,13 +114,11 @@ def run_compiled(impl: Impl, case: Case, first: Inputs, second: Inputs, rank: in
     `COMPILE_INFO` in the first call's results. A function that does not compile or raises
     compiled gives no tensors (None) and the error: not compiling is information, not a
     wrong result."""
-    # start-up time: dynamo (about a second to import) only where a compile row runs
-    import torch._dynamo
-    from torch._dynamo.utils import counters
+    counters = dynamo_counters()  # torch._dynamo (about a second to import), only where a compile row runs
 
     device = torch.device(device)
     backend = compile_backend(device)
-    torch._dynamo.reset()
+    dynamo_reset()
     counters.clear()
     compiled = dataclasses.replace(impl, fn=torch.compile(impl.fn, backend=backend))
     error, results = None, []
@@ -132,7 +131,7 @@ def run_compiled(impl: Impl, case: Case, first: Inputs, second: Inputs, rank: in
             error = f"{type(exc).__name__}: {_first_line(exc)}"
             results = [dict.fromkeys(TENSORS) for _ in (first, second)]
     results[0][COMPILE_INFO] = compile_info(counters, backend, error, said)
-    torch._dynamo.reset()  # the worker keeps no compiled code of this run
+    dynamo_reset()  # the worker keeps no compiled code of this run
     counters.clear()
     return tuple(results)
 

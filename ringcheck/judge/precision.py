@@ -43,6 +43,7 @@ import torch
 from ringcheck.reference import attention_mask
 
 from ..spec import AttentionSpec, Budget
+from ..thirdparty.torch_private import cpu_flash_attention
 from .check import Case, Results, judge_results, peer, reference_kwargs, seq_dim, token_owners, truth
 from .conventions import convention_truths
 from .inputs import Inputs
@@ -126,8 +127,7 @@ def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Re
         return None  # padding rows: the kernel has no convention for a row that sees nothing
     q, dout = (t.detach().transpose(1, 2) for t in (inputs.q, inputs.dout))
     k, v = (t.detach().transpose(1, 2).repeat_interleave(g, 1) for t in (inputs.k, inputs.v))
-    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    fwd, bwd = cpu_flash_attention()  # aten's private ops, through torch's door
     work = []  # (query rows, keys, additive mask) of every block pair with a visible key
     for qi in blocks:
         for kj in blocks:

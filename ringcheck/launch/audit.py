@@ -36,11 +36,17 @@ import threading
 from typing import Any
 
 import torch
-from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..thirdparty.torch_private import (
+    OpOverload,
+    OpOverloadPacket,
+    engine_run_backward,
+    make_grads,
+    tensor_or_tensors_to_tuple,
+    tree_flatten,
+)
 from .environment import AUDIT_ENV, audit_requested  # noqa: F401  (the audit's names, in one place)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -238,7 +244,7 @@ class DeviceAudit(TorchFunctionMode):
             created_at=host.site, met_at=met, ours=ours)
 
     def _out_tag(self, name: str, func, args, kwargs, tensors):
-        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(func, (OpOverload, OpOverloadPacket)):
             # an operator called by name: by a dispatch mode (measure.memory's tracker) on what
             # autograd's engine allocates, with the real device filled in; it makes nothing
             # on the host of its own accord
@@ -276,16 +282,15 @@ class DeviceAudit(TorchFunctionMode):
             inputs = _tuple(call.get("inputs") or ())
             grads = call.get("gradient", call.get("grad_tensors"))
             retain, create = call.get("retain_graph"), call.get("create_graph", False)
-        grads = torch.autograd._make_grads(outputs, torch.autograd._tensor_or_tensors_to_tuple(grads, len(outputs)),
-                                           is_grads_batched=False)
+        grads = make_grads(outputs, tensor_or_tensors_to_tuple(grads, len(outputs)), is_grads_batched=False)
         retain = create if retain is None else retain
         with self:
             if func is not torch.autograd.grad:
-                _engine_run_backward(outputs, grads, retain, create, inputs, allow_unreachable=True,
-                                     accumulate_grad=True)
+                engine_run_backward(outputs, grads, retain, create, inputs, allow_unreachable=True,
+                                    accumulate_grad=True)
                 return None
-            result = _engine_run_backward(outputs, grads, retain, create, inputs, call.get("allow_unused", False),
-                                          accumulate_grad=False)
+            result = engine_run_backward(outputs, grads, retain, create, inputs, call.get("allow_unused", False),
+                                         accumulate_grad=False)
         for x, g in zip(inputs, result):
             if g is not None:
                 self._set(g, self._tag(x), ())

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..ring.comm import STOPPED
+from ..thirdparty.torch_private import abort_process_group, process_group_count
 
 Task = Callable[..., Any]
 
@@ -215,8 +216,8 @@ class PlanGroups:
 def _destroy(handles: list, *, abort: bool = False) -> None:
     """Destroy process groups (with `abort`, NCCL's abort where this torch has it: it does not wait
     for work in flight)."""
-    # private, but the only way to abort one group's NCCL communicators (torch 2.2 to 2.13)
-    end = getattr(dist.distributed_c10d, "_abort_process_group", None) if abort else None
+    # private (torch's door), but the only way to abort one group's NCCL communicators
+    end = abort_process_group() if abort else None
     for handle in handles:
         if handle is not None and handle is not dist.GroupMember.NON_GROUP_MEMBER:
             (end or dist.destroy_process_group)(handle)
@@ -227,7 +228,7 @@ def live_groups() -> int:
     rank must not let grow with every failed task."""
     if not dist.is_initialized():
         return 0
-    return len(dist.distributed_c10d._world.pg_map)  # private, present from torch 1.x to 2.13
+    return process_group_count()  # private: torch's door
 
 
 class Submitted:

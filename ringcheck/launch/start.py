@@ -17,10 +17,10 @@ import multiprocessing.util
 import os
 import sys
 import threading
-from pathlib import Path
 
-ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds the ringcheck package
-_PYTHONPATH_AT_START = os.environ.get("PYTHONPATH")  # before the workers' pin adds ROOT (only this module does)
+from ..pin import pin_directory, pinned_paths
+
+_PYTHONPATH_AT_START = os.environ.get("PYTHONPATH")  # before the workers' pin is added (only this module adds it)
 
 
 def environ_as_started(environ) -> dict:
@@ -60,12 +60,13 @@ COMMAND_PRELOAD = {"validate": CHECKPOINT_PRELOAD, "bench": CHECKPOINT_PRELOAD}
 def _pin_package_for_workers() -> None:
     """Workers import the ringcheck this process imported. They start with their working
     directory first on sys.path, where a folder named `ringcheck` (a clone of the repository
-    beside the user's code) would shadow the package; so the directory that holds this
-    package goes first on the PYTHONPATH they inherit (a regular package found on it wins over
-    such a folder). The launcher is an edge: this is its one write to the environment."""
+    beside the user's code) would shadow the package; so the pin goes first on the PYTHONPATH
+    they inherit: a directory that holds only this package (`ringcheck.pin`), not the checkout
+    or site-packages around it, whose other folders would shadow the user's packages of the same
+    names. The launcher is an edge: this is its one write to the environment."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if paths[:1] != [ROOT]:
-        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in paths if p != ROOT])
+    if paths[:1] != [pin_directory()]:
+        os.environ["PYTHONPATH"] = os.pathsep.join(pinned_paths(paths))
 
 
 def worker_context():

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import DEFAULT_TIMEOUT, check_timeout
+from ..thirdparty.torch_private import default_store
 from . import wire
 from .common import (
     GroupPlan,
@@ -34,10 +35,7 @@ from .rank_task import STOP_PREFIX, StopFlag, StuckWatchdog, rank_task
 def _default_store():
     """The store the default process group was made with, for the stop flags; None where this
     torch does not say (then a failing rank's peers wait out the ring timeout, as before)."""
-    try:  # private, but present from torch 1.x to 2.13; nothing else reaches the launcher's store
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
+    return default_store()  # private (torch's door): nothing else reaches the launcher's store
 
 
 class TorchrunWorld:

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, Work
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..thirdparty.torch_private import ProcessGroup, TorchDispatchMode, Work, resolve_process_group
 
 PHASES = ("forward", "backward")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -93,10 +93,7 @@ def _place(group: Any) -> tuple[int, int]:
     """(this rank's place, the group's size) of a c10d op's process group or a functional
     collective's group name."""
     if isinstance(group, str):
-        # torch's own resolver of functional collectives' group names (no public one exists)
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        pg = _resolve_process_group(group)
+        pg = resolve_process_group(group)  # torch's own resolver of functional collectives' group names
         return pg.rank(), pg.size()
     pg = ProcessGroup.unbox(group) if not isinstance(group, ProcessGroup) else group
     return pg.rank(), pg.size()

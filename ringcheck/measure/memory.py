@@ -48,7 +48,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..thirdparty.torch_private import TorchDispatchMode
 
 T = TypeVar("T")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

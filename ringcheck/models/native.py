@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..step.contract import IGNORE, shift_labels
+from ..thirdparty.transformers_private import attn_implementation
 
 NATIVE = "eager"
 
@@ -63,13 +64,13 @@ def attention_implementation(model, name: str) -> Iterator[None]:
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"the native truth needs a transformers model (a PreTrainedModel with a config); got "
                         f"{type(model).__name__}: build it with TinyModel.build or from_config")
-    before = config._attn_implementation
+    before = attn_implementation(config)
     if before != name:
         model.set_attn_implementation(name)
     try:
         yield
     finally:
-        if model.config._attn_implementation != before:
+        if attn_implementation(model.config) != before:
             model.set_attn_implementation(before)
 
 

@@ -121,15 +121,15 @@ def float32_steps(model, batch: dict, logits_of) -> int:
     (deepseek_v3's logits: 1.3e-8 apart at P=2 on 61 tokens), and the budgets take float32's unit
     roundoff, as `ringcheck step` does for a ring not known to compute float64 throughout."""
     # start-up time: torch's dispatch mode is needed only for a --model run
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from ..thirdparty.torch_private import TorchDispatchMode, to_copy_op
 
-    count = 0
+    count, to_copy = 0, to_copy_op()
 
     class Casts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             nonlocal count
             out = func(*args, **(kwargs or {}))
-            if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor)
+            if (func is to_copy and isinstance(out, torch.Tensor)
                     and out.dtype == torch.float32 and args[0].dtype == torch.float64):
                 count += 1
             return out

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..thirdparty.transformers_private import can_set_experts_implementation, causal_lm_class
 from .scale import ModelRefused, kind_of, refuse_mixing_modules, scale_config
 
 SINK_MEAN = 1.5   # exp(1.5) ~ 4.5 against at most a window's dozen keys: the sinks take a real share
@@ -322,8 +323,4 @@ def _copy(config):
 
 
 def _experts_settable(config) -> bool:
-    from transformers import AutoModelForCausalLM  # start-up time
-    from transformers.models.auto.auto_factory import _get_model_class
-
-    cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
-    return bool(getattr(cls, "_can_set_experts_implementation", lambda: False)())
+    return can_set_experts_implementation(causal_lm_class(config))  # private: transformers' door

@@ -43,6 +43,7 @@ import pytest
 import torch
 
 from ..launch.start import preload_in_workers
+from ..thirdparty.torch_private import CONTEXT_PARALLEL
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -126,7 +127,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     with contextlib.suppress(ImportError):  # optional: only where triton is installed
         _sanitizer_only_with_asserts()
 
-preload_in_workers("torch._dynamo", "torch.distributed.tensor.experimental._context_parallel._attention",
+preload_in_workers("torch._dynamo", CONTEXT_PARALLEL,
                    "ringcheck.ring.backends.triton_backend")
 
 

@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import torch
 
 from ..glues.contract import Glue
+from ..thirdparty.deepspeed_private import hand_sequence_parallel_group, release_sequence_parallel_groups
+from ..thirdparty.transformers_private import set_attn_implementation
 
 VERSION = "0.19.8"  # the DeepSpeed this adapter was written and measured against
 CORE = "sdpa"       # the core attention DeepSpeed wraps (its docs' default; eager it refuses)
@@ -70,17 +72,16 @@ class DeepSpeedUlysses:
         _, mpu, ulysses_sp = _deepspeed()
         self.uninstall()
         self.original = ALL_ATTENTION_FUNCTIONS[CORE]
-        mpu._release_sequence_parallel_groups()
+        release_sequence_parallel_groups()
         shimmed = mpu.initialize_sequence_parallel
 
         def initialize(sequence_parallel_size: int) -> None:  # the shim: DeepSpeed's group is ringcheck's CP group
-            mpu._SEQUENCE_PARALLEL_GROUP = group
-            mpu._SEQUENCE_DATA_PARALLEL_GROUP = group
+            hand_sequence_parallel_group(group)
 
         mpu.initialize_sequence_parallel = initialize
         try:
             copy = type(config).from_dict(config.to_dict())
-            copy._attn_implementation = CORE  # the model is built with the core implementation DeepSpeed wraps
+            set_attn_implementation(copy, CORE)  # the model is built with the core implementation DeepSpeed wraps
             ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(
                 SimpleNamespace(config=copy), CORE, torch.distributed.get_world_size(group), micro_batch_size=rows,
                 seq_length_is_variable=True)

@@ -117,7 +117,8 @@ class FlashAttnBackend:
         try:
             import flash_attn  # optional dependency: flash-attn (CUDA only)
             from flash_attn import flash_attn_func
-            from flash_attn.flash_attn_interface import _flash_attn_backward
+
+            from ...thirdparty.flash_attn_private import flash_attn_backward  # after flash_attn: optional, as above
         except Exception as error:  # ImportError, or the CUDA extension failing to load
             raise RuntimeError(
                 f"backend='flash_attn' needs the flash-attn package, which did not import "
@@ -130,8 +131,8 @@ class FlashAttnBackend:
                                f"(sliding windows), found {version}; `pip install -U flash-attn`")
         self.version = version
         self._forward = flash_attn_func
-        self._backward = _flash_attn_backward
-        target = getattr(_flash_attn_backward, "_init_fn", _flash_attn_backward)  # torch custom op (2.7+)
+        self._backward = backward = flash_attn_backward()  # private: flash-attn's door
+        target = getattr(backward, "_init_fn", backward)  # torch custom op (2.7+)
         try:
             self._backward_params = set(inspect.signature(target).parameters)
         except (TypeError, ValueError):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ...thirdparty.torch_private import cpu_flash_attention
 from ..layouts import check_mask
 from ..merge import working_dtype
 
@@ -137,8 +138,7 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_FLASH_FWD, _FLASH_BWD = cpu_flash_attention()  # aten's private ops, through torch's door
 
 
 class TorchBackend:
