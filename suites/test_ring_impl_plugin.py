@@ -246,4 +246,7 @@ def test_a_ring_that_is_not_deterministic_is_an_xfail_unless_determinism_is_requ
     assert result.returncode == 1 and "not deterministic, and determinism is required" in result.stdout, _said(result)
     result = _pytest(user_dir, "--ring-impl", "ringcheck.catalogue.mutants:nondeterministic_noise", *argv,
                      "--ring-dtypes", "bfloat16", "-k", "determinism")
-    assert result.returncode == 1 and "differ by more than the two" in result.stdout, _said(result)
+    # its noise is drawn on every call: the first comparison to see it may be the two runs' (beyond their
+    # budgets) or the run inside the mesh against the truth (dq over budget); either fails it
+    assert result.returncode == 1 and ("differ by more than the two" in result.stdout
+                                       or "dq FAILED" in result.stdout), _said(result)
