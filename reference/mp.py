@@ -64,8 +64,8 @@ from ringcheck.spec import (
 )
 
 from .cache import ResultCache, cache_key
-from .mp_exact import _NEG_INF, _mpf_array, _result_bits
-from .mp_group import DEFAULT_TILING, Tiling, _group, _Inputs
+from .mp_exact import NEG_INF, mpf_array, result_bits
+from .mp_group import DEFAULT_TILING, GroupInputs, Tiling, exact_group
 from .mp_variants import check_variants, exact_sum, log2_sum
 
 FORMAT_VERSION = 1  # payloads gained an optional "dsinks" tensor: old entries still read the same
@@ -270,7 +270,7 @@ def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision, tiling: Tiling,
     vals = {n: np.zeros(shapes[n]) for n in names}
     bits = {n: math.inf for n in names}
     dsinks = {p: [libmp.fzero] * h_ for p in (lo, hi)}  # exact sums over batch and rows
-    dsinks_bound = [_NEG_INF] * h_
+    dsinks_bound = [NEG_INF] * h_
     for b in range(b_):
         for kh in range(kvh):
             heads = slice(kh * grp, (kh + 1) * grp)
@@ -278,9 +278,9 @@ def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision, tiling: Tiling,
             qg = np.ascontiguousarray(qd[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, d))
             dog = None if dod is None else \
                 np.ascontiguousarray(dod[b, :, heads].transpose(1, 0, 2).reshape(grp * ns, dv))
-            inp = _Inputs(qg, kd[b, :, kh], vd[b, :, kh], dog, np.tile(sel, grp), causal, nk - nq, scale,
+            inp = GroupInputs(qg, kd[b, :, kh], vd[b, :, kh], dog, np.tile(sel, grp), causal, nk - nq, scale,
                           variants, None if variants is None else list(range(kh * grp, (kh + 1) * grp)))
-            res = _group(inp, (lo, hi), key_grads=key_grads, tiling=tiling)
+            res = exact_group(inp, (lo, hi), key_grads=key_grads, tiling=tiling)
             (vhi, bhi), (vlo, _) = res[hi], res[lo]
             for g in range(grp if sink_grads else 0):
                 rs, h = slice(g * ns, (g + 1) * ns), kh * grp + g
@@ -297,14 +297,14 @@ def _compute(qd, kd, vd, dod, sel, nq, causal, scale, precision, tiling: Tiling,
                                else (b, kh * grp + g)) for g in range(grp)]
                 for rs, at in slices:
                     vals[name][at] = _to_float(vhi[name][rs])
-                    bound = bhi[name] if np.ndim(bhi[name]) == 0 else np.max(bhi[name][rs], initial=_NEG_INF)
+                    bound = bhi[name] if np.ndim(bhi[name]) == 0 else np.max(bhi[name][rs], initial=NEG_INF)
                     bits[name] = min(bits[name], _certified_bits(vhi[name][rs], vlo[name][rs], float(bound)),
-                                     _result_bits((lo, hi)) - 1)
+                                     result_bits((lo, hi)) - 1)
     if sink_grads:
-        top, low = _mpf_array(dsinks[hi], (h_,)), _mpf_array(dsinks[lo], (h_,))
+        top, low = mpf_array(dsinks[hi], (h_,)), mpf_array(dsinks[lo], (h_,))
         vals["dsinks"] = _to_float(top)
         bits["dsinks"] = min(min(_certified_bits(top[h:h + 1], low[h:h + 1], dsinks_bound[h]) for h in range(h_)),
-                             _result_bits((lo, hi)) - 1)
+                             result_bits((lo, hi)) - 1)
     digits = {n: bits[n] * _LOG10_2 for n in names}
     return {"tensors": {n: torch.from_numpy(vals[n]) for n in names},
             "rows": None if full else torch.from_numpy(sel.copy()),
@@ -339,7 +339,7 @@ def _certified_bits(hi: np.ndarray, lo: np.ndarray, log2_bound: float) -> float:
         if worst is None or _mag(diff) > worst:
             worst = _mag(diff)
     if top is None:  # every hi value is 0 (or -inf, for lse of masked rows)
-        return math.inf if worst is None and log2_bound == _NEG_INF else 0.0
+        return math.inf if worst is None and log2_bound == NEG_INF else 0.0
     agree = math.inf if worst is None else top - worst
     apriori = (top - 1) - log2_bound  # |max| >= 2^(top - 1)
     return float(max(0.0, min(agree, apriori)))

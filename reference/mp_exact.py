@@ -12,7 +12,7 @@ from mpmath import libmp
 
 _LIMB = 1 << 16  # limb base: |limb| < 2^16
 _K_CHUNK = 1 << 16  # contraction length per BLAS call: 2^16 * (2^16 - 1)^2 < 2^48 < 2^53
-_NEG_INF = float("-inf")
+NEG_INF = float("-inf")
 _LN2 = math.log(2.0)
 
 
@@ -63,7 +63,7 @@ def float_limbs(x: np.ndarray, g: _Grid) -> np.ndarray:
     return limbs * np.sign(x)[..., None]
 
 
-def _int_limbs(a: np.ndarray) -> np.ndarray:
+def int_limbs(a: np.ndarray) -> np.ndarray:
     """Limbs (..., n) of an object array of Python (or gmpy2) integers."""
     flat = a.ravel().tolist()
     bits = max((abs(v).bit_length() for v in flat), default=0)
@@ -97,7 +97,7 @@ def _from_digits(digits: np.ndarray) -> np.ndarray:
     return out.reshape(digits.shape[1:])
 
 
-def _limbs_to_ints(limbs: np.ndarray) -> np.ndarray:
+def limbs_to_ints(limbs: np.ndarray) -> np.ndarray:
     return _from_digits(np.moveaxis(limbs, -1, 0).astype(np.int64))
 
 
@@ -136,7 +136,7 @@ def imatmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return total
 
 
-def _dyadic(x: float) -> tuple[int, int]:
+def dyadic(x: float) -> tuple[int, int]:
     """x = man * 2^exp exactly."""
     if x == 0:
         return 0, 0
@@ -144,25 +144,25 @@ def _dyadic(x: float) -> tuple[int, int]:
     return int(math.ldexp(m, 53)), e - 53
 
 
-def _log2add(a, b):
+def log2add(a, b):
     """log2(2^a + 2^b), elementwise; -inf stands for 0."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     hi, lo = np.maximum(a, b), np.minimum(a, b)
     with np.errstate(invalid="ignore"):
-        r = np.where(hi == _NEG_INF, _NEG_INF, hi + np.log2(1.0 + np.exp2(lo - hi)))
+        r = np.where(hi == NEG_INF, NEG_INF, hi + np.log2(1.0 + np.exp2(lo - hi)))
     return float(r) if r.ndim == 0 else r
 
 
-def _add(acc, x):
+def acc_add(acc, x):
     return x if acc is None else acc + x
 
 
-def _cat_limbs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def cat_limbs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     n = max(a.shape[-1], b.shape[-1])
     return np.concatenate([np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])]) for x in (a, b)], axis=1)
 
 
-def _exp_fixed(s: np.ndarray, m: np.ndarray, vis, ex: int, F: int):
+def exp_fixed(s: np.ndarray, m: np.ndarray, vis, ex: int, F: int):
     """E = round(exp((s - m) 2^ex) 2^F) per entry (0 where not visible; s - m <= 0 is exact),
     and per row whether any E is inexact (anything but the maximum's exact 2^F)."""
     wp = F + 10
@@ -173,7 +173,7 @@ def _exp_fixed(s: np.ndarray, m: np.ndarray, vis, ex: int, F: int):
     mpf_exp, from_man_exp, to_fixed = libmp.mpf_exp, libmp.from_man_exp, libmp.to_fixed
     flat, inexact = [], []
     for i, (row, mi) in enumerate(zip(s.tolist(), m.tolist())):
-        if mi == _NEG_INF:
+        if mi == NEG_INF:
             flat.extend([0] * len(row))
             inexact.append(False)
             continue
@@ -199,7 +199,7 @@ def _exp_fixed(s: np.ndarray, m: np.ndarray, vis, ex: int, F: int):
     return arr.reshape(s.shape), np.array(inexact, dtype=bool)
 
 
-def _round_ratio(num: np.ndarray, den: np.ndarray, F: int):
+def round_ratio(num: np.ndarray, den: np.ndarray, F: int):
     """(W, T, inexact): integers W = round(num / den * 2^T) (halves up), T chosen so that the
     largest |W| is about 2^F; (None, 0, False) if every num is 0. den (R, 1) is positive."""
     nonzero = np.array([any(row) for row in num.tolist()], dtype=bool)
@@ -217,7 +217,7 @@ def _round_ratio(num: np.ndarray, den: np.ndarray, F: int):
 _bit_length = np.frompyfunc(lambda x: x.bit_length(), 1, 1)
 
 
-def _accumulate(store: dict, j0: int, ints: np.ndarray, e: int) -> None:
+def accumulate_exact(store: dict, j0: int, ints: np.ndarray, e: int) -> None:
     """store[j0] += ints * 2^e, exactly (aligning to the smaller exponent)."""
     if j0 not in store:
         store[j0] = (ints, e)
@@ -229,7 +229,7 @@ def _accumulate(store: dict, j0: int, ints: np.ndarray, e: int) -> None:
         store[j0] = (old + ints * (1 << (e - eo)), eo)
 
 
-def _mpf_array(values: list, shape) -> np.ndarray:
+def mpf_array(values: list, shape) -> np.ndarray:
     """An object array of mpf tuples (filled one by one: numpy would unpack the tuples)."""
     arr = np.empty(len(values), dtype=object)
     for i, x in enumerate(values):
@@ -237,7 +237,7 @@ def _mpf_array(values: list, shape) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def _result_bits(precisions) -> int:
+def result_bits(precisions) -> int:
     """Bits of the mpf values a rational result is rounded to: well above the highest p."""
     return max(precisions) + 32
 

@@ -1,6 +1,6 @@
 """One K/V head group of `ringcheck.reference.mp`: rows (query head g, position) against all keys,
 streamed over key tiles, with the a-priori bounds of the fixed-point exponentials. Masks,
-sinks and a softcap (`ringcheck.reference.mp_variants`) enter through `_Inputs.variants`."""
+sinks and a softcap (`ringcheck.reference.mp_variants`) enter through `GroupInputs.variants`."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ import numpy as np
 from mpmath import libmp
 
 from .mp_exact import (
-    _NEG_INF,
-    _accumulate,
-    _add,
-    _cat_limbs,
-    _dyadic,
-    _exp_fixed,
-    _int_limbs,
-    _limbs_to_ints,
-    _log2add,
-    _mpf_array,
-    _result_bits,
-    _round_ratio,
+    NEG_INF,
+    acc_add,
+    accumulate_exact,
+    cat_limbs,
+    dyadic,
+    exp_fixed,
     float_limbs,
     grid,
     imatmul,
+    int_limbs,
+    limbs_to_ints,
+    log2add,
+    mpf_array,
+    result_bits,
+    round_ratio,
 )
 from .mp_variants import RowLogits, Variants, row_sinks, sink_rows, visible
 
@@ -48,7 +48,7 @@ DEFAULT_TILING = Tiling()
 
 
 @dataclass
-class _Inputs:
+class GroupInputs:
     """One (batch, K/V head) group in exact form. q (R, d), do (R, dv) rows; k (Nk, d), v (Nk, dv).
     `variants`: masks, softcap and sinks (None: plain); `heads`: the query head of each block
     of R / len(heads) rows (for the sinks)."""
@@ -68,7 +68,7 @@ class _Inputs:
         self.qpos = self.pos + self.offset
         self.sink = row_sinks(self.variants, self.heads, self.qpos) if self.heads is not None else None
         self.logits = self.variants is not None and self.variants.logits
-        self.ms, self.es = _dyadic(self.scale)
+        self.ms, self.es = dyadic(self.scale)
         self.gq, self.gk, self.gv = grid(self.q), grid(self.k), grid(self.v)
         self.go = grid(self.do) if self.do is not None else None
         self.ex = self.es + self.gq.e + self.gk.e  # x = ms * (q k^T integers) * 2^ex
@@ -80,7 +80,7 @@ class _Inputs:
             self.do_l1 = np.abs(self.do).sum(axis=1)
 
 
-def _group(inp: _Inputs, precisions: tuple[int, ...], *, key_grads: bool, tiling: Tiling = DEFAULT_TILING):
+def exact_group(inp: GroupInputs, precisions: tuple[int, ...], *, key_grads: bool, tiling: Tiling = DEFAULT_TILING):
     """Per precision p: ({name: object array of mpf}, {name: log2 of an a-priori error bound}).
 
     out (R, dv), lse (R,), dq (R, d) if do is given, dsink (R,) (each row's term of dsinks)
@@ -94,7 +94,7 @@ def _group(inp: _Inputs, precisions: tuple[int, ...], *, key_grads: bool, tiling
     vals = {p: {} for p in precisions}
     bounds = {p: {} for p in precisions}
     key_acc = {p: {"dk": {}, "dv": {}} for p in precisions}
-    key_bound = {p: {"dk": _NEG_INF, "dv": _NEG_INF} for p in precisions}
+    key_bound = {p: {"dk": NEG_INF, "dv": NEG_INF} for p in precisions}
     kt = None
     if nk * d * inp.gk.limbs <= (1 << 22):  # small enough: keep k's limbs for every row block
         kt = np.swapaxes(float_limbs(inp.k, inp.gk), 0, 1)
@@ -129,7 +129,7 @@ class _RowBlock:
     the block is small, else recomputed (same values: everything before E is exact).
     """
 
-    def __init__(self, inp: _Inputs, rows: slice, kb: int, precisions, kt, keep: int):
+    def __init__(self, inp: GroupInputs, rows: slice, kb: int, precisions, kt, keep: int):
         self.inp, self.precisions = inp, precisions
         nk = inp.k.shape[0]
         dv = inp.v.shape[1]
@@ -143,18 +143,18 @@ class _RowBlock:
         n = len(self.pos)
         self.keep = n * nk <= keep
         self.cache: dict = {}
-        self.m = np.full(n, _NEG_INF, dtype=object)
+        self.m = np.full(n, NEG_INF, dtype=object)
         nvis = np.zeros(n, dtype=np.int64)
         for t in range(len(self.tiles)):
             s, vis = self._scores(t)
-            masked = s if vis is None else np.where(vis, s, _NEG_INF)
+            masked = s if vis is None else np.where(vis, s, NEG_INF)
             self.m = np.maximum(self.m, masked.max(axis=1))
             if inp.logits:
                 nvis += s.shape[1] if vis is None else vis.sum(axis=1)
         self.rl = RowLogits(self.m, inp.ex, None if inp.sink is None else inp.sink[rows],
                             inp.variants.softcap) if inp.logits else None
         if self.rl is None:
-            self.empty = np.array([m == _NEG_INF for m in self.m.tolist()], dtype=bool)
+            self.empty = np.array([m == NEG_INF for m in self.m.tolist()], dtype=bool)
             self.N, self.multi = nk, None
         else:
             self.empty = self.rl.empty
@@ -173,20 +173,20 @@ class _RowBlock:
             for p in precisions:
                 e, e2 = self._exp(t, p, s, vis)
                 self.L[p] = self.L[p] + e.sum(axis=1)
-                el = _int_limbs(e)
+                el = int_limbs(e)
                 if kl is None:
                     num = imatmul(el, vl)
                 elif e2 is e:  # E v and E k in one product
-                    both = imatmul(el, _cat_limbs(vl, kl))
+                    both = imatmul(el, cat_limbs(vl, kl))
                     num, b = both[:, :dv], both[:, dv:]
-                    a = imatmul(_int_limbs(e * g), kl)
+                    a = imatmul(int_limbs(e * g), kl)
                 else:  # softcap: dS carries 1 - t^2, so dq uses E2 in place of E
-                    num, b = imatmul(el, vl), imatmul(_int_limbs(e2), kl)
-                    a = imatmul(_int_limbs(e2 * g), kl)
+                    num, b = imatmul(el, vl), imatmul(int_limbs(e2), kl)
+                    a = imatmul(int_limbs(e2 * g), kl)
                 if kl is not None:
-                    self.A[p] = _add(self.A[p], a)
-                    self.B[p] = _add(self.B[p], b)
-                self.num[p] = _add(self.num[p], num)
+                    self.A[p] = acc_add(self.A[p], a)
+                    self.B[p] = acc_add(self.B[p], b)
+                self.num[p] = acc_add(self.num[p], num)
         self.esink = {}
         if inp.sink is not None:
             for p in precisions:  # the sink: one more term of L, with no value
@@ -196,7 +196,7 @@ class _RowBlock:
         for p in precisions:  # masked rows: E = 0 everywhere; L = 1 keeps formulas defined
             self.L[p][self.empty] = 1
         if self.dol is not None:
-            do_int = _limbs_to_ints(self.dol)
+            do_int = limbs_to_ints(self.dol)
             self.dn = {p: (do_int * self.num[p]).sum(axis=1) for p in precisions}  # D = Dn 2^(eo+ev) / L
 
     # -- tiles ---------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class _RowBlock:
         if s is None:
             s, vis = self._scores(t)
         if self.rl is None:
-            e, inexact = _exp_fixed(s, self.m, vis, self.inp.ex, self.F[p])
+            e, inexact = exp_fixed(s, self.m, vis, self.inp.ex, self.F[p])
             e2 = e
         else:
             e, e2, inexact, inexact2 = self.rl.exp(s, vis, self.F[p], self.dol is not None)
@@ -248,7 +248,7 @@ class _RowBlock:
     # -- results of the rows -------------------------------------------------------------
     def finish_rows(self, p):
         inp, F, L = self.inp, self.F[p], self.L[p]
-        prec = _result_bits(self.precisions)
+        prec = result_bits(self.precisions)
         rnd = libmp.round_nearest
         n, d = self.ql.shape[:2]
         dv = inp.v.shape[1]
@@ -265,13 +265,13 @@ class _RowBlock:
             log_l = libmp.mpf_log(libmp.from_man_exp(L[r], -F), p, rnd)
             top = libmp.from_man_exp(self.m[r], inp.ex) if ref is None else ref[r]
             lse.append(libmp.mpf_add(top, log_l, prec, rnd))
-        vals = {"out": _mpf_array(out, (n, dv)), "lse": _mpf_array(lse, (n,))}
+        vals = {"out": mpf_array(out, (n, dv)), "lse": mpf_array(lse, (n,))}
         N = self.N
         bnd, bnd_d = self._bounds(p)
         bounds = {"out": bnd.rows(4 * N * inp.vmax),
-                  "lse": _log2add(bnd.rows(2 * N), np.where(self.empty, _NEG_INF, math.log2(math.log(N + 1) + 1) - p))}
+                  "lse": log2add(bnd.rows(2 * N), np.where(self.empty, NEG_INF, math.log2(math.log(N + 1) + 1) - p))}
         if self.rl is not None:
-            bounds["lse"] = _log2add(bounds["lse"], self.rl.reference_bound(F))
+            bounds["lse"] = log2add(bounds["lse"], self.rl.reference_bound(F))
         if self.dol is not None:
             # dq = ms 2^(es+eo+ev+ek) (L A - Dn B) / L^2
             e = inp.es + inp.go.e + inp.gv.e + inp.gk.e
@@ -284,12 +284,12 @@ class _RowBlock:
                 den = libmp.from_int(lr * lr)
                 dq.extend(libmp.mpf_div(libmp.from_man_exp(inp.ms * (lr * a - dn * b), e), den, prec, rnd)
                           for a, b in zip(self.A[p][r].tolist(), self.B[p][r].tolist()))
-            vals["dq"] = _mpf_array(dq, (n, d))
+            vals["dq"] = mpf_array(dq, (n, d))
             bounds["dq"] = bnd_d.rows(12 * N * abs(inp.scale) * inp.kmax * inp.vmax * self.do_l1)
             if self.esink:  # dsinks = -sum_r P_sink D: |d| <= 4 N delta max|v| |dO_r|_1, doubled
                 terms, rounding = sink_rows(self.esink[p], L, self.dn[p], inp.go.e + inp.gv.e, prec)
-                vals["dsink"] = _mpf_array(terms, (n,))
-                bounds["dsink"] = _log2add(bnd.rows(8 * N * inp.vmax * self.do_l1 * self.rl.has_sink), rounding)
+                vals["dsink"] = mpf_array(terms, (n,))
+                bounds["dsink"] = log2add(bnd.rows(8 * N * inp.vmax * self.do_l1 * self.rl.has_sink), rounding)
         return vals, bounds
 
     # -- dk and dv: sums over rows, accumulated across row blocks ------------------------
@@ -300,23 +300,23 @@ class _RowBlock:
         n, N = len(self.pos), self.N
         for p in self.precisions:  # bounds of the E quantization, summed over the rows
             bnd, bnd_d = self._bounds(p)
-            bound[p]["dv"] = _log2add(bound[p]["dv"], bnd.total(4 * N * inp.domax))
-            bound[p]["dk"] = _log2add(bound[p]["dk"], bnd_d.total(12 * N * abs(inp.scale) * inp.qmax * inp.vmax * self.do_l1))
+            bound[p]["dv"] = log2add(bound[p]["dv"], bnd.total(4 * N * inp.domax))
+            bound[p]["dk"] = log2add(bound[p]["dk"], bnd_d.total(12 * N * abs(inp.scale) * inp.qmax * inp.vmax * self.do_l1))
         for t, (j0, _j1) in enumerate(self.tiles):
             g = self._g(t)
             for p in self.precisions:
                 e, e2 = self._exp(t, p)
                 F, L, dn = self.F[p], self.L[p][:, None], self.dn[p][:, None]
-                pr, tp, inexact = _round_ratio(e, L, F)
+                pr, tp, inexact = round_ratio(e, L, F)
                 if pr is not None:
-                    _accumulate(acc[p]["dv"], j0, imatmul(_int_limbs(pr.T), self.dol), inp.go.e - tp)
+                    accumulate_exact(acc[p]["dv"], j0, imatmul(int_limbs(pr.T), self.dol), inp.go.e - tp)
                     if inexact:  # each P off by <= 2^(-T-1): n rows of |dO| <= domax
-                        bound[p]["dv"] = _log2add(bound[p]["dv"], math.log2(n * inp.domax) - tp - 1)
-                ds, ts, inexact = _round_ratio(e2 * (g * L - dn), L * L, F)
+                        bound[p]["dv"] = log2add(bound[p]["dv"], math.log2(n * inp.domax) - tp - 1)
+                ds, ts, inexact = round_ratio(e2 * (g * L - dn), L * L, F)
                 if ds is not None:
-                    _accumulate(acc[p]["dk"], j0, imatmul(_int_limbs(ds.T), self.ql), inp.gq.e - ts)
+                    accumulate_exact(acc[p]["dk"], j0, imatmul(int_limbs(ds.T), self.ql), inp.gq.e - ts)
                     if inexact:  # each dS off by <= 2^(eo+ev-T-1)
-                        bound[p]["dk"] = _log2add(bound[p]["dk"], math.log2(n * abs(inp.scale) * inp.qmax)
+                        bound[p]["dk"] = log2add(bound[p]["dk"], math.log2(n * abs(inp.scale) * inp.qmax)
                                                   + inp.go.e + inp.gv.e - ts - 1)
 
 
@@ -343,15 +343,15 @@ class _Bounds:
     def rows(self, factor) -> np.ndarray:
         f = np.broadcast_to(np.asarray(factor, dtype=np.float64), self.inexact.shape)
         with np.errstate(divide="ignore"):
-            return np.where(self.inexact & (f > 0), np.log2(f) - self.F, _NEG_INF)
+            return np.where(self.inexact & (f > 0), np.log2(f) - self.F, NEG_INF)
 
     def total(self, factor) -> float:
         f = np.broadcast_to(np.asarray(factor, dtype=np.float64), self.inexact.shape)
         s = float(f[self.inexact].sum())
-        return math.log2(s) - self.F if s > 0 else _NEG_INF
+        return math.log2(s) - self.F if s > 0 else NEG_INF
 
 
-def _finish_keys(inp: _Inputs, acc, nk: int) -> dict[str, np.ndarray]:
+def _finish_keys(inp: GroupInputs, acc, nk: int) -> dict[str, np.ndarray]:
     """dk and dv as mpf arrays: the accumulated integers are exact, so no rounding here."""
     out = {}
     for name in ("dk", "dv"):
@@ -362,7 +362,7 @@ def _finish_keys(inp: _Inputs, acc, nk: int) -> dict[str, np.ndarray]:
                 ints, e = ints * inp.ms, e + inp.es + inp.go.e + inp.gv.e
             for i, x in enumerate(ints.ravel().tolist()):
                 flat[j0 * d + i] = libmp.from_man_exp(x, e)
-        out[name] = _mpf_array(flat, (nk, d))
+        out[name] = mpf_array(flat, (nk, d))
     return out
 
 

@@ -8,7 +8,7 @@ is made exact or certified:
 - Sinks: one more logit per row (its query head's), with no value. A float is a dyadic
   rational, so without a softcap the sink is put on the scores' exponent grid and the row's
   reference (its largest logit, subtracted before exp) stays an exact integer: the sink's
-  term E_sink = round(exp(sink - max) 2^F) is formed like the keys' (`_exp_fixed`, exactly
+  term E_sink = round(exp(sink - max) 2^F) is formed like the keys' (`exp_fixed`, exactly
   2^F when the sink is the maximum) and joins L. Then dsinks = -sum_r E_sink Dn / L^2
   (D = Dn / L): exact rationals given E, each rounded to the result bits and summed exactly.
 - Softcap: logits c tanh(y / c) of the exact scaled scores y. tanh increases, so a row's
@@ -31,7 +31,7 @@ from mpmath import libmp
 
 from ringcheck.spec import check_cu_seqlens, check_sinks, check_softcap, check_window
 
-from .mp_exact import _NEG_INF, _dyadic, _exp_fixed, _log2add
+from .mp_exact import NEG_INF, dyadic, exp_fixed, log2add
 
 _LN2 = math.log(2.0)
 
@@ -124,7 +124,7 @@ def row_sinks(var: Variants | None, heads: list[int], qpos: np.ndarray) -> np.nd
         return None
     s = np.repeat(np.array([var.sinks[h] for h in heads], dtype=np.float64), len(qpos) // len(heads))
     if var.cu_seqlens is not None:
-        s[qpos >= var.cu_seqlens[-1]] = _NEG_INF
+        s[qpos >= var.cu_seqlens[-1]] = NEG_INF
     return s
 
 
@@ -141,23 +141,23 @@ class RowLogits:
     def __init__(self, m: np.ndarray, ex: int, sink: np.ndarray | None, softcap: float | None):
         n = len(m)
         self.m, self.ex, self.cap = m, ex, softcap
-        self.sink = sink if sink is not None else np.full(n, _NEG_INF)
-        self.has_sink = self.sink > _NEG_INF
+        self.sink = sink if sink is not None else np.full(n, NEG_INF)
+        self.has_sink = self.sink > NEG_INF
         ms = m.tolist()
-        self.empty = np.array([mi == _NEG_INF for mi in ms], dtype=bool) & ~self.has_sink
+        self.empty = np.array([mi == NEG_INF for mi in ms], dtype=bool) & ~self.has_sink
         self._ref: dict[int, list] = {}
         if softcap is None:  # everything on one exact grid 2^e0
-            exps = [_dyadic(x)[1] for x in self.sink.tolist() if x > _NEG_INF and x != 0]
+            exps = [dyadic(x)[1] for x in self.sink.tolist() if x > NEG_INF and x != 0]
             self.e0 = min([ex] + exps)
             self.shift = ex - self.e0
             self.sink_int = _objects([_on_grid(x, self.e0) for x in self.sink.tolist()])
-            self.ref = _objects([mi if mi == _NEG_INF else mi << self.shift for mi in ms])
+            self.ref = _objects([mi if mi == NEG_INF else mi << self.shift for mi in ms])
             self.ref = np.maximum(self.ref, self.sink_int)
             self.sink_ref = None
         else:
             self.C = libmp.from_float(softcap)
             self.cbits = max(0, math.ceil(math.log2(softcap)))
-            self.sink_ref = np.array([bool(h) and (mi == _NEG_INF or _sink_above(mi, ex, s, self.C, softcap))
+            self.sink_ref = np.array([bool(h) and (mi == NEG_INF or _sink_above(mi, ex, s, self.C, softcap))
                                       for mi, s, h in zip(ms, self.sink.tolist(), self.has_sink.tolist())])
 
     # -- references ----------------------------------------------------------------------
@@ -191,15 +191,15 @@ class RowLogits:
         """log2 of the reference's error per row (lse adds it): 0 (-inf) unless it is an
         evaluated capped logit."""
         if self.cap is None:
-            return np.full(len(self.m), _NEG_INF)
+            return np.full(len(self.m), NEG_INF)
         approx = ~self.empty & ~self.sink_ref
-        return np.where(approx, math.log2(self.cap) + 2 - self.wp(F), _NEG_INF)
+        return np.where(approx, math.log2(self.cap) + 2 - self.wp(F), NEG_INF)
 
     # -- fixed-point exps ----------------------------------------------------------------
     def exp(self, s: np.ndarray, vis, F: int, backward: bool):
         """(E, E2, inexact, inexact2) of a key tile's integer scores s."""
         if self.cap is None:
-            e, inexact = _exp_fixed(s * (1 << self.shift) if self.shift else s, self.ref, vis, self.e0, F)
+            e, inexact = exp_fixed(s * (1 << self.shift) if self.shift else s, self.ref, vis, self.e0, F)
             return e, e, inexact, np.zeros(len(inexact), dtype=bool)
         return self._exp_capped(s, vis, F, backward)
 
@@ -207,7 +207,7 @@ class RowLogits:
         """((rows,) E_sink, inexact): 0 where a row has no sink."""
         n = len(self.m)
         if self.cap is None:
-            e, inexact = _exp_fixed(self.sink_int.reshape(n, 1), self.ref, self.has_sink.reshape(n, 1), self.e0, F)
+            e, inexact = exp_fixed(self.sink_int.reshape(n, 1), self.ref, self.has_sink.reshape(n, 1), self.e0, F)
             return e[:, 0], inexact
         ref, wp = self.reference(F), self.wp(F)
         cut = -(F + 2) * _LN2 - 1.0
@@ -232,7 +232,7 @@ class RowLogits:
         n = s.shape[0]
         inexact, inexact2 = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
         for i, (row, mi) in enumerate(zip(s.tolist(), self.m.tolist())):
-            if ref[i] is None or mi == _NEG_INF:  # no visible key
+            if ref[i] is None or mi == NEG_INF:  # no visible key
                 e_flat.extend([0] * len(row))
                 e2_flat.extend([0] * len(row))
                 continue
@@ -295,9 +295,9 @@ def _fixed(x, F: int) -> int:
 
 
 def _on_grid(x: float, e0: int):
-    if x == _NEG_INF:
-        return _NEG_INF
-    man, e = _dyadic(x)
+    if x == NEG_INF:
+        return NEG_INF
+    man, e = dyadic(x)
     return man << (e - e0) if man else 0
 
 
@@ -317,7 +317,7 @@ def sink_rows(esink, L, dn, e: int, prec: int):
     for es, lr, d in zip(esink.tolist(), L.tolist(), dn.tolist()):
         if not es or not d:
             terms.append(libmp.fzero)
-            rnd.append(_NEG_INF)
+            rnd.append(NEG_INF)
             continue
         x = libmp.mpf_div(libmp.from_man_exp(-es * d, e), libmp.from_int(lr * lr), prec, libmp.round_nearest)
         terms.append(x)
@@ -335,5 +335,5 @@ def exact_sum(acc, values) -> tuple:
 def log2_sum(acc: float, bounds) -> float:
     """log2(2^acc + sum 2^bounds)."""
     for b in np.asarray(bounds, dtype=np.float64).ravel().tolist():
-        acc = _log2add(acc, b)
+        acc = log2add(acc, b)
     return acc

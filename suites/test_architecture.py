@@ -368,3 +368,90 @@ def test_the_doors_import_nothing_else_of_ringcheck():
     up = [f"{_name(p)}:{line} imports {m}" for p in _modules() if _under(_name(p), "ringcheck.thirdparty")
           for line, m, _ in _imports(p) if _under(m, "ringcheck") and not _under(m, "ringcheck.thirdparty")]
     assert not up, "\n".join(up)
+
+
+# ---- functions and names (issue 60 item 3) ----------------------------------------------------
+
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(path: Path, name: str) -> list[str]:
+    """Every function (a method, a nested one, a Triton kernel) longer than MAX_FUNCTION_LINES,
+    counted from its `def` to its last line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{name}:{node.lineno} {node.name} is {n} lines" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES]
+
+
+def test_no_function_over_the_length_limit(tmp_path):
+    """A function over 80 lines is split into named steps; a planted one is named."""
+    long = [b for path in _modules() for b in _long_functions(path, _name(path))]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(long)
+    planted = tmp_path / "long.py"
+    planted.write_text("def short():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert _long_functions(planted, "ringcheck.long") == [f"ringcheck.long:5 long is {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def _private_imports(path: Path, name: str) -> list[str]:
+    """The private names (`_x`, not `__x__`) a module imports from another module of the library
+    (ringcheck, or ringcheck.reference), at any level, in any spelling of the import: what two
+    modules share is public in the module that defines it. A third-party private name (torch's,
+    transformers') is not the library's to rename: its door is elsewhere."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            module = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        if not _under(module, "ringcheck", "reference"):
+            continue
+        found += [f"{name}:{node.lineno} imports {module}.{a.name}: a private name imported across modules "
+                  f"(make it public where it is defined)"
+                  for a in node.names if a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__"))]
+    return found
+
+
+def test_no_private_name_is_imported_across_modules(tmp_path):
+    """`from .call import _Prepared` ties one module to another's inside: what is shared is public.
+    A planted import of each spelling (relative, absolute, multi-line, inside a function) is named;
+    a public name imported under a private alias, a dunder and a third-party private name are not."""
+    found = [b for path in _modules() for b in _private_imports(path, _name(path))]
+    assert not found, "\n".join(found)
+    planted = tmp_path / "planted.py"
+    planted.write_text("from .call import _Prepared, run_shards\n"
+                       "from ringcheck.render.plots import (\n    FIGURE_DPI,\n    _pyplot,\n)\n"
+                       "def f():\n    from ..testing.properties import _inputs\n"
+                       "from .impl_draws import plain as _plain\n"
+                       "from torch.distributed.tensor.experimental._attention import _cp_options\n"
+                       "from . import __version__\n")
+    assert [b.split(" imports ")[1].split(":")[0] for b in _private_imports(planted, "ringcheck.harness.planted")] == [
+        "ringcheck.harness.call._Prepared", "ringcheck.render.plots._pyplot", "ringcheck.testing.properties._inputs"]
+
+
+def _imports_of_the_trainers(path: Path, name: str) -> list[str]:
+    """The imports of `ringcheck.trainers` (at module level or inside a function) by a module of
+    `ringcheck.glues`."""
+    if not _under(name, "ringcheck.glues"):
+        return []
+    return [f"{name}:{line} imports {module}: the trainers build on the glue contract, so glues/ imports no "
+            f"trainer (a trainer's glue is named by the layer above both, ringcheck.models.step)"
+            for line, module, _ in _imports_of(path, name) if _under(module, "ringcheck.trainers")]
+
+
+def test_the_glues_import_no_trainer(tmp_path):
+    """One direction between glues/ and trainers/: trainers/ imports `glues.contract`, so glues/
+    never imports trainers/, not even inside a function (it once resolved `--glue
+    deepspeed_ulysses` there). A planted lazy import is named."""
+    found = [b for path in _modules() for b in _imports_of_the_trainers(path, _name(path))]
+    assert not found, "\n".join(found)
+    planted = tmp_path / "loader.py"
+    planted.write_text("def load():\n    from ..trainers.deepspeed_ulysses import deepspeed_ulysses_glue  # lazy\n"
+                       "from ..spec import LAYOUTS\n")
+    assert [b.split(" imports ")[1].split(":")[0] for b in _imports_of_the_trainers(planted, "ringcheck.glues.loader")] \
+        == ["ringcheck.trainers.deepspeed_ulysses"]
+    assert not _imports_of_the_trainers(planted, "ringcheck.models.step")

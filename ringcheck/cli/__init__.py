@@ -13,14 +13,14 @@ import time
 
 from ..launch import launched_rank
 from ..launch.start import environ_as_started
-from .bench import _add_bench, our_ring_failures
+from .bench import add_bench_command, our_ring_failures
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SILENT_RANK_GRACE_S, UsageError, where_to_rerun
-from .drift import _add_drift, _add_report
-from .plan import _add_plan
-from .step import _add_step
-from .test import _add_test
-from .train import _add_train
-from .validate import _add_validate, rerun_command
+from .drift import add_drift_command, add_report_command
+from .plan import add_plan_command
+from .step import add_step_command
+from .test import add_test_command
+from .train import add_train_command
+from .validate import add_validate_command, rerun_command
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "build_parser", "main", "our_ring_failures",
            "rerun_command"]
@@ -29,14 +29,14 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "build_parser",
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringcheck", description="Verify ring attention against exact references.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_validate(sub)
-    _add_drift(sub)
-    _add_report(sub)
-    _add_bench(sub)
-    _add_test(sub)
-    _add_train(sub)
-    _add_step(sub)
-    _add_plan(sub)
+    add_validate_command(sub)
+    add_drift_command(sub)
+    add_report_command(sub)
+    add_bench_command(sub)
+    add_test_command(sub)
+    add_train_command(sub)
+    add_step_command(sub)
+    add_plan_command(sub)
     return parser
 
 

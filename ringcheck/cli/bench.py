@@ -79,7 +79,7 @@ def our_ring_failures(doc: dict) -> list[str]:
             if r["system"] in (OURS, SIMULATED) and r.get("median_s") is None]
 
 
-def _add_bench(sub) -> None:
+def add_bench_command(sub) -> None:
     p = sub.add_parser(
         "bench", help="benchmarks: our ring against peer rings and single-device attention",
         description="Speed of our ring (simulated and distributed) against PyTorch's context-parallel ring, "

@@ -214,7 +214,7 @@ def _cmd_report_render(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_drift(sub) -> None:
+def add_drift_command(sub) -> None:
     def join(xs) -> str:
         return ",".join(map(str, xs))
 
@@ -283,7 +283,7 @@ def _add_drift(sub) -> None:
     p.set_defaults(func=_cmd_drift)
 
 
-def _add_report(sub) -> None:
+def add_report_command(sub) -> None:
     p = sub.add_parser("report", help="work with saved reports: diff two drift reports, render one again")
     rsub = p.add_subparsers(dest="report_command", required=True)
     d = rsub.add_parser("diff", help="what got worse from drift report A to B (exit 1 if anything did)",

@@ -84,7 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OF[doc["verdict"]]
 
 
-def _add_plan(sub) -> None:
+def add_plan_command(sub) -> None:
     p = sub.add_parser(
         "plan", help="per-GPU memory and ring-step timing of a ring-attention training run: does it fit?",
         description="The arithmetic of a ring-attention training run, per GPU: weights, gradients, optimizer state, "

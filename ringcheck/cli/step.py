@@ -63,7 +63,7 @@ def rerun_command(config: StepConfig, timeout: float, *, torchrun: bool = False,
                       prefix=prefix)
 
 
-def _add_step(sub) -> None:
+def add_step_command(sub) -> None:
     p = sub.add_parser("step", help="is your own training step the same at CP=P as at CP=1?", description=DESCRIPTION)
     p.add_argument("--recipe", default="plain",
                    help=f"the recipe: {', '.join(BUILTIN_RECIPES)} (built in) or package.module:object (default plain)")

@@ -63,7 +63,7 @@ def _test(args: argparse.Namespace) -> int:
     return subprocess.call(argv, env=env)  # Windows' exec starts another process: wait for pytest as a child
 
 
-def _add_test(sub) -> None:
+def add_test_command(sub) -> None:
     p = sub.add_parser("test", help="run the property suites on an implementation (pytest --ring-impl)",
                        description="Run ringcheck's property suites (Hypothesis: budget against float64, metamorphic "
                                    "properties, ring-size and layout invariance, determinism, the variants) on an "

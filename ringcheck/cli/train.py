@@ -106,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                     print_train_summary, write_train_reports, EXIT_OF)
 
 
-def _add_train(sub) -> None:
+def add_train_command(sub) -> None:
     p = sub.add_parser("train", help="does training under this ring match training without it?",
                        description="Train a small Llama-style model with the ring (ours by default, or --impl) on "
                                    "every rank of a mesh and on one device, and judge the ring's step-0 gradients "

@@ -246,7 +246,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK if report["passed"] else EXIT_FAILED
 
 
-def _add_validate(sub) -> None:
+def add_validate_command(sub) -> None:
     p = sub.add_parser("validate", help="judge a ring attention implementation against the references",
                        description="Judge a ring attention (ours by default, or --impl) against float64 and "
                                    "the same-dtype peer; exit 0 if every check passes, 1 if one fails, 2 if no "

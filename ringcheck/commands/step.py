@@ -191,20 +191,7 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
             unable = (f"the diagnosis could not recompute the step on whole sequences ({str(said).splitlines()[0]}): "
                       f"only the gradient-scale candidates were tried")
     attn = attention_dtype(config)
-    diag_u = max(unit_roundoff(loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
-    for row in rows:
-        if row["verdict"] != "fail":
-            continue
-        n = row["targets"]
-        loss_budget, grad_budget = budgets(n, config.dtype, loss_dtype, attn)[0], 2 * n * K_COND * diag_u
-        if floor is not None:
-            loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
-        found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
-                      cands.get(f"{row['case']}@{config.world_size}", {}), P=config.world_size,
-                      loss_budget=loss_budget, grad_budget=grad_budget,
-                      evaluate=CASES[row["case"]].evaluate, relative=relative)
-        row["candidates"] = found
-        row["diagnosis"] = found[0] if found and found[0]["matches"] else None
+    _diagnose(rows, ring, ref, cands, config, loss_dtype, attn, floor)
     conv = None
     if f"{conv_case}@1" in cands:
         conv_budget = budgets(_targets(conv_case, mesh.rings), config.dtype, loss_dtype, attn)[0]
@@ -224,6 +211,25 @@ def run_step(config: StepConfig, processes) -> dict[str, Any]:
             "reference_mesh": ref_mesh, "loss_dtype": loss_dtype or config.dtype, "attention_dtype": attn,
             "has_logits": recipe.logits is not None or model_logits, "noise": noise, "found": found,
             "why": _why(rows, data)}
+
+
+def _diagnose(rows: list[dict], ring, ref, cands: dict, config: StepConfig, loss_dtype, attn, floor) -> None:
+    """Each failed row's candidate transformations (`match`) against the diagnosis run's
+    recomputations `cands`, and its diagnosis where the first candidate matches, set in place."""
+    diag_u = max(unit_roundoff(loss_dtype or config.dtype), unit_roundoff(attn or config.dtype))
+    for row in rows:
+        if row["verdict"] != "fail":
+            continue
+        n = row["targets"]
+        loss_budget, grad_budget = budgets(n, config.dtype, loss_dtype, attn)[0], 2 * n * K_COND * diag_u
+        if floor is not None:
+            loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
+        found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
+                      cands.get(f"{row['case']}@{config.world_size}", {}), P=config.world_size,
+                      loss_budget=loss_budget, grad_budget=grad_budget,
+                      evaluate=CASES[row["case"]].evaluate, relative=relative)
+        row["candidates"] = found
+        row["diagnosis"] = found[0] if found and found[0]["matches"] else None
 
 
 def _facts(ref: list[list[dict]] | None) -> dict[str, Any]:

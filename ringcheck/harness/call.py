@@ -60,7 +60,7 @@ def arrange(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
     raise ValueError(f"input layout {layout!r} is unknown; choose from {list(INPUT_LAYOUTS)}")
 
 
-class _Prepared:
+class Prepared:
     """One call's inputs on this rank: its shards arranged as `layout` says, and its sinks."""
 
     def __init__(self, impl: Impl, case: Case, inputs: Inputs, rank: int, device, *, grad: bool, layout: str):
@@ -102,21 +102,21 @@ class _Prepared:
 
 
 def prepare(impl: Impl, case: Case, inputs: Inputs, rank: int, device: torch.device | str = "cpu", *,
-            grad: bool = True, layout: str = "contiguous") -> _Prepared:
+            grad: bool = True, layout: str = "contiguous") -> Prepared:
     """This rank's shards of `inputs`, arranged as `layout` says, ready for `.call(group)`:
     `.q`, `.k`, `.v`, `.dout`, the `.leaves` a backward reaches (and `.sinks`). For callers that
     measure a call (ringcheck.measure) rather than judge its results."""
-    return _Prepared(impl, case, inputs, rank, torch.device(device), grad=grad, layout=layout)
+    return Prepared(impl, case, inputs, rank, torch.device(device), grad=grad, layout=layout)
 
 
-def _require_graph(impl: Impl, out: torch.Tensor) -> None:
+def require_graph(impl: Impl, out: torch.Tensor) -> None:
     if not out.requires_grad:
         raise ContractError(f"--impl {impl.name} returned an out with no autograd graph (it does not require grad), "
                             f"so no gradient can reach q, k, v; an inference ring without a backward: pass "
                             f"--forward-only")
 
 
-def _grads(impl: Impl, outs, preps: list[_Prepared]):
+def _grads(impl: Impl, outs, preps: list[Prepared]):
     """Every call's leaves' gradients, one backward over all the calls (autograd's order)."""
     leaves = [leaf for p in preps for leaf in p.leaves]
     grads = torch.autograd.grad(outs, leaves, [p.dout for p in preps], allow_unused=True)
@@ -139,12 +139,12 @@ def run_shards(impl: Impl, case: Case, inputs: Inputs, rank: int, group, device:
     unless `forward_only`), arranged as `input_layout` says: its shards of out, lse, dq, dk, dv
     and the dsinks it holds, on the CPU (None: not returned, or not run)."""
     grad = not forward_only
-    prep = _Prepared(impl, case, inputs, rank, torch.device(device), grad=grad, layout=input_layout)
+    prep = Prepared(impl, case, inputs, rank, torch.device(device), grad=grad, layout=input_layout)
     with torch.set_grad_enabled(grad):
         out, lse = prep.call(group)
     if forward_only:
         return prep.results(out, lse)
-    _require_graph(impl, out)
+    require_graph(impl, out)
     return prep.results(out, lse, _grads(impl, [out], [prep])[0])
 
 
@@ -156,13 +156,13 @@ def run_two_calls(impl: Impl, case: Case, first: Inputs, second: Inputs, rank: i
     of out, lse, dq, dk, dv, dsinks, as `run_shards` returns them. `layouts`: each call's input
     layout (`INPUT_LAYOUTS`)."""
     grad = not forward_only
-    preps = [_Prepared(impl, case, x, rank, torch.device(device), grad=grad, layout=layout)
+    preps = [Prepared(impl, case, x, rank, torch.device(device), grad=grad, layout=layout)
              for x, layout in zip((first, second), layouts)]
     with torch.set_grad_enabled(grad):
         calls = [p.call(group) for p in preps]
     if forward_only:
         return tuple(p.results(out, lse) for p, (out, lse) in zip(preps, calls))
     for out, _ in calls:
-        _require_graph(impl, out)
+        require_graph(impl, out)
     grads = _grads(impl, [out for out, _ in calls], preps)
     return tuple(p.results(out, lse, g) for p, (out, lse), g in zip(preps, calls, grads))

@@ -33,7 +33,7 @@ from ..adapters import ContractError, Impl
 from ..judge.check import Case
 from ..judge.inputs import Inputs
 from ..thirdparty.torch_private import dynamo_counters, dynamo_reset
-from .call import _Prepared, _require_graph, run_shards
+from .call import Prepared, require_graph, run_shards
 
 CHECKPOINT = "checkpoint"                      # torch.utils.checkpoint(use_reentrant=False)
 CHECKPOINT_REENTRANT = "checkpoint_reentrant"  # torch.utils.checkpoint(use_reentrant=True)
@@ -60,7 +60,7 @@ def run_checkpointed(impl: Impl, case: Case, first: Inputs, second: Inputs, rank
     if forward_only:
         raise ValueError("checkpointing recomputes the forward inside the backward: it has nothing to check without "
                          "a backward (--forward-only)")
-    preps = [_Prepared(impl, case, x, rank, torch.device(device), grad=True, layout="contiguous")
+    preps = [Prepared(impl, case, x, rank, torch.device(device), grad=True, layout="contiguous")
              for x in (first, second)]
     calls = []
     for prep in preps:
@@ -69,7 +69,7 @@ def run_checkpointed(impl: Impl, case: Case, first: Inputs, second: Inputs, rank
             return (out,) if lse is None else (out, lse)
         calls.append(checkpoint(layer, *prep.leaves, use_reentrant=reentrant))
     for got in calls:
-        _require_graph(impl, got[0])
+        require_graph(impl, got[0])
     torch.autograd.backward([got[0] for got in calls], [p.dout for p in preps])
     results = []
     for prep, got in zip(preps, calls):

@@ -101,12 +101,14 @@ class ModelStepConfig:
 
 
 def glue_of(config: ModelStepConfig):
-    """The glue of `config` (`ringcheck.glues.load_glue`), in `config.layout` where one is asked
-    for (ringcheck's glue takes its ring's layouts; another glue only its own: ValueError)."""
+    """The glue of `config` (`ringcheck.glues.load_glue`, with the trainers' glues of
+    `ringcheck.trainers.TRAINER_GLUES`: glues/ imports no trainer), in `config.layout` where one
+    is asked for (ringcheck's glue takes its ring's layouts; another glue only its own: ValueError)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from ..glues import load_glue
+    from ..trainers import TRAINER_GLUES
 
-    return load_glue(config.glue, layout=config.layout)
+    return load_glue(config.glue, layout=config.layout, named=TRAINER_GLUES)
 
 
 def tiny_of(config: ModelStepConfig):

@@ -59,7 +59,7 @@ def _inline_html(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", escape(text))
 
 
-def _figures_html(figures: list[tuple[str, bytes]]) -> list[str]:
+def figures_html(figures: list[tuple[str, bytes]]) -> list[str]:
     """Each figure as an embedded PNG at the page's width, its title as the caption above."""
     parts = []
     for title, png in figures:
@@ -69,7 +69,7 @@ def _figures_html(figures: list[tuple[str, bytes]]) -> list[str]:
     return parts
 
 
-def _blocks_html(content: list[tuple], verdict_style: dict[str, str], plots: bool, doc: dict) -> list[str]:
+def blocks_html(content: list[tuple], verdict_style: dict[str, str], plots: bool, doc: dict) -> list[str]:
     parts = []
     for block in content:
         kind = block[0]
@@ -88,14 +88,14 @@ def _blocks_html(content: list[tuple], verdict_style: dict[str, str], plots: boo
                            for row in block[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         elif kind == "details":
-            inner = "\n".join(_blocks_html(block[2], verdict_style, plots, doc))
+            inner = "\n".join(blocks_html(block[2], verdict_style, plots, doc))
             parts.append(f"<details><summary>{escape(block[1])}</summary>\n{inner}\n</details>")
         elif kind == "plots" and plots:
             if block[1] == "error":
-                parts += _figures_html(error_plots(doc))
+                parts += figures_html(error_plots(doc))
             else:
                 parts.append("<h2>More plots</h2>")
-                parts += _figures_html(detail_plots(doc))
+                parts += figures_html(detail_plots(doc))
     return parts
 
 
@@ -104,7 +104,7 @@ def drift_html(doc: dict, *, plots: bool = True) -> str:
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>ringcheck drift report</title>",
              f"<style>{_CSS}</style></head><body>"]
     verdict_style = {text: style for style, text in verdict_lines(doc)}
-    parts += _blocks_html(blocks(doc), verdict_style, plots, doc)
+    parts += blocks_html(blocks(doc), verdict_style, plots, doc)
     parts.append("</body></html>\n")
     return "\n".join(parts)
 

@@ -82,10 +82,10 @@ def validate_markdown(report: dict[str, Any]) -> str:
 
 def drift_markdown(doc: dict) -> str:
     """The drift report as Markdown; the plots are only in the HTML page."""
-    return "\n\n".join(_blocks_markdown(blocks(doc))) + "\n"
+    return "\n\n".join(blocks_markdown(blocks(doc))) + "\n"
 
 
-def _blocks_markdown(content: list[tuple]) -> list[str]:
+def blocks_markdown(content: list[tuple]) -> list[str]:
     out = []
     for block in content:
         kind = block[0]
@@ -105,7 +105,7 @@ def _blocks_markdown(content: list[tuple]) -> list[str]:
             out.append("\n".join(lines))
         elif kind == "details":  # folded away in the HTML; a section here
             out.append(f"## {block[1]}")
-            out += _blocks_markdown(block[2])
+            out += blocks_markdown(block[2])
         elif kind == "plots" and block[1] == "error":
             out.append("Plots (error against ring size per dtype with the budget drawn in, per-step drift, "
                        "slopes): see `drift.html` next to this file.")

@@ -14,7 +14,7 @@ figures (`drift_plots`) and validate's error over budget (`validate_plot`).
 Every drift figure is `FIGURE_WIDTH_IN` inches wide at `FIGURE_DPI`: `FIGURE_WIDTH_PX` pixels,
 the content width of the HTML page, shown at its own size (the page scales it down, never up).
 `error_plots` are the figures the report shows right under its verdict, `detail_plots` the
-rest. matplotlib is imported when the first figure is drawn (`_pyplot`), not when ringcheck
+rest. matplotlib is imported when the first figure is drawn (`load_pyplot`), not when ringcheck
 starts.
 """
 
@@ -52,7 +52,7 @@ def error_plots(doc: dict) -> list[tuple[str, bytes]]:
     spec = doc["spec"]
     colours = _colours(spec["distributions"])
     return [(f"Error against ring size: {mode} ({backend})",
-             _figure_png(_error_figure(doc, backend, mode, colours), dpi=FIGURE_DPI))
+             figure_png(_error_figure(doc, backend, mode, colours), dpi=FIGURE_DPI))
             for backend in spec["backends"] for mode in spec["modes"]]
 
 
@@ -66,15 +66,15 @@ def detail_plots(doc: dict) -> list[tuple[str, bytes]]:
         pmax = ring_sizes(doc)[-1]
         for backend in spec["backends"]:
             pngs.append((f"Per-step drift at P={pmax} ({backend})",
-                         _figure_png(_step_figure(doc, backend, colours), dpi=FIGURE_DPI)))
-    pngs.append(("Fitted slopes", _figure_png(_slope_figure(doc), dpi=FIGURE_DPI)))
+                         figure_png(_step_figure(doc, backend, colours), dpi=FIGURE_DPI)))
+    pngs.append(("Fitted slopes", figure_png(_slope_figure(doc), dpi=FIGURE_DPI)))
     return pngs
 
 
 # --- matplotlib ----------------------------------------------------------------------------------
 
 
-def _pyplot():
+def load_pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     # imported here, not at the top: matplotlib adds about a second to the start of every
     # command, and only the HTML reports draw figures
@@ -86,7 +86,7 @@ def _pyplot():
     return plt
 
 
-def _figure_png(fig, *, dpi: int = 80) -> bytes:
+def figure_png(fig, *, dpi: int = 80) -> bytes:
     """The figure as a PNG with a 64-colour palette (a third of the bytes of a full-colour one,
     the same to the eye), so the HTML page stays small; closes the figure."""
     # Pillow comes with matplotlib and is needed only with it: imported when a figure is drawn
@@ -94,7 +94,7 @@ def _figure_png(fig, *, dpi: int = 80) -> bytes:
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    _pyplot().close(fig)
+    load_pyplot().close(fig)
     buf.seek(0)
     image = Image.open(buf).convert("RGB").quantize(colors=64, dither=Image.Dither.NONE)
     out = io.BytesIO()
@@ -104,7 +104,7 @@ def _figure_png(fig, *, dpi: int = 80) -> bytes:
 
 def _colours(distributions: list[str]) -> dict:
     """One tab10 colour per distribution."""
-    cmap = _pyplot().get_cmap("tab10")
+    cmap = load_pyplot().get_cmap("tab10")
     return {d: cmap(i % 10) for i, d in enumerate(distributions)}
 
 
@@ -130,7 +130,7 @@ def _log_ticks(axis, lo: float, hi: float) -> None:
     minor ticks; where fewer than two decades fall in the range (the float32 panels often
     span one or two), the 2s and 5s are labelled too (and the 3s under ~0.7 decades).
     matplotlib's own choice there labels every minor tick in a large font, crowding them."""
-    # (start-up time: matplotlib is imported when the first figure is drawn, see _pyplot)
+    # (start-up time: matplotlib is imported when the first figure is drawn, see load_pyplot)
     from matplotlib.ticker import (
         FuncFormatter,
         LogFormatterSciNotation,
@@ -167,7 +167,7 @@ def _label_edges(ax, row: int, col: int, rows: int, *, ylabel: str, xlabel: str)
 
 def _legend(fig, colours: dict, accs: list[str], *, budget: bool) -> None:
     """Below the figure: a colour per distribution, a line style per accumulation (and the budget)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     handles = [plt.Line2D([], [], color=c, label=d) for d, c in colours.items()]
     handles += [plt.Line2D([], [], color="black", label=ACC_LABEL.get(a, a), **_style(a)) for a in accs]
     if budget:
@@ -183,7 +183,7 @@ def _error_figure(doc: dict, backend: str, mode: str, colours: dict):
     """Max abs error against ring size of one backend and mode: rows dtypes, columns tensors,
     the page's width (`FIGURE_WIDTH_IN`)."""
     spec, tensors = doc["spec"], tensor_names(doc)
-    fig, axes = _pyplot().subplots(len(spec["dtypes"]), len(tensors), squeeze=False, layout="constrained",
+    fig, axes = load_pyplot().subplots(len(spec["dtypes"]), len(tensors), squeeze=False, layout="constrained",
                                    figsize=(FIGURE_WIDTH_IN, 2.7 * len(spec["dtypes"]) + 0.9), sharex=True)
     for i, dtype in enumerate(spec["dtypes"]):
         for j, tensor in enumerate(tensors):
@@ -217,7 +217,7 @@ def _error_lines(ax, doc: dict, backend: str, mode: str, dtype: str, tensor: str
 def _step_figure(doc: dict, backend: str, colours: dict):
     """The running output's error after every ring step at the largest P: rows modes, columns dtypes."""
     spec, pmax = doc["spec"], ring_sizes(doc)[-1]
-    fig, axes = _pyplot().subplots(len(spec["modes"]), len(spec["dtypes"]), squeeze=False, layout="constrained",
+    fig, axes = load_pyplot().subplots(len(spec["modes"]), len(spec["dtypes"]), squeeze=False, layout="constrained",
                                    figsize=(FIGURE_WIDTH_IN, 2.6 * len(spec["modes"]) + 0.9))
     for i, mode in enumerate(spec["modes"]):
         for j, dtype in enumerate(spec["dtypes"]):
@@ -249,7 +249,7 @@ def _step_lines(ax, doc: dict, backend: str, mode: str, dtype: str, pmax: int, c
 
 def _slope_figure(doc: dict):
     """The fitted slope of every group, one panel per mode, with the flag and random-walk lines."""
-    plt = _pyplot()
+    plt = load_pyplot()
     spec = doc["spec"]
     fig, axes = plt.subplots(1, len(spec["modes"]), squeeze=False, figsize=(FIGURE_WIDTH_IN, 4.4),
                              sharey=True, layout="constrained")
@@ -310,7 +310,7 @@ def validate_plot(doc: dict) -> bytes | None:
     check has per-tensor results. Checks without tensors (NaN/Inf, determinism, information
     rows) are left out: they have no error over a budget to place."""
     fig = validate_figure(doc)
-    return None if fig is None else _figure_png(fig)
+    return None if fig is None else figure_png(fig)
 
 
 def validate_figure(doc: dict):
@@ -318,11 +318,11 @@ def validate_figure(doc: dict):
     rows = [c for c in doc["checks"] if c.get("tensors")]
     if not rows:
         return None
-    plt = _pyplot()
-    # (start-up time: matplotlib is imported when the first figure is drawn, see _pyplot)
+    plt = load_pyplot()
+    # (start-up time: matplotlib is imported when the first figure is drawn, see load_pyplot)
     from matplotlib.patches import Patch
 
-    lo, hi = _ratio_range([t["ratio"] for c in rows for t in c["tensors"].values()])
+    lo, hi = ratio_range([t["ratio"] for c in rows for t in c["tensors"].values()])
     fig, ax = plt.subplots(figsize=(13, 0.4 * len(rows) + 1.7), layout="constrained")
     ax.axvspan(1.0, hi, color=_BAD, alpha=0.06, linewidth=0)
     ax.axvline(1.0, color=_BAD, linestyle="--", linewidth=1)
@@ -364,7 +364,7 @@ def validate_figure(doc: dict):
     return fig
 
 
-def _ratio_range(ratios: list[float]) -> tuple[float, float]:
+def ratio_range(ratios: list[float]) -> tuple[float, float]:
     """The x range of the error / budget plot: the finite positive ratios with a margin, and
     always 0.1 to 10 around the limit (zeros sit at the left edge, NaN/Inf at the right)."""
     finite = [r for r in ratios if math.isfinite(r) and r > 0]

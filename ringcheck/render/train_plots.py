@@ -1,5 +1,5 @@
 """The train report's figures, as PNG bytes for its HTML page (matplotlib on the Agg backend,
-imported when the first figure is drawn: `ringcheck.render.plots._pyplot`).
+imported when the first figure is drawn: `ringcheck.render.plots.load_pyplot`).
 
 - `loss_figure`: the loss per step of the ring and the reference with the noise band drawn
   around the reference (top), and the gap in units of the noise floor with the band's edges
@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import math
 
-from .plots import FIGURE_DPI, FIGURE_WIDTH_IN, _figure_png, _pyplot, _ratio_range
+from .plots import FIGURE_DPI, FIGURE_WIDTH_IN, figure_png, load_pyplot, ratio_range
 
 _RING, _REF, _BAND, _BAD, _GOOD = "#c62828", "#1f4e9c", "#9db8e8", "#c62828", "#1a7f37"
 
 
 def train_plots(doc: dict) -> list[tuple[str, bytes]]:
     """(title, PNG bytes) of every figure, in the report's order."""
-    return [("Loss per step, and the gap in units of the noise floor", _figure_png(loss_figure(doc), dpi=FIGURE_DPI)),
+    return [("Loss per step, and the gap in units of the noise floor", figure_png(loss_figure(doc), dpi=FIGURE_DPI)),
             ("Step-0 gradient error over its budget, per parameter",
-             _figure_png(gradient_figure(doc), dpi=FIGURE_DPI)),
-            ("Gradient norm per step", _figure_png(norm_figure(doc), dpi=FIGURE_DPI))]
+             figure_png(gradient_figure(doc), dpi=FIGURE_DPI)),
+            ("Gradient norm per step", figure_png(norm_figure(doc), dpi=FIGURE_DPI))]
 
 
 def loss_figure(doc: dict):
-    plt = _pyplot()
+    plt = load_pyplot()
     steps = doc["steps"]
     t = [s["step"] for s in steps]
     ref = [s["reference_loss"] for s in steps]
@@ -65,9 +65,9 @@ def loss_figure(doc: dict):
 
 
 def gradient_figure(doc: dict):
-    plt = _pyplot()
+    plt = load_pyplot()
     rows = doc["gradients"]
-    lo, hi = _ratio_range([g["ratio"] for g in rows])
+    lo, hi = ratio_range([g["ratio"] for g in rows])
     fig, ax = plt.subplots(figsize=(FIGURE_WIDTH_IN, 0.28 * len(rows) + 1.4), layout="constrained")
     ax.axvspan(1.0, hi, color=_BAD, alpha=0.06, linewidth=0)
     ax.axvline(1.0, color=_BAD, linestyle="--", linewidth=1)
@@ -88,7 +88,7 @@ def gradient_figure(doc: dict):
 
 
 def norm_figure(doc: dict):
-    plt = _pyplot()
+    plt = load_pyplot()
     steps = doc["steps"]
     t = [s["step"] for s in steps]
     fig, ax = plt.subplots(figsize=(FIGURE_WIDTH_IN, 2.8), layout="constrained")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from html import escape
 
-from .html import _blocks_html, _figures_html
-from .markdown import _blocks_markdown
+from .html import blocks_html, figures_html
+from .markdown import blocks_markdown
 from .train_content import blocks
 from .train_plots import train_plots
 
@@ -21,7 +21,7 @@ img.figure{display:block;width:100%;height:auto}li{margin:.2em 0}"""
 
 def train_markdown(doc: dict) -> str:
     """The report as Markdown; the plots are only in the HTML page."""
-    parts = _blocks_markdown(blocks(doc))
+    parts = blocks_markdown(blocks(doc))
     parts.insert(5, "Plots (loss per step with the noise band, the gap in units of the noise floor, each "
                     "parameter's step-0 error over its budget, gradient norms): see `train.html` next to this file.")
     return "\n\n".join(parts) + "\n"
@@ -35,9 +35,9 @@ def train_html(doc: dict, *, plots: bool = True) -> str:
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'>",
              f"<title>{escape(head[0][1])}</title><style>{_CSS}</style></head><body>",
              f"<h1 class='{style}'>{escape(head[0][1])}</h1>"]
-    parts += _blocks_html(head[1:], {}, False, doc)
+    parts += blocks_html(head[1:], {}, False, doc)
     if plots:
-        parts += _figures_html(train_plots(doc))
-    parts += _blocks_html(rest, {}, False, doc)
+        parts += figures_html(train_plots(doc))
+    parts += blocks_html(rest, {}, False, doc)
     parts.append("</body></html>\n")
     return "\n".join(parts)

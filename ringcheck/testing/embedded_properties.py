@@ -15,7 +15,8 @@ import torch
 from ..harness.call import INPUT_LAYOUTS, arrange
 from ..judge.check import Case, Results, simulated_impl
 from ..judge.inputs import Inputs
-from .properties import _inputs, _other_inputs, _verdict
+from .compare import verdict_of
+from .properties import case_inputs, other_inputs
 
 LAYOUT_WORDS = {"fused_qkv": "q, k, v views of one fused projection, dout a transposed view",
                 "kv_strides": "k a view of a fused K/V buffer, v a transposed view (other strides), dout a view"}
@@ -43,10 +44,10 @@ def check_input_layout(case: Case, layout: str, impl=simulated_impl) -> None:
     tensor within the budget against float64, as with contiguous inputs."""
     if layout not in INPUT_LAYOUTS:
         raise ValueError(f"input layout {layout!r} is unknown; choose from {list(INPUT_LAYOUTS)}")
-    x = _inputs(case)
+    x = case_inputs(case)
     whole = impl(case)
     got = whole.results(x, call=layout) if hasattr(whole, "results") else _whole_views(whole, x, layout)
-    verdict = _verdict(case, x, got)
+    verdict = verdict_of(case, x, got)
     if not verdict.passed:
         raise AssertionError(f"with {LAYOUT_WORDS.get(layout, layout)}: {verdict.message()}\n"
                              f"  reproduce: {case.repro()}")
@@ -69,11 +70,11 @@ def check_two_calls_before_backward(case: Case, impl=simulated_impl) -> None:
     """Two calls (the forward of one input, then of another of the same shapes) before one
     backward of both, as two attention layers of a model: each call within the budget against
     its float64 truth."""
-    x, y = _inputs(case), _other_inputs(case)
+    x, y = case_inputs(case), other_inputs(case)
     whole = impl(case)
     calls = whole.two_calls(x, y) if hasattr(whole, "two_calls") else _two_whole_calls(whole, x, y)
     for which, got, inputs in (("first", calls[0], x), ("second", calls[1], y)):
-        verdict = _verdict(case, inputs, got)
+        verdict = verdict_of(case, inputs, got)
         if not verdict.passed:
             raise AssertionError(f"the {which} of two calls before one backward: {verdict.message()}\n"
                                  f"  reproduce: {case.repro()}")

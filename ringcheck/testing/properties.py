@@ -74,14 +74,14 @@ def gamma(n: int) -> float:
     return n * U32 / (1 - n * U32)
 
 
-def _inputs(case: Case, *, seed: int | None = None) -> Inputs:
+def case_inputs(case: Case, *, seed: int | None = None) -> Inputs:
     return make_inputs(case.spec, seed=case.seed if seed is None else seed,
                        distribution=case.distribution, ring=case.ring)
 
 
-def _other_inputs(case: Case) -> Inputs:
+def other_inputs(case: Case) -> Inputs:
     """A second, independent draw of the case's distribution (for splicing and for V2)."""
-    return _inputs(case, seed=case.seed + 1_000_003)
+    return case_inputs(case, seed=case.seed + 1_000_003)
 
 
 def _run(case: Case, inputs: Inputs, impl) -> Results:
@@ -105,7 +105,7 @@ def _expect_equal(check, case, name, x, y, **params):
 def check_budget(case: Case, impl=simulated_impl) -> None:
     """Every judged tensor within k x the peer's error + the rounding floor of float64 truth
     (non-finite values never pass)."""
-    inputs = _inputs(case)
+    inputs = case_inputs(case)
     verdict = _verdict(case, inputs, _run(case, inputs, impl), budget_tensors(case))
     if not verdict.passed:
         raise AssertionError(verdict.message() + f"\n  reproduce: {case.repro()}")
@@ -114,7 +114,7 @@ def check_budget(case: Case, impl=simulated_impl) -> None:
 def check_finite(case: Case, impl=simulated_impl) -> None:
     """No NaN or Inf in out, lse, dq, dk, dv, except where the float64 truth itself does not
     fit the output dtype (a gradient above 65504 is Inf in float16, correctly rounded)."""
-    inputs = _inputs(case)
+    inputs = case_inputs(case)
     got = _run(case, inputs, impl)
     true = truth(case.spec, inputs)
     for name in TENSORS:
@@ -144,7 +144,7 @@ def check_linear_in_v(case: Case, a: float = 1.0, b: float = 1.0, impl=simulated
     |R - P dV| <= sum_i |c_i| ((2u + 2 gamma_N) A_i + eta) + 2 P|dV|.
     """
     spec, ring = case.spec, case.ring
-    x1, x2 = _inputs(case), _other_inputs(case)
+    x1, x2 = case_inputs(case), other_inputs(case)
     v3 = (a * x1.v.float() + b * x2.v.float()).to(spec.torch_dtype)
     runs = [Inputs(x1.q, x1.k, v, x1.dout) for v in (x1.v, x2.v, v3)]
     r1, r2, r3 = (_run(case, x, impl) for x in runs)
@@ -174,7 +174,7 @@ def check_linear_in_v(case: Case, a: float = 1.0, b: float = 1.0, impl=simulated
 def check_v_negation(case: Case, impl=simulated_impl) -> None:
     """V -> -V negates out, dq and dk and leaves lse and dv unchanged, bit for bit (round to
     nearest is symmetric, and every V-dependent quantity is linear in V)."""
-    x = _inputs(case)
+    x = case_inputs(case)
     xn = Inputs(x.q, x.k, -x.v, x.dout)
     r, n = _run(case, x, impl), _run(case, xn, impl)
     exact = Exact("check_v_negation", case, r, lambda: _run(case, x, impl), impl=impl)
@@ -230,7 +230,7 @@ def check_kv_permutation(case: Case, permutation: list[int], impl=simulated_impl
     if case.spec.causal:
         raise ValueError("K/V permutation invariance holds for bidirectional attention only")
     perm = torch.tensor(permutation)
-    x = _inputs(case)
+    x = case_inputs(case)
     xp = Inputs(x.q, x.k[:, perm], x.v[:, perm], x.dout)
     r, rp = _run(case, x, impl), _run(case, xp, impl)
     back = torch.empty_like(perm)
@@ -246,7 +246,7 @@ def check_causal_prefix(case: Case, cut: int, impl=simulated_impl) -> None:
     as masked entries (weight exactly 0) or not at all."""
     if not case.spec.causal:
         raise ValueError("prefix independence holds for causal attention only")
-    x, y = _inputs(case), _other_inputs(case)
+    x, y = case_inputs(case), other_inputs(case)
     z = Inputs(*(torch.cat([a[:, :cut], b[:, cut:]], dim=1) for a, b in zip(
         (x.q, x.k, x.v, x.dout), (y.q, y.k, y.v, y.dout))))
     r, rz = _run(case, x, impl), _run(case, z, impl)
@@ -279,7 +279,7 @@ def check_batch_and_head_independence(case: Case, impl=simulated_impl) -> None:
     heads), or of one query head changes nothing else, bit for bit. (Every run comes before
     any comparison, so under a collective implementation all ranks make the same calls.)"""
     spec, g = case.spec, case.spec.group_size
-    x, y = _inputs(case), _other_inputs(case)
+    x, y = case_inputs(case), other_inputs(case)
     r = _run(case, x, impl)
     xb, xh, xq = (_splice(x, y, batch=spec.batch - 1), _splice(x, y, kv_head=spec.kv_heads - 1, group=g),
                   _splice(x, y, q_head=spec.heads - 1))
@@ -315,7 +315,7 @@ def check_gqa_is_mha_with_repeated_kv(case: Case, impl=simulated_impl) -> None:
     backend's broadcast matmul folds the group into the rows of one GEMM, whose blocking (and
     so float32 summation order) differs from MHA's for some shapes (e.g. head_dim 25)."""
     spec, g = case.spec, case.spec.group_size
-    x = _inputs(case)
+    x = case_inputs(case)
     mha = Case(spec.replace(kv_heads=spec.heads), case.ring, case.seed, case.distribution, case.backend)
     xm = Inputs(x.q, x.k.repeat_interleave(g, dim=2), x.v.repeat_interleave(g, dim=2), x.dout)
     r, rm = _run(case, x, impl), _run(mha, xm, impl)
@@ -337,7 +337,7 @@ def check_ring_invariance(case: Case, world_size: int, layout: str, impl=simulat
     """The same attention on another ring (size and layout) agrees within the two budgets; a
     failure names both rings and the one further from the float64 truth."""
     other = Case(case.spec, RingSpec(world_size, layout), case.seed, case.distribution, case.backend)
-    x = _inputs(case)  # the same tensors on both rings (late-max placed them for the first)
+    x = case_inputs(case)  # the same tensors on both rings (late-max placed them for the first)
     mine, theirs = (f"P={c.ring.world_size} {c.ring.layout}" for c in (case, other))
     rest = case.describe().removeprefix(mine + " ")  # the case's words after its ring's
     _budget_agreement("check_ring_invariance", case, x, _run(case, x, impl), other, x, _run(other, x, impl),
@@ -357,7 +357,7 @@ def check_changing_lengths(case: Case, shorter: int, impl=simulated_impl) -> Non
                          f"{case.ring.layout} layout (a multiple of {case.ring.chunks // p} per rank)")
     short = Case(case.spec.replace(seq_len=shorter * p), case.ring, case.seed + 1, case.distribution, case.backend)
     calls = ((case, case.seed), (short, short.seed), (case, case.seed + 2))
-    runs = [(c, x, _run(c, x, impl)) for c, seed in calls for x in (_inputs(c, seed=seed),)]  # every run first
+    runs = [(c, x, _run(c, x, impl)) for c, seed in calls for x in (case_inputs(c, seed=seed),)]  # every run first
     for i, (c, x, got) in enumerate(runs):
         verdict = _verdict(c, x, got)
         if not verdict.passed:
@@ -371,7 +371,7 @@ def check_determinism(case: Case, impl=simulated_impl, required: bool = False) -
     that is not deterministic (False), as atomic adds make GPU kernels; its two runs must then be
     within the sum of their budgets of each other (rounding), and it fails where determinism is
     `required` (``--ring-require determinism``, or torch.use_deterministic_algorithms)."""
-    x = _inputs(case)
+    x = case_inputs(case)
     a, b = _run(case, x, impl), _run(case, x, impl)
     if same_bits(a, b):
         return True
@@ -390,7 +390,7 @@ def check_distributed_equals_simulated(case: Case, impl) -> None:
     """Our ring on processes (`impl`: ringcheck.testing.impl_runner.RingImpl of ``ringcheck``)
     equals its simulation bit for bit, simulated where the ranks ran (`RingImpl.device`: a GPU's
     kernels against the CPU's differ in bits): a property of our ring's internals, for no other ring."""
-    x, device = _inputs(case), impl.device
+    x, device = case_inputs(case), impl.device
     got = _run(case, x, impl)
     want = run_whole(simulated_impl(case), Inputs(*(None if t is None else t.to(device) for t in
                                                     (x.q, x.k, x.v, x.dout, x.sinks))))
@@ -404,7 +404,7 @@ def check_layout_round_trip(case: Case) -> None:
     """Sharding every input for the case's ring and unsharding gives it back bit for bit, and
     the ranks' positions partition the sequence."""
     ring, n = case.ring, case.spec.seq_len
-    x = _inputs(case)
+    x = case_inputs(case)
     held = torch.cat([positions(layout=ring.layout, rank=r, world_size=ring.world_size, seq_len=n)
                       for r in range(ring.world_size)])
     if not torch.equal(held.sort().values, torch.arange(n)):

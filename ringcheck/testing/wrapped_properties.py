@@ -16,8 +16,8 @@ from typing import Any
 from ..harness import TWO_CALLS
 from ..harness.runner import SECOND
 from ..harness.wrappers import COMPILE_INFO, COMPILED, MODES, differing
-from .compare import RERUNS, SEEN_NOT_DETERMINISTIC, not_deterministic
-from .properties import _inputs, _other_inputs, _verdict, failure
+from .compare import RERUNS, SEEN_NOT_DETERMINISTIC, not_deterministic, verdict_of
+from .properties import case_inputs, failure, other_inputs
 
 CONTIGUOUS = "contiguous"
 LAYERS = ("layer 1", "layer 2")
@@ -42,7 +42,7 @@ def check_recompute(case, impl) -> None:
     """Two layers' worth (the forward of one input, of another, one backward of both), each call
     inside `torch.utils.checkpoint` with use_reentrant False and True: out, lse and every
     gradient the same bits as the same two layers without checkpointing."""
-    x, y = _inputs(case), _other_inputs(case)
+    x, y = case_inputs(case), other_inputs(case)
     run = impl(case).wrapped(x, y, (TWO_CALLS, *MODES))
     without = run.calls[TWO_CALLS]
     for mode, words in MODES.items():
@@ -56,7 +56,7 @@ def check_recompute(case, impl) -> None:
                                                        f"(a deterministic ring gives the same bits; the likely cause: "
                                                        f"state kept outside the autograd context, overwritten by the "
                                                        f"recompute)")
-            verdict = _verdict(case, inputs, got)  # not deterministic: the budget rule
+            verdict = verdict_of(case, inputs, got)  # not deterministic: the budget rule
             if not verdict.passed:
                 raise failure("check_recompute", case, f"under torch.utils.checkpoint({words}), {layer} (the ring is "
                                                        f"not deterministic, so judged by the budget rule): "
@@ -68,7 +68,7 @@ def check_compile(case, impl) -> dict[str, Any]:
     each: the same bits as eager (aot_eager, a deterministic ring), else within the budget
     against float64. Returns what dynamo made of it (`ringcheck.harness.wrappers.compile_info`
     of the first rank); one that did not compile has its `error` and is not judged."""
-    x, y = _inputs(case), _other_inputs(case)
+    x, y = case_inputs(case), other_inputs(case)
     run = impl(case).wrapped(x, y, (CONTIGUOUS, SECOND, COMPILED))
     infos = [rank[0][COMPILE_INFO] for rank in run.parts[COMPILED]]
     info = next((i for i in infos if i["error"]), infos[0])
@@ -82,7 +82,7 @@ def check_compile(case, impl) -> dict[str, Any]:
         if info["backend"] == "aot_eager" and _deterministic(impl, case, x, y, CONTIGUOUS, run.calls[CONTIGUOUS]):
             raise failure("check_compile", case, f"compiled with aot_eager, {call}'s {', '.join(names)} differ from "
                                                  f"eager, where aot_eager runs the same kernels")
-        verdict = _verdict(case, inputs, got)
+        verdict = verdict_of(case, inputs, got)
         if not verdict.passed:
             raise failure("check_compile", case, f"compiled with {info['backend']}, {call}: {verdict.message()}")
     return info

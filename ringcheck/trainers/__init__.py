@@ -7,6 +7,15 @@ each named in the glue's `shims` (the report prints them).
 | `--glue` | trainer | entry | kind |
 |---|---|---|---|
 | `deepspeed_ulysses` | DeepSpeed (ALST) | `UlyssesSPAttentionHF.register_with_transformers`, `UlyssesSPDataLoaderAdapter` | Ulysses |
+
+The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
+contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
 """
 
-TRAINER_GLUES = ("deepspeed_ulysses",)
+from __future__ import annotations
+
+from .deepspeed_ulysses import deepspeed_ulysses_glue
+
+# `--glue NAME` -> the function that makes the trainer's glue (ImportError with the fix where the
+# trainer's package is missing; importing the module imports no trainer's package)
+TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue}

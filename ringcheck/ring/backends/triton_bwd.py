@@ -20,7 +20,7 @@ Rows with lse = -inf (no visible key anywhere in the ring) get P = 0, hence zero
 Grouped-query attention: a dK/dV program owns one K/V head and loops over the query heads of
 its group, so dK and dV are summed in registers, without atomics, in a fixed order (the
 result does not depend on scheduling). Masks (``CAUSAL``, ``BAND``; `_query_tiles` is the
-dK/dV twin of the forward's `_key_tiles`: query tiles outside the band are skipped), padding
+dK/dV twin of the forward's `key_tiles`: query tiles outside the band are skipped), padding
 and the `DOT_FP32` switch are those of `triton_fwd`.
 """
 
@@ -30,7 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _key_tiles, _load_tile, _mm, _offsets, _tanh, _visible, head_dim_pad, head_dims, is_interpreted
+from .triton_fwd import (
+    head_dim_pad,
+    head_dims,
+    is_interpreted,
+    key_tiles,
+    load_tile,
+    tile_mm,
+    tile_offsets,
+    tile_tanh,
+    tile_visible,
+)
 
 # ---------------------------------------------------------------------------------------------
 # preprocess: D = rowsum(dO * O)
@@ -48,9 +58,9 @@ def _attn_bwd_preprocess(O, DO, Delta,
     off_h = (off_bh % heads).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    o = _load_tile(O + off_b * stride_ob + off_h * stride_oh, offs_m, offs_d, stride_os, stride_od,
+    o = load_tile(O + off_b * stride_ob + off_h * stride_oh, offs_m, offs_d, stride_os, stride_od,
                    seq, HEAD_DIM).to(tl.float32)
-    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_d, stride_dos, stride_dod,
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_d, stride_dos, stride_dod,
                     seq, HEAD_DIM).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
     tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m.to(tl.int64) * stride_ds, delta, mask=offs_m < seq)
@@ -102,24 +112,24 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, Lse, Delta,
                          SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(Q, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
-        do = _load_tile(DO, offs_m, offs_dv, stride_dos, stride_dod, sq, HEAD_DIM_V)
+        q = load_tile(Q, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
+        do = load_tile(DO, offs_m, offs_dv, stride_dos, stride_dod, sq, HEAD_DIM_V)
         lse2, delta = _load_row_stats(Lse, Delta, offs_m, stride_ls, stride_ds, sq)
         # transposed scores: keys along rows, queries along columns, log2 units
-        qkT = _mm(k, tl.trans(q), DOT_FP32)                             # (BLOCK_N, BLOCK_M)
+        qkT = tile_mm(k, tl.trans(q), DOT_FP32)                             # (BLOCK_N, BLOCK_M)
         if SOFTCAP:
-            tT = _tanh(qkT * (sm_scale / softcap))
+            tT = tile_tanh(qkT * (sm_scale / softcap))
             sT = tT * (softcap * 1.4426950408889634)
         else:
             sT = qkT * (sm_scale * 1.4426950408889634)
-        visible = _visible(offs_m[None, :], offs_n[:, None], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
+        visible = tile_visible(offs_m[None, :], offs_n[:, None], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
         pT = tl.math.exp2(tl.where(visible, sT - lse2[None, :], float("-inf")))  # 0 where masked
-        dv += _mm(pT, do, DOT_FP32)
-        dpT = _mm(v, tl.trans(do), DOT_FP32)
+        dv += tile_mm(pT, do, DOT_FP32)
+        dpT = tile_mm(v, tl.trans(do), DOT_FP32)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)                                 # tanh': d s / d (scale q.k)
-        dk += _mm(dsT, q, DOT_FP32)
+        dk += tile_mm(dsT, q, DOT_FP32)
     return dk, dv
 
 
@@ -148,9 +158,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, softcap, diagonal,
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    k = _load_tile(K + off_b * stride_kb + off_kvh.to(tl.int64) * stride_kh, offs_n, offs_d,
+    k = load_tile(K + off_b * stride_kb + off_kvh.to(tl.int64) * stride_kh, offs_n, offs_d,
                    stride_ks, stride_kd, sk, HEAD_DIM)
-    v = _load_tile(V + off_b * stride_vb + off_kvh.to(tl.int64) * stride_vh, offs_n, offs_dv,
+    v = load_tile(V + off_b * stride_vb + off_kvh.to(tl.int64) * stride_vh, offs_n, offs_dv,
                    stride_vs, stride_vd, sk, HEAD_DIM_V)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
@@ -183,9 +193,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, sm_scale, softcap, diagonal,
     dk *= sm_scale
     DK += off_b * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
     DV += off_b * stride_dvb + off_kvh.to(tl.int64) * stride_dvh
-    tl.store(DK + _offsets(offs_n, offs_d, stride_dks, stride_dkd), dk,
+    tl.store(DK + tile_offsets(offs_n, offs_d, stride_dks, stride_dkd), dk,
              mask=(offs_n[:, None] < sk) & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + _offsets(offs_n, offs_dv, stride_dvs, stride_dvd), dv,
+    tl.store(DV + tile_offsets(offs_n, offs_dv, stride_dvs, stride_dvd), dv,
              mask=(offs_n[:, None] < sk) & (offs_dv[None, :] < HEAD_DIM_V))
 
 
@@ -201,21 +211,21 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, strid
                        SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, offs_n, offs_d, stride_ks, stride_kd, sk, HEAD_DIM)
-        v = _load_tile(V, offs_n, offs_dv, stride_vs, stride_vd, sk, HEAD_DIM_V)
-        qk = _mm(q, tl.trans(k), DOT_FP32)                              # (BLOCK_M, BLOCK_N)
+        k = load_tile(K, offs_n, offs_d, stride_ks, stride_kd, sk, HEAD_DIM)
+        v = load_tile(V, offs_n, offs_dv, stride_vs, stride_vd, sk, HEAD_DIM_V)
+        qk = tile_mm(q, tl.trans(k), DOT_FP32)                              # (BLOCK_M, BLOCK_N)
         if SOFTCAP:
-            t = _tanh(qk * (sm_scale / softcap))
+            t = tile_tanh(qk * (sm_scale / softcap))
             s = t * (softcap * 1.4426950408889634)
         else:
             s = qk * (sm_scale * 1.4426950408889634)
-        visible = _visible(offs_m[:, None], offs_n[None, :], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
+        visible = tile_visible(offs_m[:, None], offs_n[None, :], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
         p = tl.math.exp2(tl.where(visible, s - lse2[:, None], float("-inf")))  # 0 where masked
-        dp = _mm(do, tl.trans(v), DOT_FP32)
+        dp = tile_mm(do, tl.trans(v), DOT_FP32)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += _mm(ds, k, DOT_FP32)
+        dq += tile_mm(ds, k, DOT_FP32)
     return dq
 
 
@@ -247,15 +257,15 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, softcap, diagonal, lower
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    q = _load_tile(Q + off_b * stride_qb + off_h * stride_qh, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
-    do = _load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_dv, stride_dos, stride_dod,
+    q = load_tile(Q + off_b * stride_qb + off_h * stride_qh, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh, offs_m, offs_dv, stride_dos, stride_dod,
                     sq, HEAD_DIM_V)
     lse2, delta = _load_row_stats(Lse + off_b * stride_lb + off_h * stride_lh,
                                   Delta + off_b * stride_db + off_h * stride_dh, offs_m, stride_ls, stride_ds, sq)
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
     # the same split as the forward kernel
-    lo, full_lo, full_hi, hi = _key_tiles(m0, sk, diagonal, lower, BLOCK_M, BLOCK_N, CAUSAL, BAND)
+    lo, full_lo, full_hi, hi = key_tiles(m0, sk, diagonal, lower, BLOCK_M, BLOCK_N, CAUSAL, BAND)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
                             offs_m, offs_d, offs_dv, full_lo, full_hi, sq, sk, diagonal, lower, sm_scale, softcap,
                             HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, CAUSAL, BAND, SOFTCAP, DOT_FP32)
@@ -269,7 +279,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, sm_scale, softcap, diagonal, lower
 
     dq *= sm_scale
     DQ += off_b * stride_dqb + off_h * stride_dqh
-    tl.store(DQ + _offsets(offs_m, offs_d, stride_dqs, stride_dqd), dq,
+    tl.store(DQ + tile_offsets(offs_m, offs_d, stride_dqs, stride_dqd), dq,
              mask=(offs_m[:, None] < sq) & (offs_d[None, :] < HEAD_DIM))
 
 

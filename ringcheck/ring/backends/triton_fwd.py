@@ -9,7 +9,7 @@ Numerics (the contract of `ringcheck.ring.backends`):
   `exp2`; the lse leaves the kernel in natural-log units, float32;
 - with ``SOFTCAP`` (a `constexpr`; the cap itself is the runtime float ``softcap``) the score is
   ``softcap * tanh(scale q.k / softcap)``, capped before masking; tanh is built from one `exp2`
-  of ``-2|x|`` (`_tanh`: never overflows, saturates to +-1);
+  of ``-2|x|`` (`tile_tanh`: never overflows, saturates to +-1);
 - online softmax over K/V tiles with a float32 running max `m_i`, sum `l_i` and output
   `acc`; a row that sees no key keeps `m_i = -inf` and `l_i = 0` and ends with out 0 and
   lse -inf, never NaN (every `exp2` is taken against a max that is made finite first);
@@ -23,7 +23,7 @@ Numerics (the contract of `ringcheck.ring.backends`):
 Masks are `constexpr` flags of one kernel, never copies. ``CAUSAL``: key j is visible to query
 i only if ``j - i <= diagonal``; ``BAND``: only if ``j - i >= lower`` (``diagonal`` and ``lower``
 are runtime ints; the contract's "causal" sets CAUSAL, its "band" both, a bound that no row
-reaches neither). `_key_tiles` splits the K/V tiles of a query tile into those no row sees
+reaches neither). `key_tiles` splits the K/V tiles of a query tile into those no row sees
 (skipped: a narrow band costs O(rows x band), not O(rows x keys)), those every row sees whole
 (no mask) and the rest, which are masked (``MASKED`` of the inner loop). Ragged shapes are
 masked, not padded in memory: rows past ``sq``, keys past ``sk`` and head-dim columns past
@@ -43,7 +43,7 @@ import triton.language as tl
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _mm(a, b, DOT_FP32: tl.constexpr):
+def tile_mm(a, b, DOT_FP32: tl.constexpr):
     """a @ b accumulated in float32. The left operand (a float32 intermediate such as the
     probabilities, or an input tile) is rounded to b's dtype unless DOT_FP32 upcasts both."""
     if DOT_FP32:
@@ -54,14 +54,14 @@ def _mm(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(base, offs_s, offs_d, stride_s, stride_d, s_len, HEAD_DIM: tl.constexpr):
+def load_tile(base, offs_s, offs_d, stride_s, stride_d, s_len, HEAD_DIM: tl.constexpr):
     """The (len(offs_s), len(offs_d)) tile at base[offs_s, offs_d]; 0 outside s_len x HEAD_DIM."""
     mask = (offs_s[:, None] < s_len) & (offs_d[None, :] < HEAD_DIM)
-    return tl.load(base + _offsets(offs_s, offs_d, stride_s, stride_d), mask=mask, other=0.0)
+    return tl.load(base + tile_offsets(offs_s, offs_d, stride_s, stride_d), mask=mask, other=0.0)
 
 
 @triton.jit
-def _offsets(offs_s, offs_d, stride_s, stride_d):
+def tile_offsets(offs_s, offs_d, stride_s, stride_d):
     """The element offsets of the tile [offs_s, offs_d] in int64: in int32 a long shard's row
     offset (s - 1) x stride_s (heads x head_dim for a contiguous (b, s, h, d) tensor, more for
     fused QKV views) passes 2^31 and wraps to a wrong address."""
@@ -69,7 +69,7 @@ def _offsets(offs_s, offs_d, stride_s, stride_d):
 
 
 @triton.jit
-def _tanh(x):
+def tile_tanh(x):
     """tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow."""
     e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)  # 2 / ln 2
     t = (1.0 - e) / (1.0 + e)
@@ -79,15 +79,15 @@ def _tanh(x):
 @triton.jit
 def _scores(q, kT, sm_scale, softcap, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     """The scores q @ kT in log2 units: scale q.k, or softcap tanh(scale q.k / softcap)."""
-    qk = _mm(q, kT, DOT_FP32)
+    qk = tile_mm(q, kT, DOT_FP32)
     if SOFTCAP:
-        return _tanh(qk * (sm_scale / softcap)) * (softcap * 1.4426950408889634)
+        return tile_tanh(qk * (sm_scale / softcap)) * (softcap * 1.4426950408889634)
     else:
         return qk * (sm_scale * 1.4426950408889634)
 
 
 @triton.jit
-def _visible(rows, cols, sq, sk, diagonal, lower,
+def tile_visible(rows, cols, sq, sk, diagonal, lower,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BAND: tl.constexpr):
     """Query `rows` sees key `cols` (2-D index tensors that broadcast, e.g. offs_m[:, None] and
     offs_n[None, :]): both in bounds and, if MASKED, lower <= j - i <= diagonal where it applies."""
@@ -101,7 +101,7 @@ def _visible(rows, cols, sq, sk, diagonal, lower,
 
 
 @triton.jit
-def _key_tiles(m0, sk, diagonal, lower, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def key_tiles(m0, sk, diagonal, lower, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, BAND: tl.constexpr):
     """For the query tile [m0, m0 + BLOCK_M): keys in [lo, hi) are all some row sees (tiles
     from lo, which is tile-aligned); the tiles in [full_lo, full_hi) are seen whole by every
@@ -135,9 +135,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_kd, stride_vs, str
                     SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, offs_n, offs_d, stride_ks, stride_kd, sk, HEAD_DIM)
+        k = load_tile(K, offs_n, offs_d, stride_ks, stride_kd, sk, HEAD_DIM)
         qk = _scores(q, tl.trans(k), sm_scale, softcap, SOFTCAP, DOT_FP32)  # (BLOCK_M, BLOCK_N), log2 units
-        visible = _visible(offs_m[:, None], offs_n[None, :], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
+        visible = tile_visible(offs_m[:, None], offs_n[None, :], sq, sk, diagonal, lower, MASKED, CAUSAL, BAND)
         qk = tl.where(visible, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         # a row that has seen no key yet keeps m = -inf; exponents are taken against 0 then,
@@ -146,8 +146,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_kd, stride_vs, str
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V, offs_n, offs_dv, stride_vs, stride_vd, sk, HEAD_DIM_V)
-        acc = acc * alpha[:, None] + _mm(p, v, DOT_FP32)
+        v = load_tile(V, offs_n, offs_dv, stride_vs, stride_vd, sk, HEAD_DIM_V)
+        acc = acc * alpha[:, None] + tile_mm(p, v, DOT_FP32)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -186,12 +186,12 @@ def _attn_fwd(Q, K, V, Out, Lse, sm_scale, softcap, diagonal, lower,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    q = _load_tile(Q, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
+    q = load_tile(Q, offs_m, offs_d, stride_qs, stride_qd, sq, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = _key_tiles(m0, sk, diagonal, lower, BLOCK_M, BLOCK_N, CAUSAL, BAND)
+    lo, full_lo, full_hi, hi = key_tiles(m0, sk, diagonal, lower, BLOCK_M, BLOCK_N, CAUSAL, BAND)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd,
                                     offs_m, offs_d, offs_dv, full_lo, full_hi, sq, sk, diagonal, lower,
                                     sm_scale, softcap, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
@@ -212,7 +212,7 @@ def _attn_fwd(Q, K, V, Out, Lse, sm_scale, softcap, diagonal, lower,
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln(2): back to natural log
     m_ok = offs_m < sq
-    tl.store(Out + _offsets(offs_m, offs_dv, stride_os, stride_od), out,
+    tl.store(Out + tile_offsets(offs_m, offs_dv, stride_os, stride_od), out,
              mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     tl.store(Lse + offs_m.to(tl.int64) * stride_ls, lse, mask=m_ok)
 
