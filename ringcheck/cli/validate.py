@@ -14,7 +14,7 @@ from ..adapters import load_impl
 from ..commands.validate import Target, check_variant_keywords, placement, report_dict, validate, validate_steps
 from ..commands.validate.promises import DEFAULT_PROMISES, OVERLAP, parse_require
 from ..commands.validate.rows import stand_in_row
-from ..commands.validate.target import check_keys, check_types
+from ..commands.validate.target import ONLY, check_keys, check_types
 from ..harness import Mesh
 from ..launch import RingError, open_ring
 from ..render.files import write_validate_reports
@@ -46,7 +46,7 @@ _VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v"
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
                  "ragged_lengths", "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad",
-                 "compile")
+                 "compile", "only")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
@@ -209,7 +209,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
             console.print(f"variants: {target.variants.describe()}", markup=False, highlight=False)
-            console.print(f"scaled-down cases: {where.scaled.describe()}; full length: {where.full.describe()}"
+            console.print(f"--only {target.only}: the ragged shards' rows alone, on {where.full.describe()}"
+                          if target.only else
+                          f"scaled-down cases: {where.scaled.describe()}; full length: {where.full.describe()}"
                           + (f" ({where.alone})" if where.alone else ""), markup=False, highlight=False)
             if stand_in is not None:
                 console.print(f"flash-attn stand-in: {stand_in.detail}", markup=False, highlight=False)
@@ -308,6 +310,10 @@ def _add_validate(sub) -> None:
                    help="the compile row: torch.compile of a function calling the ring (aot_eager on the CPU, inductor "
                         "on CUDA), its graph breaks, and its results against eager; dynamo takes seconds per rank, so "
                         "it runs only when asked (config key compile = true)")
+    p.add_argument("--only", choices=ONLY, default=None,
+                   help="run these rows alone: ragged (the ragged shards and the calls that change length, with no "
+                        "NaN/Inf and the output's shape; seconds: a quick check of the ragged tails, e.g. under each "
+                        "ATEN_CPU_CAPABILITY); default: every row (config key only = \"ragged\")")
     add_log_dir(p)
     add_quiet(p)
     p.set_defaults(func=_cmd_validate)

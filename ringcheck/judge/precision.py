@@ -97,7 +97,8 @@ KERNEL_BLOCK_ROWS = 32
 PEER_K = 1.5
 
 
-def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Results | None:
+def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor,
+                 max_rows: int | None = KERNEL_BLOCK_ROWS) -> Results | None:
     """A correct ring of PyTorch's own one-device flash kernel on this machine's CPU, over the
     case's shards (`owner`: each token's rank; one rank: the kernel on the whole sequence), in
     the input dtype: for each query block and key block that it sees,
@@ -106,7 +107,9 @@ def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Re
     outputs merged by their lse in float32, the backward's partial dq, dk, dv (each delivered in
     the input dtype) summed in float32, each K/V head's group summed in float32, each result
     rounded once. None where it cannot run the case: softcap, sinks, a value head dim of its
-    own, a block of more than `KERNEL_BLOCK_ROWS` rows, a NaN/Inf, a kernel this torch lacks.
+    own, a block of more than `max_rows` rows (`KERNEL_BLOCK_ROWS`; None: any, for a budget that
+    takes the kernel's max abs error rather than its convention), a row that sees no key, a
+    NaN/Inf, a kernel this torch lacks.
 
     A legitimate computation beside the class reference whose float32 arithmetic is the
     machine's: on AVX2 CPUs the kernel's half-precision path computes the probabilities with a
@@ -118,7 +121,7 @@ def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Re
             or inputs.q.device.type != "cpu"):
         return None
     blocks = [(owner == r).nonzero().flatten() for r in sorted(set(owner.tolist()))]
-    if max(len(b) for b in blocks) > KERNEL_BLOCK_ROWS:
+    if max_rows is not None and max(len(b) for b in blocks) > max_rows:
         return None
     n, g, dt, f32 = spec.seq_len, spec.heads // spec.kv_heads, spec.torch_dtype, torch.float32
     seen = attention_mask(n, causal=spec.causal, cu_seqlens=variant.get("cu_seqlens"), window=variant.get("window"))

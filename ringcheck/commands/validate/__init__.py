@@ -26,6 +26,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
 - the ring's other promises, measured (`promises`): memory O(N/P) and communication
   at the ring's minimum by default, overlap with ``--overlap``; a FLAG there gates only the
   promises named by ``--require``.
+
+With ``only="ragged"`` (``--only ragged``) the ragged shards' rows run alone, with the rows that
+judge any run (no NaN/Inf, output shape and dtype): seconds, for a check of the ragged tails.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
 def validate_steps(target: Target, promises=(), recompute: bool = True) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism,
     recompute (asked for, and not under --forward-only), compile (with it) and the promises measured."""
+    if target.only == "ragged":
+        return len(ragged_cases(target))
     return (len(scaled_cases(target)) + len(ragged_cases(target)) + 3 + (recompute and not target.forward_only) + target.compile
             + promise_steps(promises))
 
@@ -123,6 +128,9 @@ def _rows(target, processes, options, where, budget, progress, stand_in, promise
           recompute) -> list[CheckRow]:
     run = Run(target, Runner(processes, options), where.scaled, budget,
               progress if getattr(processes, "is_main", True) else None)
+    if target.only == "ragged":  # these rows alone (--only ragged): no scaled case, full length or promise
+        ragged, ragged_verdicts = ragged_rows(run, where.full)
+        return [*([stand_in] if stand_in else []), *ragged, finite_row(ragged_verdicts), shape_row(run.returns_lse)]
     rows = scaled_rows(run)
     ragged, ragged_verdicts = ragged_rows(run, where.full)
     full, full_verdicts = full_length_rows(run, where.full)
