@@ -21,7 +21,7 @@ from ..commands.validate import (
 )
 from ..commands.validate.promises import DEFAULT_PROMISES, OVERLAP, parse_require
 from ..commands.validate.rows import stand_in_row
-from ..commands.validate.target import check_keys, check_types
+from ..commands.validate.target import ONLY, check_keys, check_types
 from ..harness import Mesh
 from ..launch import RingError
 from ..render.files import write_validate_reports
@@ -55,7 +55,7 @@ _VARIANT_FLAGS = ("documents", "pad", "window", "softcap", "sinks", "head_dim_v"
 _TARGET_FLAGS = ("seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout",
                  "softmax_scale", "world_size", "impl", "backend", "seed", "sample_rows", "local_lengths",
                  "ragged_lengths", "distributions", *_VARIANT_FLAGS, "flash_attn_stand_in", "forward_only", "mesh", "sinks_grad",
-                 "compile")
+                 "compile", "only")
 QUICK_LENGTHS = (2, 6)           # --quick: the ring-local lengths checked
 DEFAULT_TIMEOUT_S = 60.0         # --timeout when neither the flag nor the config sets it
 _RUN_KEYS = ("quick", "timeout")  # config keys that are flags of the run, not fields of the target
@@ -218,7 +218,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if main:
             console.print(command, markup=False, highlight=False, soft_wrap=True)
             console.print(f"variants: {target.variants.describe()}", markup=False, highlight=False)
-            console.print(f"scaled-down cases: {where.scaled.describe()}; full length: {where.full.describe()}"
+            console.print(f"--only {target.only}: the ragged shards' rows alone, on {where.full.describe()}"
+                          if target.only else
+                          f"scaled-down cases: {where.scaled.describe()}; full length: {where.full.describe()}"
                           + (f" ({where.alone})" if where.alone else ""), markup=False, highlight=False)
             if stand_in is not None:
                 console.print(f"flash-attn stand-in: {stand_in.detail}", markup=False, highlight=False)
@@ -301,6 +303,12 @@ def add_validate_command(sub) -> None:
                    help="where flash-attn is not installed, `import flash_attn` gives ringcheck's CPU stand-in on "
                         "every rank (for ring_flash_attn:* and yunchang:* on CPU); the report says so "
                         "(config key flash_attn_stand_in = true)")
+    _add_run_flags(p)
+    p.set_defaults(func=_cmd_validate)
+
+
+def _add_run_flags(p) -> None:
+    """validate's flags of the run rather than the target: promises, reports, which rows, where."""
     p.add_argument("--overlap", action="store_true",
                    help="also measure overlap: every transfer held for 0.5 and 2 times a ring step's compute, the share "
                         "of that time the ring hides (it times calls: a few seconds; memory and communication are "
@@ -322,8 +330,11 @@ def add_validate_command(sub) -> None:
                         "on CUDA), its graph breaks, and its results against eager; dynamo takes seconds per rank, so "
                         "it runs only when asked (config key compile = true)")
     add_device(p)
+    p.add_argument("--only", choices=ONLY, default=None,
+                   help="run these rows alone: ragged (the ragged shards and the calls that change length, with no "
+                        "NaN/Inf and the output's shape; seconds: a quick check of the ragged tails, e.g. under each "
+                        "ATEN_CPU_CAPABILITY); default: every row (config key only = \"ragged\")")
     add_log_dir(p)
     add_quiet(p)
-    p.set_defaults(func=_cmd_validate)
 
 

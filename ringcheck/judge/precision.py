@@ -11,8 +11,11 @@ tensor with what the flash class reaches instead (`class_reference`):
 - for bfloat16 / float16 inputs the class error is that of the float64 truth rounded once to
   the input dtype, for every tensor (lse and dsinks are delivered in float32 but carry the
   inputs' precision); for float32 inputs, that of a float32 flash-style computation on one
-  device (`flash_class`), whose arithmetic is then the class. It is never taken below
-  `GENERIC_ROUNDING` u ||truth||_2, one rounding of a generic tensor;
+  device (`flash_class`), whose arithmetic is then the class. It is never taken below one
+  rounding of a generic tensor (`one_rounding`): `GENERIC_ROUNDING` u ||truth||_2, and, per
+  element below 1.36 x the dtype's smallest normal number, the RMS of a rounding on its
+  subnormal spacing (absolute there), so a tensor near the subnormal range is judged on what
+  one rounding can give;
 - per tensor the error is normwise, e = ||got - truth||_2 (the same infinity on both sides
   counts 0), and also against the float64 truth of each computation convention a correct
   kernel may follow (`ringcheck.judge.conventions`: D from the stored, rounded output; a
@@ -69,6 +72,26 @@ CLASS_K = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 16.0}
 # exact ones) is no reason to ask a kernel, whose intermediates are rounded too, to hit it.
 GENERIC_ROUNDING = (0.541 / 3) ** 0.5
 
+# Below the smallest normal number of a dtype rounding is absolute: the spacing is eps x tiny
+# whatever the value, and a value rounded to it errs uniformly within half of it, RMS
+# eps x tiny / sqrt(12). The relative rule above does not see that: for a tensor whose norm lies
+# near the subnormal range (a bfloat16 case's dsinks at 1e-38: bfloat16 shares float32's range)
+# it asks for less than one rounding can give, so a correct kernel 2.00x a lucky class error
+# failed by its last bit. Each element's least is the larger of the two (`one_rounding`).
+SUBNORMAL_ROUNDING = 12 ** -0.5
+
+
+def one_rounding(truth: torch.Tensor, dtype: torch.dtype) -> float:
+    """The least class error of `truth` in `dtype`: the normwise error of rounding a generic
+    tensor once, per element the larger of `GENERIC_ROUNDING` u |t| and `SUBNORMAL_ROUNDING`
+    eps tiny (the dtype's spacing below its smallest normal number); non-finite entries count 0.
+    For every element above 1.36 tiny it is the relative term, so it changes nothing there."""
+    info = torch.finfo(dtype)
+    t = truth.detach().double()
+    finite = torch.isfinite(t)
+    per = (GENERIC_ROUNDING * unit_roundoff(dtype) * t.abs()).clamp_min(SUBNORMAL_ROUNDING * info.eps * info.tiny)
+    return _norm(per.masked_fill(~finite, 0.0))
+
 
 def flash_class(spec: AttentionSpec, inputs: Inputs) -> Results:
     """What a correct flash-style kernel computes on one device: float32 throughout (lse, then
@@ -98,7 +121,8 @@ KERNEL_BLOCK_ROWS = 32
 PEER_K = 1.5
 
 
-def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Results | None:
+def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor,
+                 max_rows: int | None = KERNEL_BLOCK_ROWS) -> Results | None:
     """A correct ring of PyTorch's own one-device flash kernel on this machine's CPU, over the
     case's shards (`owner`: each token's rank; one rank: the kernel on the whole sequence), in
     the input dtype: for each query block and key block that it sees,
@@ -107,7 +131,9 @@ def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Re
     outputs merged by their lse in float32, the backward's partial dq, dk, dv (each delivered in
     the input dtype) summed in float32, each K/V head's group summed in float32, each result
     rounded once. None where it cannot run the case: softcap, sinks, a value head dim of its
-    own, a block of more than `KERNEL_BLOCK_ROWS` rows, a NaN/Inf, a kernel this torch lacks.
+    own, a block of more than `max_rows` rows (`KERNEL_BLOCK_ROWS`; None: any, for a budget that
+    takes the kernel's max abs error rather than its convention), a row that sees no key, a
+    NaN/Inf, a kernel this torch lacks.
 
     A legitimate computation beside the class reference whose float32 arithmetic is the
     machine's: on AVX2 CPUs the kernel's half-precision path computes the probabilities with a
@@ -119,7 +145,7 @@ def kernel_class(spec: AttentionSpec, inputs: Inputs, owner: torch.Tensor) -> Re
             or inputs.q.device.type != "cpu"):
         return None
     blocks = [(owner == r).nonzero().flatten() for r in sorted(set(owner.tolist()))]
-    if max(len(b) for b in blocks) > KERNEL_BLOCK_ROWS:
+    if max_rows is not None and max(len(b) for b in blocks) > max_rows:
         return None
     n, g, dt, f32 = spec.seq_len, spec.heads // spec.kv_heads, spec.torch_dtype, torch.float32
     seen = attention_mask(n, causal=spec.causal, cu_seqlens=variant.get("cu_seqlens"), window=variant.get("window"))
@@ -241,14 +267,15 @@ def judge_class(tensor: str, got: torch.Tensor, truth: torch.Tensor, reference: 
                else torch.full_like(diff, float(floor)))
     t = truth.detach().double()
     scale = unit_roundoff(dtype) * _norm(t.masked_fill(~torch.isfinite(t), 0.0))
+    least = one_rounding(truth, dtype)
     by_peer = False
     for other, theirs in peers:  # a peer's error counts PEER_K / k times: its budget is PEER_K x it
         pdiff = min((abs_error(other, t_) for t_ in (truth, *theirs)),
                     key=lambda c: _norm(c[0].masked_fill(c[1], 0.0)))
         pdiff = pdiff[0].masked_fill(pdiff[1], 0.0) * (PEER_K / k)
-        if _norm(pdiff) > max(_norm(fdiff), GENERIC_ROUNDING * scale):
+        if _norm(pdiff) > max(_norm(fdiff), least):
             fdiff, by_peer = pdiff, True
-    error, class_error, floor_n = _norm(diff), max(_norm(fdiff), GENERIC_ROUNDING * scale), _norm(floor_t)
+    error, class_error, floor_n = _norm(diff), max(_norm(fdiff), least), _norm(floor_t)
     passed = nonfinite == 0 and error <= k * class_error + floor_n
     ranks, per_rank = (), {}
     if owner is not None and diff.numel():

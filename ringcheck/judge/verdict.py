@@ -53,6 +53,7 @@ class TensorVerdict:
     half_ulp: float = 0.0  # the peer error's floor at that element: half an ulp of the delivered dtype
     convention: bool = False  # the error is against a computation convention's truth (closer than the exact one)
     note: str = ""  # what the failure means, where a check knows more (e.g. the sinks gradient's convention)
+    peer_words: str = ""  # which peer set the budget and how it was measured, where not the naive peer on `got`'s elements
 
     @property
     def error(self) -> float:
@@ -71,8 +72,9 @@ class TensorVerdict:
         loc = f" ({self.where})" if self.where else ""
         head = "ok" if self.passed else "FAILED"
         index = list(self.worst_index or s.worst_index)
-        peer = (f"peer error {self.peer_error:.3e}" if self.peer_error >= self.half_ulp else
-                f"half an ulp {self.half_ulp:.3e} (the peer's error {self.peer_error:.3e} is less)")
+        words = f" ({self.peer_words})" if self.peer_words else ""
+        peer = (f"peer error {self.peer_error:.3e}{words}" if self.peer_error >= self.half_ulp else
+                f"half an ulp {self.half_ulp:.3e} (the peer's error {self.peer_error:.3e}{words} is less)")
         against = " (against the closest computation convention)" if self.convention else ""
         text = (f"{self.tensor} {head}: error {self.error:.3e}{against} at index {index}{loc}; "
                 f"budget there {self.budget:.3e} = {self.k:g} x {peer} + slack "
@@ -97,10 +99,18 @@ def _closeness(diff: torch.Tensor, bad: torch.Tensor, allowed: torch.Tensor) -> 
     return int(bad.sum()), float(_ratio(diff, allowed).max()) if diff.numel() else 0.0
 
 
-def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tensor, *,
+def peer_error_stats(peer: torch.Tensor, truth: torch.Tensor) -> ErrorStats:
+    """The peer's error against the truth, where the peer is finite: where it is NaN/Inf (fp16
+    overflow) it sets no budget, so those elements are left out."""
+    _, peer_bad = abs_error(peer, truth)
+    return error_stats(peer.masked_fill(peer_bad, 0.0), truth.masked_fill(peer_bad, 0.0))
+
+
+def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tensor | None, *,
           k: float, dtype: torch.dtype, locate: Callable[[tuple[int, ...]], str] | None = None,
           floor: float | torch.Tensor = 0.0,
-          owner: tuple[int, torch.Tensor] | None = None, conventions=()) -> TensorVerdict:
+          owner: tuple[int, torch.Tensor] | None = None, conventions=(),
+          peer_stats: ErrorStats | None = None, peer_words: str = "") -> TensorVerdict:
     """Judge `got` against `truth` with the budget set by `peer` (both compared to `truth`).
 
     Allowed per element: k x max(peer error, half an ulp of `dtype` there) + the rounding floor
@@ -111,11 +121,12 @@ def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tenso
     least worst error / allowance) counts; the allowance stays the truth's.
     `owner` = (dim, ranks): the rank holding each position along `dim` (the sequence dim; for
     dk and dv the key's owner), from which the verdict lists its `failing_ranks`.
+    `peer_stats`: the peer's error measured elsewhere (`peer` is then not read): over the whole
+    tensor where `got` is judged on sampled rows (`ringcheck.judge.peers`); `peer_words` says so.
     """
     diff, bad = abs_error(got, truth)
-    # where the peer itself is NaN/Inf (fp16 overflow) it sets no budget: leave those out
-    _, peer_bad = abs_error(peer, truth)
-    peer_stats = error_stats(peer.masked_fill(peer_bad, 0.0), truth.masked_fill(peer_bad, 0.0))
+    if peer_stats is None:
+        peer_stats = peer_error_stats(peer, truth)
     out_floor = rounding_floor(truth, dtype)
     floor_t = torch.as_tensor(floor, dtype=torch.float64).expand_as(diff) if not isinstance(floor, torch.Tensor) \
         else floor.double().nan_to_num(0.0, posinf=0.0)
@@ -147,7 +158,7 @@ def judge(tensor: str, got: torch.Tensor, truth: torch.Tensor, peer: torch.Tenso
         hit = (over_mask | bad).movedim(dim, 0).reshape(diff.shape[dim], -1).any(1)
         failing_ranks = tuple(sorted(set(ranks[hit].tolist())))
     return TensorVerdict(tensor, passed, stats, peer_stats, k, slack, over, where, worst, worst_error, max_allowed,
-                         failing_ranks, worst_half_ulp, reference is not truth)
+                         failing_ranks, worst_half_ulp, reference is not truth, peer_words=peer_words)
 
 
 # Higham-style a-priori bound for float32 rounding: C u A, u = 2^-24 the float32 unit roundoff

@@ -28,6 +28,9 @@ through `ringcheck.harness.Runner` on process groups (`ringcheck.launch`):
 - the ring's other promises, measured (`promises`): memory O(N/P) and communication
   at the ring's minimum by default, overlap with ``--overlap``; a FLAG there gates only the
   promises named by ``--require``.
+
+With ``only="ragged"`` (``--only ragged``) the ragged shards' rows run alone, with the rows that
+judge any run (no NaN/Inf, output shape and dtype): seconds, for a check of the ragged tails.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def placement(target: Target, world: int | None, world_only: str | None = None) 
 def validate_steps(target: Target, promises=(), recompute: bool = True) -> int:
     """The progress notes of a run: each scaled case, the full length, its reference, determinism,
     recompute (asked for, and not under --forward-only), compile (with it) and the promises measured."""
+    if target.only == "ragged":
+        return len(ragged_cases(target))
     return (len(scaled_cases(target)) + len(ragged_cases(target)) + 4 + (recompute and not target.forward_only) + target.compile
             + promise_steps(promises))
 
@@ -133,6 +138,10 @@ def _rows(target, processes, options, where, budget, progress, stand_in, promise
           recompute, required: str) -> list[CheckRow]:
     run = Run(target, Runner(processes, options), where.scaled, budget,
               progress if getattr(processes, "is_main", True) else None, determinism_required=required)
+    if target.only == "ragged":  # these rows alone (--only ragged): no scaled case, full length or promise
+        ragged, ragged_verdicts = ragged_rows(run, where.full)
+        return _no_defect_of_ours([*([stand_in] if stand_in else []), *ragged, finite_row(ragged_verdicts),
+                                   shape_row(run.returns_lse)])
     rows = scaled_rows(run)
     ragged, ragged_verdicts = ragged_rows(run, where.full)
     full, full_verdicts = full_length_rows(run, where.full)
@@ -145,10 +154,16 @@ def _rows(target, processes, options, where, budget, progress, stand_in, promise
              determinism, device_row(run), *wrapped, shape_row(run.returns_lse), mesh_row(run, where),
              balance_row(target, target.world_size), *promise_rows(target, run.runner, promises, require, run.note,
                                                                    cheap=True)]
-    ours = [r for r in every if OWN_CODE in r.detail]   # under RINGCHECK_DEVICE_AUDIT: ringcheck's defect
+    return _no_defect_of_ours(every)
+
+
+def _no_defect_of_ours(rows: list[CheckRow]) -> list[CheckRow]:
+    """`rows`, unless the device audit (RINGCHECK_DEVICE_AUDIT) put one on ringcheck's own code:
+    then `DeviceDefect` (no verdict)."""
+    ours = [r for r in rows if OWN_CODE in r.detail]
     if ours:
         raise DeviceDefect(f"{ours[0].check}: {ours[0].detail}")
-    return every
+    return rows
 
 
 def determinism_required(require, deterministic_algorithms: bool) -> str:

@@ -11,6 +11,7 @@ import torch
 from ...harness import Mesh
 from ...judge.check import Case, row_results
 from ...judge.inputs import TILES, Inputs, sample_rows, with_sampled_rows
+from ...judge.peers import whole_peer_errors
 from ...judge.verdict import Verdict
 from ...launch import RingError
 from ...ring.layouts import positions
@@ -53,11 +54,30 @@ def _batch_of(x: Inputs, part: slice) -> Inputs:
     return Inputs(x.q[part], x.k[part], x.v[part], x.dout[part], x.sinks)
 
 
+def _judge_call(run: Run, bundle, runs, inputs, rows, tensors, mesh: Mesh, which: str) -> list[Verdict]:
+    """One ragged call's verdicts: every distribution of `bundle` (a slice of the call's batch) in
+    every group, on the sampled `rows` and every key, against the peer's whole-tensor error."""
+    judged = []
+    for j, case in enumerate(bundle):
+        part = slice(j * case.spec.batch, (j + 1) * case.spec.batch)
+        for grun, whole in zip(runs, inputs):
+            x = _batch_of(whole, part)
+            refs = (row_results(case.spec, x, rows, low=False), row_results(case.spec, x, rows, low=True))
+            peers = whole_peer_errors(case.spec, x, rows, *refs, tensors)
+            verdict = judge_sampled(run, case.spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors,
+                                    group_label(grun, mesh), part, peers)
+            verdict.case = f"{case.describe()}, {which}, {len(rows)} sampled rows"
+            judged.append(verdict)
+    return judged
+
+
 def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
     """The ragged shards (`ragged_cases`: every distribution at tokens per rank longer than the
     tiles and a multiple of none), judged on sampled query rows (`ragged_rows_sampled`) and every
     key; and the calls that change length: in one process the ring called long, short,
-    long again (the first call's inputs: its bits, or else judged on its own), each judged. One
+    long again (the first call's inputs: its bits, or else judged on its own), each judged, by
+    the budget rule with the peer's error over the whole tensor (`judge.peers`: the naive peer's
+    or the one-device kernel's, the larger), not over the sampled rows alone. One
     contiguous call per length, every distribution a slice of its batch judged on its own (its
     own budget: a distribution of large values never widens another's), on `full` (where the
     full length runs: the ring alone by default; the mesh, the views and two calls are judged at
@@ -72,7 +92,6 @@ def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
         return [CheckRow(label, NOT_RUN, detail=f"not run: {why}"),
                 CheckRow("calls that change length", NOT_RUN, detail=f"not run: {why}")], []
     calls = ragged_cases(target)
-    tensors = judged_tensors(run.returns_lse, target.forward_only)
     verdicts: list[list[Verdict]] = []
     first_bits, raised, again = None, "", True
 
@@ -95,6 +114,9 @@ def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
             break
         if i + 1 < len(calls):  # the ranks compute the next call while this one is judged
             pending = submit(calls[i + 1])
+        if i == 0:  # (where no scaled case ran before: --only ragged)
+            run.returns_lse = runs[0].calls[CONTIGUOUS].lse is not None
+        tensors = judged_tensors(run.returns_lse, target.forward_only)
         bits = [grun.calls[CONTIGUOUS] for grun in runs]
         if i and bundle is calls[0]:  # the first call again: its bits add nothing to judge
             again = all(same_results(a, b) for a, b in zip(first_bits, bits))
@@ -102,17 +124,7 @@ def ragged_rows(run: Run, full: Mesh) -> tuple[list[CheckRow], list[Verdict]]:
                 verdicts.append([])
                 continue
         first_bits = first_bits or bits
-        judged = []
-        for j, case in enumerate(bundle):
-            part = slice(j * case.spec.batch, (j + 1) * case.spec.batch)
-            for grun, whole in zip(runs, inputs):
-                x = _batch_of(whole, part)
-                refs = (row_results(case.spec, x, rows, low=False), row_results(case.spec, x, rows, low=True))
-                verdict = judge_sampled(run, case.spec, grun.calls[CONTIGUOUS], x, rows, refs, tensors,
-                                         group_label(grun, mesh), part)
-                verdict.case = f"{case.describe()}, call {i + 1} of {len(calls)}, {len(rows)} sampled rows"
-                judged.append(verdict)
-        verdicts.append(judged)
+        verdicts.append(_judge_call(run, bundle, runs, inputs, rows, tensors, mesh, f"call {i + 1} of {len(calls)}"))
     every = [v for judged in verdicts for v in judged]
     changing = f"calls that change length ({', '.join(map(str, [*order, order[0]]))} tokens per rank, one process)"
     if raised:

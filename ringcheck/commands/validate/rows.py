@@ -50,7 +50,15 @@ class CheckRow:
 
 
 def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results, peer_r: Results,
-               rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs) -> Verdict:
+               rows: torch.Tensor, tensors, budget: Budget, inputs: Inputs, peer_errors=None) -> Verdict:
+    """`got` on the sampled query `rows` (dk, dv of every key) against the row references `true`
+    and `peer_r`; `peer_errors` (`ringcheck.judge.peers.whole_peer_errors`), where given, are the
+    peer's errors per tensor measured over the whole tensor, in place of the sampled rows' own."""
+    peer_errors = peer_errors or {}
+
+    def peer_of(name):
+        said = peer_errors.get(name)
+        return {} if said is None else {"peer_stats": said.stats, "peer_words": said.words}
     verdict = Verdict(f"full length {spec.seq_len}, {len(rows)} sampled rows")
     floors = spec_floors(spec, inputs, rows)
     owner, _ = token_owners(spec.seq_len, ring, spec.variant.cu_seqlens)
@@ -61,7 +69,7 @@ def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results,
         if name == "dsinks":  # one value per head: no rank or row to name; each rank's, under its convention
             verdict.tensors.append(judge_sinks(lambda value: judge(
                 name, value, true.dsinks, peer_r.dsinks, k=budget.k_for(name), dtype=dtype,
-                floor=floors.get(name, 0.0)), got))
+                floor=floors.get(name, 0.0), **peer_of(name)), got))
             continue
         keys = name in ("dk", "dv")
         ranks = owner if keys else owner[rows]  # out, lse, dq: of the sampled rows only
@@ -72,7 +80,7 @@ def judge_rows(spec: AttentionSpec, ring: RingSpec, got: Results, true: Results,
                     + (f"key {i}, kv head {head}" if keys else f"sampled row {int(rows[i])}, head {head}"))
         verdict.tensors.append(judge(name, got.get(name), true.get(name), peer_r.get(name),
                                      k=budget.k_for(name), dtype=dtype, locate=locate,
-                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), ranks)))
+                                     floor=floors.get(name, 0.0), owner=(seq_dim(name), ranks), **peer_of(name)))
     return verdict
 
 

@@ -359,16 +359,16 @@ def _certify_row_reference(spec: AttentionSpec, sparse: Inputs, rows: torch.Tens
 
 
 def judge_sampled(run: Run, spec: AttentionSpec, whole: Results, x: Inputs, rows: torch.Tensor, refs, tensors,
-                   group: str, batch: slice = slice(None)) -> Verdict:
+                   group: str, batch: slice = slice(None), peer_errors=None) -> Verdict:
     """One group's contiguous results (`whole`; of the batch elements `batch`) on sampled query
     rows (`rows`; dk and dv of every key) against the row references `refs` (float64,
-    same-dtype peer) of `x`, those batch elements' inputs."""
+    same-dtype peer) of `x`, those batch elements' inputs (`peer_errors`: see `rows.judge_rows`)."""
     lse = whole.lse if whole.lse is not None else torch.zeros(whole.out.shape[0], whole.out.shape[2],
                                                                whole.out.shape[1])
     got = Results(whole.out[batch, rows], lse[batch][:, :, rows], None if whole.dq is None else whole.dq[batch, rows],
                   *(None if t is None else t[batch] for t in (whole.dk, whole.dv)), whole.dsinks,
                   whole.dsinks_parts, whole.sinks_grad)
-    verdict = judge_rows(spec, run.target.ring, got, *refs, rows, tensors, run.budget, x)
+    verdict = judge_rows(spec, run.target.ring, got, *refs, rows, tensors, run.budget, x, peer_errors)
     verdict.group = group
     return verdict
 

@@ -29,6 +29,9 @@ SCALED_MIN_BATCH = 2  # the scaled-down cases' least batch
 # (docs/explanation/ragged-lengths.md). The first is the longest: the cases alternate long and
 # short in one process (`ragged_cases`), the calls that change length.
 RAGGED_LENGTHS = (130, 66)
+# --only: the rows a run may be restricted to ("ragged": the ragged shards and the calls that
+# change length, with the rows that judge every run: no NaN/Inf, output shape and dtype)
+ONLY = ("ragged",)
 
 # each field's type, as a config may spell it: (python types accepted, words for the message)
 _INT, _FLOAT, _STR, _BOOL = (int,), (int, float), (str,), (bool,)
@@ -48,6 +51,7 @@ FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {  # name -> (types
     "head_dim_v": (_INT, "an integer", True), "flash_attn_stand_in": (_BOOL, "true or false", False),
     "forward_only": (_BOOL, "true or false", False), "mesh": (_STR, 'a string like "dp=2,cp=4"', True),
     "sinks_grad": (_STR, 'a string ("partial" or "reduced")', False), "compile": (_BOOL, "true or false", False),
+    "only": (_STR, f"a string ({' or '.join(ONLY)})", True),
 }
 _ITEMS = {"local_lengths": int, "ragged_lengths": int, "distributions": str, "window": int}
 
@@ -114,6 +118,7 @@ class Target:
     mesh: str | None = None
     sinks_grad: str = "partial"  # each rank's sinks.grad: its own rows' share, or the whole ("reduced")
     compile: bool = False  # the compile row: torch.compile of the ring (seconds of dynamo per rank)
+    only: str | None = None  # run these rows alone (`ONLY`); None: every row
 
     def __post_init__(self) -> None:
         check_types(dataclasses.asdict(self), source="target")
@@ -142,6 +147,13 @@ class Target:
             if n < 2:
                 raise ValueError(f"ragged length {n}: the ragged shards need 2 tokens per rank or more (pass "
                                  f"--ragged-lengths none to leave them out)")
+        if self.only is not None and self.only not in ONLY:
+            raise ValueError(f"only={self.only!r} names no rows; choose from {', '.join(ONLY)}, or leave it out for "
+                             f"every row")
+        if self.only == "ragged" and not ragged_fit(self)[0]:  # no PASS without evidence
+            why = "; ".join(ragged_fit(self)[1]) or "--ragged-lengths none"
+            raise ValueError(f"--only ragged has nothing to run ({why}): pass --ragged-lengths that the {self.layout} "
+                             f"layout can hold (default {','.join(map(str, RAGGED_LENGTHS))}), or leave --only out")
         for name in self.distributions or ():
             if name not in DISTRIBUTIONS:
                 raise ValueError(f"distribution {name!r} is unknown; choose from {sorted(DISTRIBUTIONS)}")
