@@ -31,6 +31,8 @@ from pathlib import Path
 
 from ringcheck.catalogue.length_mutants import LENGTH_MUTANTS
 
+from .precision_class import available_capabilities
+
 CAPABILITIES = ("default", "avx2", "avx512")
 IMPLS = ("torch_cp", "ring_flash_attn:zigzag", "yunchang:ulysses", "ringcheck")
 STAND_IN = ("ring_flash_attn:zigzag", "yunchang:ulysses")  # flash-attn's API: the CPU stand-in
@@ -39,15 +41,6 @@ DTYPES = ("float16", "bfloat16", "float32")
 MUTANT_FLAGS = (("--dtype", "float16", "--layout", "contiguous", "--no-causal"),
                 ("--dtype", "bfloat16", "--layout", "zigzag", "--causal"))
 ROWS = ("ragged shards", "calls that change length")
-
-
-def available_capabilities() -> list[str]:
-    """The values of ATEN_CPU_CAPABILITY this CPU can run, up to the best PyTorch picks here."""
-    best = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                          env={k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"},
-                          capture_output=True, text=True, check=True).stdout.strip().lower()
-    known = list(CAPABILITIES)
-    return known[:known.index(best) + 1] if best in known else ["default", best]
 
 
 def run_one(impl: str, flags: tuple[str, ...], capability: str) -> dict:
