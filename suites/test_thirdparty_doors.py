@@ -69,7 +69,9 @@ def _one_line(excinfo) -> str:
      "torch<=2.13 or upgrade ringcheck"),
 ], ids=["cp_options", "templated_ring_attention", "make_grads", "engine_run_backward", "pg_map", "resolve",
         "dispatch_mode"])
-def test_torchs_door_says_the_version_and_the_fix(moved, module, attr, call, said):
+def test_torchs_door_says_the_version_and_the_fix(moved, module, attr, call, said, torchrun_world):
+    if torchrun_world is not None and module == C10D:
+        pytest.skip("takes c10d's tables away from the torchrun world the session's verdicts travel on: plain pytest")
     moved(TORCH, "2.14.0", module, attr)
     with pytest.raises(SurfaceMoved) as excinfo:
         call()
