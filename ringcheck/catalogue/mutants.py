@@ -392,12 +392,9 @@ class _RandomOrderRing(torch.autograd.Function):
         return (dq[0] + dq[1]).to(dt), (dkv[0] + last_k).to(dt), (dkv[1] + last_v).to(dt), None, None, None
 
 
-class _NoisyRing(torch.autograd.Function):
-    """The textbook ring, its dq off by up to 100 roundings at random on each call (`noisy`)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group):
-        return _Ring.forward(ctx, q, k, v, causal, scale, group, frozenset())
+class _NoisyRing(_RandomOrderRing):
+    """The textbook ring (its forward, as `_RandomOrderRing`'s), its dq off by up to 100 roundings
+    at random on each call (`noisy`)."""
 
     @staticmethod
     def backward(ctx, dout, dlse):
