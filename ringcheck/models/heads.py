@@ -47,21 +47,22 @@ def _pairs(mapping: tuple[int, ...], right: tuple[int, ...], what: str, limit: i
     return text + (f", ... ({len(wrong)} heads)" if len(wrong) > limit else "")
 
 
-def head_variants(loss: str, heads: int, kv_heads: int, world: int) -> list[tuple[tuple[int, ...], str]]:
+def head_variants(loss: str, heads: int, kv_heads: int, world: int) -> list[tuple[tuple[int, ...], str, str]]:
     """The maps (one entry per query head) of `loss` that a Ulysses all-to-all of `world` ranks over
-    `heads` query and `kv_heads` K/V heads makes, each with its words; none that change nothing."""
+    `heads` query and `kv_heads` K/V heads makes, each with its kind and its words; none that change
+    nothing."""
     h, k, p = heads, kv_heads, world
-    out: list[tuple[tuple[int, ...], str]] = []
+    out: list[tuple[tuple[int, ...], str, str]] = []
     if loss == "kv_heads_regrouped" and k and h % k == 0:
         right = tuple(i // (h // k) for i in range(h))
         tiled = tuple(i % k for i in range(h))
-        out.append((tiled, f"the {k} K/V heads tiled to the {h} query heads (query head h with K/V head h mod {k}, "
+        out.append((tiled, "tiled", f"the {k} K/V heads tiled to the {h} query heads (query head h with K/V head h mod {k}, "
                            f"not its group's h // {h // k}; query head {_pairs(tiled, right, 'K/V head')})"))
         if k < p and p % k == 0 and h % p == 0:
             rep = tuple((i // (h // p)) % k for i in range(h))
-            out.append((rep, f"the {k} K/V heads replicated to the P={p} ranks by tiling, not interleaving (rank r "
+            out.append((rep, "tiled_to_ranks", f"the {k} K/V heads replicated to the P={p} ranks by tiling, not interleaving (rank r "
                              f"given K/V head r mod {k}, not r // {p // k}; query head {_pairs(rep, right, 'K/V head')})"))
-        return [(m, w) for m, w in out if m != right]
+        return [v for v in out if v[0] != right]
     if h % p or p < 2 or loss not in ("heads_permuted", "sinks_misrouted"):
         return []
     g = h // p
@@ -69,16 +70,16 @@ def head_variants(loss: str, heads: int, kv_heads: int, world: int) -> list[tupl
     if loss == "heads_permuted":
         for step, to in ((1, "r + 1"), (-1, "r - 1")):
             m = tuple((i - step * g) % h for i in ident)   # the heads of group r + step hold group r's output
-            out.append((m, f"rank r's head group returned as rank ({to}) mod {p}'s heads ({g} heads a group; "
+            out.append((m, to, f"rank r's head group returned as rank ({to}) mod {p}'s heads ({g} heads a group; "
                            f"output head {_pairs(m, ident, 'holds head')})"))
     else:
         first = tuple(i % g for i in ident)
-        out.append((first, f"every rank given the first head group's sinks (s_aux[:{g}]) ({_pairs(first, ident, 'sink of')})"))
+        out.append((first, "first", f"every rank given the first head group's sinks (s_aux[:{g}]) ({_pairs(first, ident, 'sink of')})"))
         for step, to in ((1, "r + 1"), (-1, "r - 1")):
             m = tuple((i + step * g) % h for i in ident)
-            out.append((m, f"rank r given rank ({to}) mod {p}'s sinks ({_pairs(m, ident, 'sink of')})"))
+            out.append((m, to, f"rank r given rank ({to}) mod {p}'s sinks ({_pairs(m, ident, 'sink of')})"))
     seen: set = set()
-    return [(m, w) for m, w in out if m != ident and not (m in seen or seen.add(m))]
+    return [v for v in out if v[0] != ident and not (v[0] in seen or seen.add(v[0]))]
 
 
 def _applies(loss: str, sem: LayerSemantics) -> bool:
@@ -97,13 +98,13 @@ def ulysses_candidates(native: dict[int, LayerSemantics], shapes: dict[int, tupl
     merged: dict[tuple, Candidate] = {}
     base = canonical(native, seq_len, longest)
     for loss in HEAD_LOSSES:
-        # the variants by their words' first clause, so that the layers of one variant go together
+        # the variants by kind, so that the layers of one variant go together
         variants: dict[str, dict[int, tuple[tuple[int, ...], str]]] = {}
         for i, sem in sorted(native.items()):
             if not _applies(loss, sem) or i not in shapes:
                 continue
-            for m, words in head_variants(loss, *shapes[i], world_size):
-                variants.setdefault(words.split(" (")[0], {})[i] = (m, words)
+            for m, kind, words in head_variants(loss, *shapes[i], world_size):
+                variants.setdefault(kind, {})[i] = (m, words)
         for per_layer in variants.values():
             having = tuple(sorted(per_layer))
             for layers in [having] + ([(i,) for i in having] if len(having) > 1 else []):
