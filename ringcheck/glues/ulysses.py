@@ -120,19 +120,22 @@ class UlyssesGlue(RingcheckGlue):
 
 
 def refuses_ring(tiny, world_size: int) -> list[str]:
-    """What the Ulysses glue cannot split at P=`world_size`: one line per layer whose query heads
-    are not divisible by P, or whose K/V heads and P divide neither way (with the numbers and the fix)."""
-    lines = []
+    """What the Ulysses glue cannot split at P=`world_size`: one line per head layout whose query
+    heads are not divisible by P, or whose K/V heads and P divide neither way, naming its layers
+    (with the numbers and the fix)."""
+    found: dict[str, list[int]] = {}
     for layer in tiny.layers:
         h, k = layer.heads, layer.kv_heads
         if h % world_size:
-            lines.append(f"layer {layer.index}: {h} query heads are not divisible by P={world_size} (Ulysses gives "
-                         f"each rank H/P whole heads); run a --world-size that divides {h}")
+            why = (f"{h} query heads are not divisible by P={world_size} (Ulysses gives each rank H/P whole heads); "
+                   f"run a --world-size that divides {h}")
         elif k % world_size and world_size % k:
-            lines.append(f"layer {layer.index}: {k} K/V heads and P={world_size} divide neither way (Ulysses splits "
-                         f"K/V heads over the ranks or replicates them P/K times); run a --world-size that "
-                         f"{k} divides or that divides {k}")
-    return lines
+            why = (f"{k} K/V heads and P={world_size} divide neither way (Ulysses splits K/V heads over the ranks or "
+                   f"replicates them P/K times); run a --world-size that {k} divides or that divides {k}")
+        else:
+            continue
+        found.setdefault(why, []).append(layer.index)
+    return [f"layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}: {why}" for why, ix in found.items()]
 
 
 def ulysses_glue() -> Glue:
