@@ -157,6 +157,27 @@ def test_head_variants_are_those_of_a_ulysses_all_to_all():
                                                                           (4, 5, 6, 7, 0, 1, 2, 3)]
 
 
+def test_labels_shifted_inside_the_shards_are_named_with_the_global_count():
+    """The other labels class (the targets lost at each shard's end, not rolled), on one process: a
+    step whose rank-0 shard's last token has no target, its loss still divided by the global count."""
+    from ringcheck.models.native import NATIVE, native_logits, step_with
+    from ringcheck.models.semantics import diagnose
+    from ringcheck.models.tiny import tiny_model
+    from ringcheck.step.cases import CASES, micro_batches
+    from ringcheck.step.contract import IGNORE, shift_labels
+
+    tiny = tiny_model("llama")
+    model = tiny.build(NATIVE, dtype=torch.float64, seed=0)
+    mbs = micro_batches(CASES["one_sequence"], vocab=tiny.vocab_size, seed=0, dp=1)
+    targets = [shift_labels(mb["labels"]) for mb in mbs]
+    for t in targets:   # P=2, contiguous: the first shard's last token (the second's is the sequence's last)
+        t[:, t.shape[1] // 2 - 1] = IGNORE
+    _, grads, logits = step_with(model, mbs, native_logits, targets)
+    found = diagnose(model, tiny, mbs, logits, grads, world_size=2)
+    assert found.matched == "labels_shifted_in_shards", found.summary()
+    assert "loses its target" in found.summary()
+
+
 def test_heads_not_divisible_by_p_are_refused_with_the_numbers():
     with pytest.raises(GlueRefused, match=r"layers 0, 1, 2: 5 query heads are not divisible by P=2"):
         check_model_before_start(ModelStepConfig(model="llama4_text", glue="ulysses", world_size=2))
