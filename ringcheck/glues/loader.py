@@ -23,8 +23,8 @@ def load_glue(spec: str = "ringcheck", *, layout: str | None = None,
     takes several (ringcheck's); for another glue it must be its own. "ulysses" is ringcheck's
     Ulysses glue (all-to-all over heads, contiguous)."""
     if not isinstance(spec, str) or not spec:
-        raise TypeError(f"glue must be a non-empty str ('ringcheck', 'ring_flash_attn' or 'package.module:object'), "
-                        f"got {spec!r}")
+        raise TypeError(f"glue must be a non-empty str ('ringcheck', 'ulysses', 'ring_flash_attn' or "
+                        f"'package.module:object'), got {spec!r}")
     if spec == "ringcheck":
         return ringcheck_glue(layout or "contiguous")
     if spec == "ring_flash_attn":
