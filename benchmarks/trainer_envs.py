@@ -111,7 +111,7 @@ out = {p: md.version(p) for p in ("torch", "transformers")}
 if env["trainer"]:
     out[env["trainer"]] = md.version(env["trainer"])
     from packaging.requirements import Requirement
-    pins = [Requirement(r) for r in md.requires(env["trainer"]) or [] if r.startswith("transformers")]
+    pins = [q for q in map(Requirement, md.requires(env["trainer"]) or []) if q.name == "transformers"]
     out["pin"] = ";".join(str(r.specifier) for r in pins if not r.marker) or "none"
     out["pin_ok"] = all(r.specifier.contains(out["transformers"], prereleases=True) for r in pins if not r.marker)
 for name, attrs in env["stubs"]:
