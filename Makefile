@@ -2,12 +2,13 @@
 #   make validate   run `ringcheck validate` on its built-in default
 #   make test       run the test suites (all but the end-to-end command tests)
 #   make test-cli   run the end-to-end command tests (those that start ringcheck or pytest in a subprocess)
+#   make trainer-envs  build each trainer's own environment (.trainer-envs/) and run the --model check there
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ringcheck-installed
 
-.PHONY: validate test test-cli install clean
+.PHONY: validate test test-cli trainer-envs install clean
 
 install: $(STAMP)
 
@@ -41,6 +42,11 @@ test: $(STAMP)
 
 test-cli: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m cli
+
+# each trainer's environment at the transformers it pins (benchmarks/trainer_envs.py: one row a trainer;
+# ENVS=oldest,verl picks some), ringcheck installed into it, the --model suites and step --model llama run there
+trainer-envs: $(STAMP)
+	$(PY) -m benchmarks.trainer_envs $(if $(ENVS),--env $(ENVS))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

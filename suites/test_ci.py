@@ -132,3 +132,27 @@ def test_each_command_test_runs_once_in_ci():
     for line in script.splitlines():
         if "torchrun" in line and "-m pytest" in line and "planted" not in line and "test_distributed" not in line:
             assert '-m "not cli"' in line, line
+
+
+# ---------------------------------------------------------------- the transformers users have (issue 62, item 4)
+
+
+def test_ci_runs_the_model_suites_on_the_oldest_transformers_the_hf_extra_allows():
+    """The hf extra's lower bound is what the environment `oldest` pins, and CI's last stage runs that
+    environment's check (the --model suites and step --model llama); make test runs them on 5.23."""
+    from benchmarks.trainer_envs import ENVS, MODEL_SUITES
+
+    hf = re.search(r'^hf = \["transformers>=([0-9.]+),<([0-9.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert hf, "pyproject.toml's hf extra must be a range transformers>=A,<B"
+    oldest = {e.name: e for e in ENVS}["oldest"]
+    assert oldest.transformers == f"transformers=={hf.group(1)}.0", (oldest, hf.group(1))
+    assert all((ROOT / s).is_file() for s in MODEL_SUITES) and len({e.name for e in ENVS}) == len(ENVS)
+    stages = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert "benchmarks.trainer_envs --env oldest" in stages[-1], stages[-1]
+
+
+def test_the_trainer_envs_count_a_junit_report():
+    from benchmarks.trainer_envs import junit_counts
+
+    xml = '<testsuites><testsuite name="pytest" errors="1" failures="2" skipped="3" tests="10" time="1.0">'
+    assert junit_counts(xml) == "4 passed, 3 failed, 3 skipped" and junit_counts("") == "no result"

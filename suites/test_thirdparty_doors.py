@@ -118,10 +118,43 @@ def test_transformers_door_says_the_version_and_the_fix(moved):
     with pytest.raises(SurfaceMoved) as excinfo:
         transformers_private.causal_lm_class(LlamaConfig())
     assert _one_line(excinfo) == ("transformers 6.0.0 moved transformers.models.auto.auto_factory._get_model_class: "
-                                  "ringcheck supports transformers 5.23 here; pip install transformers==5.23.0 or "
-                                  "upgrade ringcheck")
+                                  "ringcheck supports transformers 5.6 to 5.23 here; pip install "
+                                  "'transformers>=5.6,<5.24' or upgrade ringcheck")
     with pytest.raises(SurfaceMoved, match=r"^transformers 6\.0\.0 moved SimpleNamespace\._attn_implementation: "):
         transformers_private.attn_implementation(types.SimpleNamespace())
+
+
+class _Before56:  # transformers 5.6's names of the checkpointing calls
+    def __init__(self):
+        self.said = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.said = gradient_checkpointing_kwargs
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.said is not None
+
+
+class _Since(_Before56):  # the later names (5.23 keeps the old ones as deprecated aliases that warn)
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+        self.said = ("new", activation_checkpointing_kwargs)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.said is not None
+
+
+@pytest.mark.parametrize(("model", "said"), [(_Before56(), {"use_reentrant": True}),
+                                             (_Since(), ("new", {"use_reentrant": True}))])
+def test_checkpointing_is_asked_by_the_name_the_installed_transformers_has(moved, model, said):
+    assert not transformers_private.is_activation_checkpointing(model)
+    transformers_private.enable_activation_checkpointing(model, use_reentrant=True)
+    assert model.said == said and transformers_private.is_activation_checkpointing(model)
+    moved(transformers_private.TRANSFORMERS, "6.0.0")
+    with pytest.raises(SurfaceMoved) as excinfo:
+        transformers_private.enable_activation_checkpointing(object(), use_reentrant=False)
+    assert _one_line(excinfo).startswith("transformers 6.0.0 moved object.activation_checkpointing_enable: ")
 
 
 def _fake_deepspeed(monkeypatch, **state) -> types.ModuleType:

@@ -43,6 +43,7 @@ from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
 from ..step.run import check_ring_settings, on_device, step_mesh
+from ..thirdparty.transformers_private import enable_activation_checkpointing
 from .regimes import REGIME_CASES, model_case
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
 
@@ -196,7 +197,7 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
     trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout."""
     if checkpoint is not None:
         model.train()
-        model.activation_checkpointing_enable({"use_reentrant": checkpoint == "reentrant"})
+        enable_activation_checkpointing(model, use_reentrant=checkpoint == "reentrant")
     total = count_targets(batches)
     logged = torch.zeros((), dtype=torch.float64)
     pieces = []

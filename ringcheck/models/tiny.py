@@ -261,18 +261,31 @@ def _layer(c, i: int, kind: str | None, module) -> LayerAttention:
     qk_nope, qk_rope = _get(c, i, "qk_nope_head_dim"), _get(c, i, "qk_rope_head_dim")
     mla = isinstance(qk_nope, int) and isinstance(qk_rope, int)
     head_dim = qk_nope + qk_rope if mla else int(_get(c, i, "head_dim") or _get(c, i, "hidden_size") // max(heads, 1))
-    v_head_dim = int(_get(c, i, "v_head_dim") or head_dim)
-    if mla:
-        kv = heads  # MLA expands its latent to every head
     window = _get(c, i, "sliding_window")
     if kind is None:
         kind = "sliding" if window and _get(c, i, "use_sliding_window", True) else "full"
+    if kind == "full" and not getattr(c, "is_heterogeneous", False):
+        head_dim, kv = _global_override(c, head_dim, kv)
+    v_head_dim = int(_get(c, i, "v_head_dim") or head_dim)
+    if mla:
+        kv = heads  # MLA expands its latent to every head
     cap = _get(c, i, "attn_logit_softcapping")
     return LayerAttention(
         index=i, kind=kind, window=window if kind == "sliding" else None,
         chunk=_get(c, i, "attention_chunk_size") if kind == "chunked" else None,
         sinks=isinstance(getattr(module, "sinks", None), torch.nn.Parameter), softcap=float(cap) if cap else None,
         scaling=_scaling(c, i, head_dim, module), heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim)
+
+
+def _global_override(c, head_dim: int, kv: int) -> tuple[int, int]:
+    """A full layer's head dim and kv heads where the config keeps them as `global_*` fields (gemma4 in
+    transformers before its per_layer_config, e.g. 5.6: `global_head_dim`, and `num_global_key_value_heads`
+    under `attention_k_eq_v`), as its attention module reads them."""
+    if isinstance(getattr(c, "global_head_dim", None), int) and c.global_head_dim:
+        head_dim = c.global_head_dim
+    if getattr(c, "attention_k_eq_v", False) and isinstance(getattr(c, "num_global_key_value_heads", None), int):
+        kv = c.num_global_key_value_heads
+    return head_dim, kv
 
 
 def _scaling(c, i: int, head_dim: int, module) -> float:

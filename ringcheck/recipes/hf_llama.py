@@ -24,6 +24,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from ..step.contract import CHECKPOINTING, CP, active_cp
+from ..thirdparty.transformers_private import enable_activation_checkpointing, is_activation_checkpointing
 from .plain import PlainRecipe
 
 ATTENTION = "ringcheck_ring"
@@ -64,8 +65,8 @@ class HFLlamaRecipe(PlainRecipe):
         return {"labels": shifted, "shift_labels": shifted}
 
     def micro_loss(self, model, mb: dict, total, cp: CP, micro_batches) -> torch.Tensor:
-        if cp.checkpoint is not None and not model.is_activation_checkpointing:
-            model.activation_checkpointing_enable({"use_reentrant": cp.checkpoint == "reentrant"})
+        if cp.checkpoint is not None and not is_activation_checkpointing(model):
+            enable_activation_checkpointing(model, use_reentrant=cp.checkpoint == "reentrant")
         ids, pos, labels, cu = self.inputs(mb, cp)
         out = model(input_ids=ids, position_ids=pos, num_items_in_batch=total, use_cache=False, ring_cp=cp,
                     ring_cu_seqlens=cu, **self.model_labels(labels, cp, cu))
