@@ -112,7 +112,7 @@ if env["trainer"]:
     out[env["trainer"]] = md.version(env["trainer"])
     from packaging.requirements import Requirement
     pins = [q for q in map(Requirement, md.requires(env["trainer"]) or []) if q.name == "transformers"]
-    out["pin"] = ";".join(str(r.specifier) for r in pins if not r.marker) or "none"
+    out["pin"] = ";".join(str(r.specifier) for r in pins if not r.marker and str(r.specifier)) or "any"
     out["pin_ok"] = all(r.specifier.contains(out["transformers"], prereleases=True) for r in pins if not r.marker)
 for name, attrs in env["stubs"]:
     stub = sys.modules.setdefault(name, types.ModuleType(name))
