@@ -24,6 +24,7 @@ later DeepSpeed tutorial refuses packed sdpa instead (docs/findings/trainers.md)
 
 from __future__ import annotations
 
+import queue
 import sys
 
 import torch
@@ -164,11 +165,14 @@ def minimal() -> dict:
         procs = [ctx.Process(target=_rank, args=(r, port, patched, out)) for r in range(P)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout=300)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]}); its traceback is above")
-        result = out.get(timeout=10)
+        try:  # the result before the join: a process exits only once what it put on the queue is taken
+            result = out.get(timeout=600)
+        except queue.Empty:
+            raise RuntimeError(f"no result from rank 0 (exit codes {[p.exitcode for p in procs]}); its traceback is "
+                               f"above") from None
+        finally:
+            for p in procs:
+                p.join(timeout=60)
         for name, (err, floor) in result.items():
             print(f"{'patched' if patched else 'as shipped':10s} {name:28s} logits relative error {err:.1e} "
                   f"(sdpa on one process, documents apart: {floor:.1e})")
