@@ -136,12 +136,12 @@ def _rank(rank: int, port: int, patched: bool, out) -> None:
             mine = model(input_ids=ids[:, rank * n:(rank + 1) * n], position_ids=pos[:, rank * n:(rank + 1) * n]).logits
         pieces = [torch.empty_like(mine) for _ in range(P)]
         dist.all_gather(pieces, mine)
+        import transformers.integrations.sdpa_attention as sdpa  # transformers' own, back for the truth's floor
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa.sdpa_attention_forward
         if rank == 0:
             whole, truth, floor = torch.cat(pieces, dim=1), _truth(name, ids), _truth(name, ids, "sdpa")
             result[name] = [float((x - truth).norm() / truth.norm()) for x in (whole, floor)]
-        import transformers.integrations.sdpa_attention as sdpa  # transformers' own, back for the next model
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa.sdpa_attention_forward
     if undo:
         undo()
     if rank == 0:
