@@ -102,3 +102,23 @@ def test_over_the_flash_core_packed_documents_pass_in_bfloat16(ring_processes):
     judged = _judged(ring_processes, "deepspeed_ulysses:flash_attention_2", ("packed",))
     assert judged["packed"]["verdict"] == "pass", judged["packed"]
     assert any(FLASH_CORE in s for s in judged["glue"]["shims"]) and judged["glue"]["attn_implementation"] == FLASH_CORE
+
+
+def test_a_bfloat16_glues_loss_is_taken_in_float64_as_the_truths():
+    """A glue judged in bfloat16 (the flash core) rounds its logits, never the loss it is judged on:
+    ringcheck's step sums the cross-entropy in float64, as the truth does (`causal_lm_loss`); summed
+    in bfloat16 it was 2e-3 off on cohere2, four times the measured budget, with no semantic lost."""
+    import torch
+
+    from ringcheck.models.native import causal_lm_loss
+    from ringcheck.models.step import CASES, Place, case_batches, correct_step
+    from ringcheck.models.tiny import tiny_model
+
+    tiny = tiny_model("llama")
+    model = tiny.build("eager", dtype=torch.bfloat16, seed=0)
+    batches = case_batches(ModelStepConfig(model="llama", world_size=1), tiny, CASES["one_sequence"], 1)
+    got = correct_step(model, batches, Place(0, 1, "contiguous"), None, None, None, train=False, checkpoint=None)
+    with torch.no_grad():
+        logits = [model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits for mb in batches]
+    want = float(causal_lm_loss(logits, [mb["labels"] for mb in batches]))
+    assert abs(got["loss"] - want) <= 1e-12 * want, (got["loss"], want)

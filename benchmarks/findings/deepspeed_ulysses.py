@@ -24,6 +24,7 @@ later DeepSpeed tutorial refuses packed sdpa instead (docs/findings/trainers.md)
 
 from __future__ import annotations
 
+import queue
 import sys
 
 import torch
@@ -135,12 +136,12 @@ def _rank(rank: int, port: int, patched: bool, out) -> None:
             mine = model(input_ids=ids[:, rank * n:(rank + 1) * n], position_ids=pos[:, rank * n:(rank + 1) * n]).logits
         pieces = [torch.empty_like(mine) for _ in range(P)]
         dist.all_gather(pieces, mine)
+        import transformers.integrations.sdpa_attention as sdpa  # transformers' own, back for the truth's floor
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa.sdpa_attention_forward
         if rank == 0:
             whole, truth, floor = torch.cat(pieces, dim=1), _truth(name, ids), _truth(name, ids, "sdpa")
             result[name] = [float((x - truth).norm() / truth.norm()) for x in (whole, floor)]
-        import transformers.integrations.sdpa_attention as sdpa  # transformers' own, back for the next model
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa.sdpa_attention_forward
     if undo:
         undo()
     if rank == 0:
@@ -164,11 +165,14 @@ def minimal() -> dict:
         procs = [ctx.Process(target=_rank, args=(r, port, patched, out)) for r in range(P)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout=300)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]}); its traceback is above")
-        result = out.get(timeout=10)
+        try:  # the result before the join: a process exits only once what it put on the queue is taken
+            result = out.get(timeout=600)
+        except queue.Empty:
+            raise RuntimeError(f"no result from rank 0 (exit codes {[p.exitcode for p in procs]}); its traceback is "
+                               f"above") from None
+        finally:
+            for p in procs:
+                p.join(timeout=60)
         for name, (err, floor) in result.items():
             print(f"{'patched' if patched else 'as shipped':10s} {name:28s} logits relative error {err:.1e} "
                   f"(sdpa on one process, documents apart: {floor:.1e})")

@@ -144,12 +144,22 @@ class DeepSpeedUlysses:
                 "positions": torch.arange(rank * n, (rank + 1) * n, device=mine["input_ids"].device)}
 
     def refuses_ring(self, tiny, world_size: int) -> list[str]:
-        """What DeepSpeed (`UlyssesSPAttentionHF.__init__`) and transformers refuse before a step: the
-        query heads divisible by P, the K/V heads divisible by P or P by them (it replicates K/V heads
-        fewer than the ranks), and a model class that does not run the core at all (one line each)."""
+        """What DeepSpeed (`UlyssesSPAttentionHF.__init__`, `register_with_transformers`) and
+        transformers refuse before a step, one line each: a config without the K/V head count
+        DeepSpeed reads, layers whose heads differ from the config's (DeepSpeed sizes its all-to-all
+        from the config), the query heads not divisible by P, the K/V heads dividing P neither way
+        (it replicates K/V heads fewer than the ranks), a model class that does not run the core."""
         c = tiny.config.get_text_config()
-        heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        out = []
+        if not hasattr(c, "num_key_value_heads"):
+            return [f"DeepSpeed's register_with_transformers reads config.num_key_value_heads (ulysses_sp.py L512), "
+                    f"which {type(c).__name__} does not have: it raises AttributeError"]
+        heads, kv = c.num_attention_heads, c.num_key_value_heads
+        size = getattr(c, "head_dim", None) or c.hidden_size // heads  # what DeepSpeed takes (L506-512)
+        odd = [layer.index for layer in tiny.layers if (layer.heads, layer.kv_heads, layer.head_dim) != (heads, kv, size)]
+        out = [] if not odd else [
+            f"layers {', '.join(map(str, odd))} attend with other head counts or head sizes than the config's "
+            f"({heads} query heads, {kv} K/V heads of {size}), which DeepSpeed sizes its all-to-all from: its shape "
+            f"assertion fails (ulysses_sp.py L299-305)"]
         if heads % world_size:
             out.append(f"{heads} query heads are not divisible by P={world_size}: DeepSpeed's UlyssesSPAttentionHF "
                        f"raises ValueError; run a --world-size that divides {heads}")
