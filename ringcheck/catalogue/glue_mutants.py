@@ -79,3 +79,14 @@ scale_default = MutantGlue("scale_default")
 documents_crossed = MutantGlue("documents_crossed")
 mask_plain_causal = MutantGlue("mask_plain_causal")
 chunk_dropped_short_shard = MutantGlue("chunk_dropped_short_shard")
+
+# the Ulysses mutants (one bug each, named by the diagnosis's Ulysses classes): their own module
+from .ulysses_mutants import (  # noqa: E402, F401  (re-exported: ringcheck.catalogue.glue_mutants:ulysses_...)
+    ULYSSES_BUGS,
+    ulysses_documents_crossed,
+    ulysses_gqa_regrouped,
+    ulysses_heads_permuted,
+    ulysses_labels_rolled,
+    ulysses_rotary_local,
+    ulysses_sinks_misrouted,
+)

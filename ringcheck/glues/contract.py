@@ -106,7 +106,7 @@ def user_glue(spec: str) -> Glue:
     and `describe`."""
     head, sep, tail = spec.partition(":")
     if not sep or not head or not tail:
-        raise ValueError(f"--glue {spec!r}: a glue is 'ringcheck', 'ring_flash_attn' or your own as "
+        raise ValueError(f"--glue {spec!r}: a glue is 'ringcheck', 'ulysses', 'ring_flash_attn' or your own as "
                          f"'package.module:object' (an object with install(group) -> attn_implementation name)")
     obj = import_object(spec, f"--glue {spec!r}")
     install = getattr(obj, "install", None)

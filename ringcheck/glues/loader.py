@@ -7,8 +7,9 @@ from collections.abc import Callable, Mapping
 from ..spec import LAYOUTS
 from .contract import Glue, user_glue
 from .ours import ringcheck_glue
+from .ulysses import ulysses_glue
 
-BUILT_IN = ("ringcheck", "ring_flash_attn")  # and the trainers' glues, `named` from above (`ringcheck.trainers`)
+BUILT_IN = ("ringcheck", "ulysses", "ring_flash_attn")  # and the trainers' glues, `named` from above (`ringcheck.trainers`)
 
 
 def load_glue(spec: str = "ringcheck", *, layout: str | None = None,
@@ -19,15 +20,18 @@ def load_glue(spec: str = "ringcheck", *, layout: str | None = None,
     function that makes it, from the layers above this one: the trainers' glues,
     `ringcheck.trainers.TRAINER_GLUES`, which build on this package's contract, so that it never
     imports them), or the user's "PKG.MOD:OBJ". `layout` chooses the layout of a glue whose ring
-    takes several (ringcheck's); for another glue it must be its own."""
+    takes several (ringcheck's); for another glue it must be its own. "ulysses" is ringcheck's
+    Ulysses glue (all-to-all over heads, contiguous)."""
     if not isinstance(spec, str) or not spec:
-        raise TypeError(f"glue must be a non-empty str ('ringcheck', 'ring_flash_attn' or 'package.module:object'), "
-                        f"got {spec!r}")
+        raise TypeError(f"glue must be a non-empty str ('ringcheck', 'ulysses', 'ring_flash_attn' or "
+                        f"'package.module:object'), got {spec!r}")
     if spec == "ringcheck":
         return ringcheck_glue(layout or "contiguous")
     if spec == "ring_flash_attn":
         from .ring_flash_attn import ring_flash_attn_glue  # imports ring-flash-attn, an optional dependency
         glue = ring_flash_attn_glue()
+    elif spec == "ulysses":
+        glue = ulysses_glue()
     elif named and spec in named:
         glue = named[spec]()
     else:

@@ -150,9 +150,13 @@ class RingcheckGlue:
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         options = self.ring_options(module, q.shape[1], scaling=scaling, sliding_window=sliding_window, s_aux=s_aux,
                                     softcap=softcap)
-        out = ring_attention(q, k, v, causal=True, group=self.group, layout=self.layout, sinks_grad="partial",
-                             **options)
-        return out, None
+        return self.attend(q, k, v, options), None
+
+    def attend(self, q, k, v, options: dict):
+        """This rank's (batch, local_seq, heads, v_dim) output of the layer's attention over the CP
+        group, its semantics `options` (`ring_options`): ringcheck's ring (a Ulysses glue overrides it)."""
+        return ring_attention(q, k, v, causal=True, group=self.group, layout=self.layout, sinks_grad="partial",
+                              **options)
 
 
 def refuses(layer) -> list[str]:

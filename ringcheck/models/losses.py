@@ -32,6 +32,11 @@ class LayerSemantics:
     sinks: bool = False
     softcap: float | None = None
     documents: bool = True
+    # the heads regrouped as a Ulysses glue can regroup them (`ringcheck.models.heads`; None: each its own):
+    # query head h meets K/V head kv_map[h], takes the sink sinks_map[h], and its output is head out_map[h]'s
+    kv_map: tuple[int, ...] | None = None
+    sinks_map: tuple[int, ...] | None = None
+    out_map: tuple[int, ...] | None = None
 
 
 def _has(loss: str, sem: LayerSemantics, short: int, head_dim: int) -> bool:
@@ -100,6 +105,10 @@ class Candidate:
     semantics: tuple[tuple[int, LayerSemantics], ...]
     readings: tuple[str, ...]
     reading_losses: tuple[tuple[str, ...], ...]
+    # what the step around the attention changed, model-wide (`ringcheck.models.heads.SHARD_LOSSES`; "" none):
+    # the position ids the rotary embedding is given, and the targets of the loss
+    positions: str = ""
+    targets: str = ""
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -121,7 +130,7 @@ def local_key_length(seq_len: int, world_size: int, layout: str) -> int:
     return -(-seq_len // multiple) * multiple // world_size
 
 
-def _canonical(layers: dict[int, LayerSemantics], seq_len: int, longest: int) -> tuple:
+def canonical(layers: dict[int, LayerSemantics], seq_len: int, longest: int) -> tuple:
     """The computation the layers make: a window or chunk that no span it attends over fills (the
     longest document where documents are kept apart, else the sequence) is none, so candidates
     differing only there, which compute the same figures, are one."""
@@ -155,8 +164,8 @@ def candidates(native: dict[int, LayerSemantics], head_dims: dict[int, int], *, 
         sem = dict(native)
         for loss, layers in parts:
             sem.update({i: _lose(loss, sem[i], head_dims[i]) for i in layers})
-        key = _canonical(sem, seq_len, longest or seq_len)
-        if key == _canonical(native, seq_len, longest or seq_len):
+        key = canonical(sem, seq_len, longest or seq_len)
+        if key == canonical(native, seq_len, longest or seq_len):
             return
         reading = " and ".join(f"{_words(loss, native, layers, head_dims, short, world_size)} {on_layers(layers)}"
                                for loss, layers in parts)

@@ -106,30 +106,34 @@ def native_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cu
         return run_documents(model, input_ids, position_ids, cu_seqlens)
 
 
-def causal_lm_loss(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> torch.Tensor:
+def causal_lm_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], targets=None) -> torch.Tensor:
     """The correct step's loss in float64: each micro-batch's labels shifted on its whole
-    sequence, -100 not counted, the summed cross-entropy divided once by the global count."""
+    sequence, -100 not counted, the summed cross-entropy divided once by the global count.
+    `targets` (one per micro-batch, already shifted): the targets a step under test gave the
+    tokens instead (a diagnosis's candidate), still divided by the correct global count."""
     total = sum(int((shift_labels(y) != IGNORE).sum()) for y in labels)
     if total == 0:
         raise ValueError("the micro-batches count no target (every shifted label is -100): a step over them has no "
                          "loss to compare; give at least one label that is not -100")
-    ce = sum(F.cross_entropy(z.to(torch.float64).flatten(0, 1), shift_labels(y).to(z.device).flatten(),
-                             ignore_index=IGNORE, reduction="sum") for z, y in zip(logits, labels))
+    targets = [shift_labels(y) for y in labels] if targets is None else targets
+    ce = sum(F.cross_entropy(z.to(torch.float64).flatten(0, 1), t.to(z.device).flatten(),
+                             ignore_index=IGNORE, reduction="sum") for z, t in zip(logits, targets))
     return ce / total
 
 
-def step_with(model, micro_batches: list[dict], logits_of):
+def step_with(model, micro_batches: list[dict], logits_of, targets=None):
     """(loss, {parameter name: gradient}, [logits per micro-batch]) of the correct step, the
     logits of each micro-batch being `logits_of(model, input_ids, position_ids, cu_seqlens)`.
 
     The loss is `causal_lm_loss` (the common convention of `ringcheck.step.contract`); the
     gradients are those of that loss for every parameter that requires one (zeros where the loss
     does not reach it), taken with `torch.autograd.grad`, so the model's own `.grad` is left as
-    it was. Under `torch.no_grad()` (an evaluation) the gradients are {}."""
+    it was. Under `torch.no_grad()` (an evaluation) the gradients are {}. `targets`: see
+    `causal_lm_loss`."""
     if not micro_batches:
         raise ValueError("a step needs at least one micro-batch")
     logits = [logits_of(model, mb["input_ids"], mb["position_ids"], mb.get("cu_seqlens")) for mb in micro_batches]
-    loss = causal_lm_loss(logits, [mb["labels"] for mb in micro_batches])
+    loss = causal_lm_loss(logits, [mb["labels"] for mb in micro_batches], targets)
     if not loss.requires_grad:
         return loss.detach(), {}, [z.detach() for z in logits]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

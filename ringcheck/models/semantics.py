@@ -31,6 +31,7 @@ from ringcheck.reference import dense_attention
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
 from ..step.verdict import K_COND, budgets, relative
+from .heads import shard_candidates, shard_inputs, ulysses_candidates
 from .losses import LOSSES, Candidate, LayerSemantics, candidates, local_key_length, on_layers  # noqa: F401 (re-exported)
 from .native import attention_implementation, native_step, run_documents, segments, step_with
 
@@ -84,10 +85,16 @@ def semantic_attention(module, query, key, value, attention_mask=None, scaling=N
     if sem.sinks and sinks is None:
         raise RuntimeError(f"layer {index} has sinks but transformers passed no s_aux and the module has no `sinks`")
     q, k, v = (t.transpose(1, 2).to(torch.float64) for t in (query, key, value))
+    if sem.kv_map is not None:   # each query head meets the K/V head the map gives it (heads.py)
+        k, v = k[:, :, list(sem.kv_map)], v[:, :, list(sem.kv_map)]
+    if sinks is not None and sem.sinks_map is not None:
+        sinks = sinks[list(sem.sinks_map)]
     n = q.shape[1]
     out = dense_attention(q, k, v, causal=True, softmax_scale=sem.scaling, cu_seqlens=_boundaries(n, plan.spans, sem),
                           window=None if sem.window is None else (sem.window - 1, -1), softcap=sem.softcap,
                           sinks=None if sinks is None else sinks.to(torch.float64))
+    if sem.out_map is not None:
+        out = out[:, :, list(sem.out_map)]
     return out.to(query.dtype), None
 
 
@@ -124,10 +131,12 @@ def semantic_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, 
             _CURRENT.reset(token)
 
 
-def semantic_step(model, layers: dict[int, LayerSemantics], micro_batches: list[dict], *, whole: bool = False):
-    """`native_step`'s (loss, gradients, logits), each layer's attention from `layers`."""
+def semantic_step(model, layers: dict[int, LayerSemantics], micro_batches: list[dict], *, whole: bool = False,
+                  targets=None):
+    """`native_step`'s (loss, gradients, logits), each layer's attention from `layers` (`targets`:
+    `native.causal_lm_loss`'s)."""
     with recomputed(layers, whole=whole):
-        return step_with(model, micro_batches, semantic_logits)
+        return step_with(model, micro_batches, semantic_logits, targets)
 
 
 # ---- the diagnosis
@@ -304,7 +313,13 @@ class Diagnoser:
         longest = max(b - a for mb in micro_batches for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens")))
         self.candidates = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout,
                                      packed=packed, longest=longest)
-        self._logits = [self._step(dict(c.semantics), grad=False)[0] for c in self.candidates]
+        shapes = {layer.index: (int(layer.heads), int(layer.kv_heads)) for layer in tiny.layers
+                  if getattr(layer, "heads", None) and getattr(layer, "kv_heads", None)}  # a model described without
+        self.candidates += ulysses_candidates(native, shapes, world_size=world_size, seq_len=seq_len, longest=longest)
+        self.candidates += shard_candidates(native, world_size=world_size, layout=layout, seq_len=seq_len,
+                                            longest=longest, gradients=gradients)
+        self.world_size, self.layout = world_size, layout
+        self._logits = [self._candidate_step(c, grad=False)[0] for c in self.candidates]
 
     def _step(self, layers, micro_batches=None, *, whole: bool = False, grad: bool | None = None):
         """(logits, gradients or None) of the truth (layers None) or of a recomputation."""
@@ -315,11 +330,23 @@ class Diagnoser:
                                                                                           whole=whole)
         return z, g if grad else None
 
+    def _candidate_step(self, candidate: Candidate, grad: bool | None = None):
+        """(logits, gradients or None) of a candidate: its layers' semantics, and the position ids and
+        targets its step gives (`heads.shard_inputs`)."""
+        mbs, targets = shard_inputs(candidate, self.micro_batches, world_size=self.world_size, layout=self.layout)
+        if targets is None:
+            return self._step(dict(candidate.semantics), mbs, grad=grad)
+        grad = self.gradients if grad is None else grad
+        with torch.enable_grad() if grad else torch.no_grad():
+            _, g, z = semantic_step(self.model, dict(candidate.semantics), mbs, targets=targets)
+        z = [x[:, :mb["input_ids"].shape[1]] for x, mb in zip(z, self.micro_batches)]   # padded: the real tokens'
+        return z, g if grad else None
+
     def figures(self, candidate: Candidate):
         """(logits, gradients or None) of a candidate (its gradients computed once, when asked)."""
         i = self.candidates.index(candidate)
         if self.gradients and i not in self._grads:
-            self._grads[i] = self._step(dict(candidate.semantics))[1]
+            self._grads[i] = self._candidate_step(candidate)[1]
         return self._logits[i], self._grads.get(i)
 
     def _match(self, candidate, observed, figures) -> Match:
