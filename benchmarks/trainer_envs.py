@@ -35,7 +35,7 @@ HOME = ROOT / ".trainer-envs"
 TORCH = "torch==2.13.0"  # the CPU wheel (never an unpinned torch: that is the multi-GB CUDA build)
 RINGCHECK = ".[test,peers]"  # editable; peers: ring-flash-attn, whose Hugging Face adapter is a --glue
 MODEL_SUITES = ("suites/test_step_model.py", "suites/test_models_tiny.py", "suites/test_models_semantics.py",
-                "suites/test_model_regimes.py", "suites/test_glues.py")
+                "suites/test_model_regimes.py", "suites/test_glues.py", "suites/test_ulysses_glue.py")
 
 
 @dataclass(frozen=True)
