@@ -7,6 +7,7 @@ each named in the glue's `shims` (the report prints them).
 | `--glue` | trainer | entry | kind |
 |---|---|---|---|
 | `deepspeed_ulysses` | DeepSpeed (ALST) | `UlyssesSPAttentionHF.register_with_transformers`, `UlyssesSPDataLoaderAdapter` | Ulysses |
+| `openrlhf` | OpenRLHF 0.11.2 | `setup_ring_attn`, `unpad_and_slice_tensor`, `update_ring_attn_params` | ring (ring-flash-attn's HF adapter) |
 
 The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
 contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
@@ -15,7 +16,9 @@ contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAIN
 from __future__ import annotations
 
 from .deepspeed_ulysses import deepspeed_ulysses_glue
+from .openrlhf import openrlhf_glue
 
 # `--glue NAME` -> the function that makes the trainer's glue (ImportError with the fix where the
 # trainer's package is missing; importing the module imports no trainer's package)
-TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue}
+TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue,
+                 "openrlhf": openrlhf_glue}
