@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..glues.contract import Glue
-from ..glues.ring_flash_attn import IMPLEMENTATION, RingFlashAttnGlue, hf_adapter, refuses
+from ..glues.ring_flash_attn import IMPLEMENTATION, RingFlashAttnGlue, hf_adapter
 from ..glues.ring_flash_attn import SHIMS as RFA_SHIMS
 from ..step.contract import IGNORE, shift_labels
 
@@ -137,11 +137,24 @@ class OpenRLHF:
                 "labels": torch.where(counted, rolled, torch.full_like(rolled, IGNORE))}
 
 
+def refuses_ring(tiny, world_size: int) -> list[str]:
+    """What OpenRLHF's ring cannot run, one line per cause naming its layers: a softcap (the adapter
+    `setup_ring_attn` installs asserts `softcap is None`). OpenRLHF's own condition on its head
+    stride (a divisor of the heads) holds for its default, 1."""
+    found: dict[float, list[int]] = {}
+    for layer in tiny.layers:
+        if layer.softcap:
+            found.setdefault(layer.softcap, []).append(layer.index)
+    return [f"layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}: softcap {cap} (ring-flash-attn's adapter, "
+            f"which OpenRLHF's setup_ring_attn installs, asserts softcap is None: llama3_flash_attn_varlen_func does "
+            f"not support softcap yet); no --world-size runs it" for cap, ix in found.items()]
+
+
 def openrlhf_glue() -> Glue:
     """The built-in glue `openrlhf` (ImportError with the fix where openrlhf is missing)."""
     _root()
     a = OpenRLHF()
-    return Glue(name="openrlhf", install=a.install, layout="contiguous", shard=a.shard, refuses=refuses,
+    return Glue(name="openrlhf", install=a.install, layout="contiguous", shard=a.shard, refuses_ring=refuses_ring,
                 dtype="bfloat16", shims=SHIMS,
                 sharding=f"OpenRLHF {VERSION}'s unpad_and_slice_tensor (one row per document, unpadded into one "
                          f"packed sequence, targets rolled on each whole row, contiguous slices) and its "
