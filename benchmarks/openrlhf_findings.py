@@ -27,11 +27,15 @@ class PatchedOpenRLHF(OpenRLHF):
                          f" patched (benchmarks/openrlhf_findings.py); shims: " + "; ".join(SHIMS))
 
     def install(self, group) -> str:
-        import transformers.modeling_flash_attention_utils as mfa  # after OpenRLHF's own setup
-        name = super().install(group)
-        mfa._flash_attention_forward = patched_flash_attention_forward(group, HEAD_STRIDE, self.refuse_sinks)
+        name = super().install(group)  # OpenRLHF's setup_ring_attn, as shipped
+        patch_adapter(group, self.refuse_sinks)
         return name
 
 
-patched = PatchedOpenRLHF()
-patched_window = PatchedOpenRLHF(refuse_sinks=False)
+def patch_adapter(group, refuse_sinks: bool) -> None:
+    """The adapter's `_flash_attention_forward` (what OpenRLHF's setup installed) replaced by the copy."""
+    import transformers.modeling_flash_attention_utils as mfa  # after OpenRLHF's own setup
+    mfa._flash_attention_forward = patched_flash_attention_forward(group, HEAD_STRIDE, refuse_sinks)
+
+
+patched, patched_window = PatchedOpenRLHF(), PatchedOpenRLHF(refuse_sinks=False)

@@ -88,8 +88,8 @@ def test_softcap_is_refused_before_any_rank_starts():
 
 @pytest.mark.cli
 def test_the_command_refuses_softcap_with_exit_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ringcheck", "step", "--model", "gemma2", "--glue", "openrlhf",
-                          "--world-size", "4"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    command = [sys.executable, "-m", "ringcheck", "step", "--model", "gemma2", "--glue", "openrlhf", "--world-size", "4"]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.count("softcap 2.0") == 1 and "Traceback" not in out.stderr, out.stderr

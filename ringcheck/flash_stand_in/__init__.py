@@ -99,7 +99,7 @@ def _install_padding(package) -> None:
     """`flash_attn.bert_padding` and `flash_attn.utils.distributed` (`padding`), where transformers
     is installed (they are transformers' own unpad and pad); without it they are absent."""
     try:
-        from .padding import modules
+        from .padding import modules  # only when the stand-in is installed (it imports einops)
         padding, distributed = modules()
     except ImportError:
         return

@@ -15,6 +15,8 @@ no kernel in them, only indexing and one collective.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -55,8 +57,6 @@ def _transformers_padding(name: str):
 
 def modules():
     """The two modules, `flash_attn.bert_padding` and `flash_attn.utils.distributed`, made once."""
-    import types
-
     from einops import rearrange  # einops is a dependency of ring-flash-attn, as of flash-attn
 
     padding = types.ModuleType("flash_attn.bert_padding", "ringcheck's stand-in (ringcheck.flash_stand_in.padding)")
