@@ -91,11 +91,30 @@ def install() -> StandIn:
     setattr(package, MARK, True)
     sys.modules["flash_attn"] = package
     sys.modules["flash_attn.flash_attn_interface"] = interface
+    _install_padding(package)
     return StandIn(installed=True)
+
+
+def _install_padding(package) -> None:
+    """`flash_attn.bert_padding` and `flash_attn.utils.distributed` (`padding`), where transformers
+    is installed (they are transformers' own unpad and pad); without it they are absent."""
+    try:
+        from .padding import modules  # only when the stand-in is installed (it imports einops)
+        padding, distributed = modules()
+    except ImportError:
+        return
+    utils = types.ModuleType("flash_attn.utils", "ringcheck's stand-in")
+    utils.__path__ = []
+    utils.distributed = distributed
+    package.bert_padding, package.utils = padding, utils
+    sys.modules.update({"flash_attn.bert_padding": padding, "flash_attn.utils": utils,
+                        "flash_attn.utils.distributed": distributed})
 
 
 def uninstall() -> None:
     """Remove the stand-in from ``sys.modules`` (tests); a real flash-attn is never touched."""
     if active():
         del sys.modules["flash_attn"]
-        sys.modules.pop("flash_attn.flash_attn_interface", None)
+        for name in ("flash_attn.flash_attn_interface", "flash_attn.bert_padding", "flash_attn.utils",
+                     "flash_attn.utils.distributed"):
+            sys.modules.pop(name, None)
