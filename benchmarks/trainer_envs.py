@@ -35,7 +35,7 @@ HOME = ROOT / ".trainer-envs"
 TORCH = "torch==2.13.0"  # the CPU wheel (never an unpinned torch: that is the multi-GB CUDA build)
 RINGCHECK = ".[test,peers]"  # editable; peers: ring-flash-attn, whose Hugging Face adapter is a --glue
 MODEL_SUITES = ("suites/test_step_model.py", "suites/test_models_tiny.py", "suites/test_models_semantics.py",
-                "suites/test_model_regimes.py", "suites/test_glues.py")
+                "suites/test_model_regimes.py", "suites/test_glues.py", "suites/test_ulysses_glue.py")
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ if env["trainer"]:
     out[env["trainer"]] = md.version(env["trainer"])
     from packaging.requirements import Requirement
     pins = [q for q in map(Requirement, md.requires(env["trainer"]) or []) if q.name == "transformers"]
-    out["pin"] = ";".join(str(r.specifier) for r in pins if not r.marker) or "none"
+    out["pin"] = ";".join(str(r.specifier) for r in pins if not r.marker and str(r.specifier)) or "any"
     out["pin_ok"] = all(r.specifier.contains(out["transformers"], prereleases=True) for r in pins if not r.marker)
 for name, attrs in env["stubs"]:
     stub = sys.modules.setdefault(name, types.ModuleType(name))

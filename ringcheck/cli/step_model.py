@@ -14,9 +14,11 @@ from ..commands.step_model import (
     model_report_dict,
     run_model_step,
 )
+from ..glues.loader import BUILT_IN
 from ..harness import Mesh
 from ..models.step import DEFAULT_GLUE, ModelStepConfig
 from ..render.model_report import print_model_summary, write_model_reports
+from ..trainers import TRAINER_GLUES
 from .common import UsageError, conclude, judged_on, rerun_line, ring_command, torchrun_ring
 from .validate import short_failures
 
@@ -31,9 +33,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="judge a transformers decoder instead of a recipe: a model_type (llama, qwen3, gpt_oss, ...) "
                         "or a path to a config.json; a tiny model of it runs through --glue at CP=P against its own "
                         "eager attention at CP=1")
+    others = [g for g in (*BUILT_IN, *TRAINER_GLUES) if g != DEFAULT_GLUE]
     p.add_argument("--glue", default=None, metavar="GLUE",
                    help=f"with --model, the glue between the model's attention and the ring: {DEFAULT_GLUE} "
-                        f"(default), ring_flash_attn, or PKG.MOD:OBJ (see docs/reference/glue-contract.md)")
+                        f"(default), {', '.join(others)} (the trainers' glues as they ship: "
+                        f"docs/how-to/trainer-glue.md), or PKG.MOD:OBJ (see docs/reference/glue-contract.md)")
 
 
 def model_config(args: argparse.Namespace, world: int | None = None) -> ModelStepConfig:

@@ -159,14 +159,32 @@ def shard_targets(labels: torch.Tensor, where: Layout, rolled: bool) -> torch.Te
     return out[:, :n]
 
 
+def padded_batch(mb: dict, padded: int) -> dict:
+    """A micro-batch padded as the step pads it for its layout: token 0, positions continuing the
+    last, labels -100, the padding in the last document (causal: no real token sees it)."""
+    extra = padded - mb["input_ids"].shape[1]
+    if extra <= 0:
+        return mb
+    pos = mb["position_ids"]
+    cu = mb.get("cu_seqlens")
+    return {**mb, "input_ids": F.pad(mb["input_ids"], (0, extra), value=0),
+            "labels": F.pad(mb["labels"], (0, extra), value=IGNORE),
+            "position_ids": torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1),
+            "cu_seqlens": None if cu is None else [*[int(x) for x in cu][:-1], padded]}
+
+
 def shard_inputs(candidate: Candidate, micro_batches: list[dict], *, world_size: int, layout: str):
     """The micro-batches (their position ids local where the candidate says so) and the targets
-    (None: the correct ones) a candidate's step computes with."""
+    (None: the correct ones) a candidate's step computes with. Labels rolled inside the shards give
+    the last shard's padding a target (its first token's): those micro-batches are padded as the
+    step pads them, and their logits are to be cut back to the real tokens (`Diagnoser`)."""
     if not candidate.positions and not candidate.targets:
         return micro_batches, None
     out, targets = [], []
     for mb in micro_batches:
         where = Layout(layout, world_size, mb["input_ids"].shape[1], mb.get("cu_seqlens"))
+        if candidate.targets == "rolled":
+            mb = padded_batch(mb, where.padded)
         n = mb["input_ids"].shape[1]
         if candidate.positions == "local":
             mb = {**mb, "position_ids": where.local[:n].to(mb["position_ids"]).expand_as(mb["position_ids"]).clone()}

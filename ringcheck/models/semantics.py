@@ -339,6 +339,7 @@ class Diagnoser:
         grad = self.gradients if grad is None else grad
         with torch.enable_grad() if grad else torch.no_grad():
             _, g, z = semantic_step(self.model, dict(candidate.semantics), mbs, targets=targets)
+        z = [x[:, :mb["input_ids"].shape[1]] for x, mb in zip(z, self.micro_batches)]   # padded: the real tokens'
         return z, g if grad else None
 
     def figures(self, candidate: Candidate):

@@ -12,8 +12,9 @@ and ringcheck's own correct step runs around it, so that the glue is the only th
    and the global position ids; `Glue.prepare(cu_seqlens, group)` with the global document
    boundaries before the forward;
 3. the model's forward on the shard (`use_cache=False`), ringcheck's cross-entropy summed over
-   the rank's targets and divided by the global count (in the step's dtype: the model's own loss
-   would cast to float32), backward per micro-batch;
+   the rank's targets and divided by the global count (in float64 from the logits, as the truth's:
+   the model's own loss would cast to float32, and a glue run in bfloat16 would round the very loss
+   it is judged on), backward per micro-batch;
 4. every gradient and the logged loss summed over the CP group and the data-parallel replicas.
 
 The rank's logits come back with the global positions it held, and `assemble_logits` puts the
@@ -219,7 +220,8 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             prepare(boundaries(mb, padded), group)
         with torch.set_grad_enabled(train):
             logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+            # in float64, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss
+            loss = F.cross_entropy(logits.to(torch.float64).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                    reduction="sum") / total
         if train:
             loss.backward()

@@ -1,15 +1,18 @@
 """transformers' private surface, the one door to it: the causal-LM class of a config
 (`auto_factory._get_model_class` over `AutoModelForCausalLM._model_mapping`), whether a model
-class can set its experts' implementation, and a config's attention implementation
-(`config._attn_implementation`), and the names that moved within the versions ringcheck supports
-(5.6 to 5.23: `activation_checkpointing_enable`, named `gradient_checkpointing_enable` before).
-transformers is optional (the `hf` extra); it is imported on
+class can set its experts' implementation, a config's attention implementation
+(`config._attn_implementation`), the flash path's kernel loader (`_lazy_imports` of
+`modeling_flash_attention_utils`, answered for one name: `answer_flash_imports`), which core
+attentions a model class takes (`supports_attention`, `compatible_flash_implementations`), and the
+names that moved within the versions ringcheck supports (5.6 to 5.23: `activation_checkpointing_enable`,
+named `gradient_checkpointing_enable` before). transformers is optional (the `hf` extra); it is imported on
 call. A moved name raises `SurfaceMoved`: "transformers 6.0.0 moved ...: ringcheck supports
 transformers 5.6 to 5.23 here; pip install 'transformers>=5.6,<5.24' or upgrade ringcheck".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .door import Door
@@ -27,6 +30,24 @@ def can_set_experts_implementation(cls: type) -> bool:
     """Whether `cls` takes an experts implementation (False where transformers has no such hook:
     the fallback, as for a model without experts)."""
     return bool(getattr(cls, "_can_set_experts_implementation", lambda: False)())
+
+
+SUPPORTS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+
+
+def supports_attention(cls: type, core: str) -> bool:
+    """Whether transformers builds `cls` with the core attention `core` ("sdpa" or
+    "flash_attention_2"): the class's own flag (`_supports_sdpa`, `_supports_flash_attn`)."""
+    if not hasattr(cls, SUPPORTS[core]):
+        raise TRANSFORMERS.moved(f"{cls.__name__}.{SUPPORTS[core]}")
+    return bool(getattr(cls, SUPPORTS[core]))
+
+
+def compatible_flash_implementations(cls: type) -> list[str]:
+    """The flash kernels `cls` names as its own (`_compatible_flash_implementations`): where the
+    list is not empty and lacks the one asked for, transformers builds the model with its first
+    instead (gpt_oss: "flash_attention_2" becomes the hub kernel with sinks); [] where it names none."""
+    return list(getattr(cls, "_compatible_flash_implementations", None) or [])
 
 
 def attn_implementation(config) -> Any:
@@ -63,3 +84,34 @@ def is_activation_checkpointing(model) -> bool:
         if hasattr(type(model), name):
             return bool(getattr(model, name))
     raise TRANSFORMERS.moved(f"{type(model).__name__}.is_activation_checkpointing")
+
+
+FLASH_UTILS = "transformers.modeling_flash_attention_utils"
+
+
+def answer_flash_imports(name: str, flash_attn_func, flash_attn_varlen_func) -> Callable[[], None]:
+    """transformers' flash path (`_flash_attention_forward`) asks `_lazy_imports(implementation)`
+    for its kernels; for `implementation == name` it is answered with `flash_attn_func` and
+    `flash_attn_varlen_func` (and transformers' own pad and unpad), as it answers
+    "flash_attention_2" when flash-attn is installed; every other name as before. Returns the undo,
+    which puts `_lazy_imports` back and forgets the kernels loaded under `name`."""
+    utils = TRANSFORMERS.reach(FLASH_UTILS)
+    original = TRANSFORMERS.reach(FLASH_UTILS, "_lazy_imports")
+    original = getattr(original, "ringcheck_original", original)  # installed twice: wrap transformers' own once
+    pad, unpad = TRANSFORMERS.reach(FLASH_UTILS, "_pad_input"), TRANSFORMERS.reach(FLASH_UTILS, "_unpad_input")
+    TRANSFORMERS.reach(FLASH_UTILS, "_loaded_implementation")  # the cache the undo clears is where it was
+
+    def lazy_imports(implementation, *args, **kwargs):
+        if implementation == name:
+            return flash_attn_func, flash_attn_varlen_func, None, pad, unpad
+        return original(implementation, *args, **kwargs)
+
+    lazy_imports.ringcheck_original = original
+    utils._lazy_imports = lazy_imports
+
+    def undo() -> None:
+        utils._lazy_imports = original
+        if utils._loaded_implementation == name:
+            utils._loaded_implementation = None
+
+    return undo

@@ -1,22 +1,30 @@
-"""`--glue deepspeed_ulysses`: DeepSpeed's Ulysses sequence parallelism for Hugging Face models
-(ALST, `deepspeed/runtime/sequence_parallel/ulysses_sp.py`), what accelerate and TRL call with
-`sp_backend="deepspeed"`, run as it ships.
+"""`--glue deepspeed_ulysses[:CORE]`: DeepSpeed's Ulysses sequence parallelism for Hugging Face
+models (ALST, `deepspeed/runtime/sequence_parallel/ulysses_sp.py`), what accelerate and TRL call
+with `sp_backend="deepspeed"`, run as it ships, over either core attention its docs name:
+`deepspeed_ulysses` wraps transformers' sdpa, `deepspeed_ulysses:flash_attention_2` transformers'
+flash path (on a CPU through ringcheck's flash-attn stand-in, `ringcheck.trainers.flash`, judged
+in bfloat16 with the measured noise budget, as `--glue ring_flash_attn` is).
 
 - **Its patch of transformers**: `UlyssesSPAttentionHF.register_with_transformers(model,
-  core_attn_implementation="sdpa", sequence_parallel_size=P, micro_batch_size=rows)` overrides
-  `ALL_ATTENTION_FUNCTIONS["sdpa"]` with its wrapper (an all-to-all from sequence shards to head
-  groups, transformers' sdpa over the whole sequence, the all-to-all back). `configure` calls it
-  with the model's config; `uninstall` puts transformers' sdpa back.
+  core_attn_implementation=CORE, sequence_parallel_size=P, micro_batch_size=rows)` overrides
+  `ALL_ATTENTION_FUNCTIONS[CORE]` with its wrapper (an all-to-all from sequence shards to head
+  groups, the core over the whole sequence with the gathered `position_ids` and no mask, the
+  all-to-all back). `configure` calls it with the model's config; `uninstall` puts the core back.
 - **Its sharding of the batch**: `UlyssesSPDataLoaderAdapter` over a loader of the one global
   batch: it gathers every rank's sample, shifts the labels on the whole sequence and hands each
   rank its contiguous slice (`shard`); the first micro-batch it yields is the batch of rank 0,
   the one every rank of the group was given.
+- **What it refuses, before any rank starts, one line each**: heads that do not divide as
+  `UlyssesSPAttentionHF.__init__` requires, and a model class that transformers does not let run
+  the core (`_supports_sdpa` / `_supports_flash_attn` False: gpt_oss has no sdpa, its sinks).
 
 Shims (the report prints them): DeepSpeed's `mpu.initialize_sequence_parallel` builds its SP
 groups from the whole world's consecutive ranks; here it is handed the CP group of ringcheck's
-mesh instead, so that the group DeepSpeed attends over is the one ringcheck judges. Nothing else
+mesh instead, so that the group DeepSpeed attends over is the one ringcheck judges; for the flash
+core, transformers' flash path under a name of its own (`ringcheck.trainers.flash`). Nothing else
 of DeepSpeed's is changed. It needs `deepspeed` importable (`pip install deepspeed==0.19.8`; on a
-CPU it builds its shared-memory comm op with ninja the first time).
+CPU it builds its shared-memory comm op with ninja the first time). What it loses, with the
+patched copies that bring it back: docs/findings/trainers.md.
 """
 
 from __future__ import annotations
@@ -28,18 +36,31 @@ import torch
 
 from ..glues.contract import Glue
 from ..thirdparty.deepspeed_private import hand_sequence_parallel_group, release_sequence_parallel_groups
-from ..thirdparty.transformers_private import set_attn_implementation
+from ..thirdparty.transformers_private import (
+    SUPPORTS,
+    causal_lm_class,
+    compatible_flash_implementations,
+    set_attn_implementation,
+    supports_attention,
+)
+from .flash import FLASH_CORE, install_flash_core
+from .flash import SHIM as FLASH_SHIM
 
+NAME = "deepspeed_ulysses"
 VERSION = "0.19.8"  # the DeepSpeed this adapter was written and measured against
-CORE = "sdpa"       # the core attention DeepSpeed wraps (its docs' default; eager it refuses)
-SHIMS = ("DeepSpeed's mpu.initialize_sequence_parallel is given ringcheck's CP group (it builds its own from the "
-         "whole world's consecutive ranks)",)
+# the core attentions DeepSpeed wraps (its docs: flash_attention_2, or sdpa; eager it refuses) -> the name the
+# model is built with, the dtype it is judged in, and its words
+CORES = {"sdpa": ("sdpa", "float64", "transformers' sdpa"),
+         "flash_attention_2": (FLASH_CORE, "bfloat16",
+                               "transformers' flash_attention_2 path on ringcheck's flash-attn stand-in, bfloat16")}
+GROUP_SHIM = ("DeepSpeed's mpu.initialize_sequence_parallel is given ringcheck's CP group (it builds its own from the "
+              "whole world's consecutive ranks)")
 
 
 def _deepspeed():
     """DeepSpeed's modules, or ImportError with the fix."""
     if importlib.util.find_spec("deepspeed") is None:
-        raise ImportError(f"--glue deepspeed_ulysses runs DeepSpeed's own Ulysses code, and deepspeed is not installed; "
+        raise ImportError(f"--glue {NAME} runs DeepSpeed's own Ulysses code, and deepspeed is not installed; "
                           f"pip install deepspeed=={VERSION} (the version this adapter was measured on)")
     import deepspeed.comm as dscomm  # optional: a trainer's package, only for --glue deepspeed_ulysses
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu  # optional, as above
@@ -48,19 +69,25 @@ def _deepspeed():
 
 
 class DeepSpeedUlysses:
-    """The adapter: the state DeepSpeed's entry points need between ringcheck's calls."""
+    """The adapter: the state DeepSpeed's entry points need between ringcheck's calls. `core`: the
+    key of `CORES` DeepSpeed wraps ("sdpa" or "flash_attention_2")."""
 
-    def __init__(self):
+    def __init__(self, core: str = "sdpa"):
+        self.core = core
+        self.attn = CORES[core][0]   # the attn_implementation name the model is built with
         self.group = self.config = None
         self.rows = 0
-        self.original = None   # transformers' sdpa, put back by uninstall
+        self.original = None   # the core as transformers had it, put back by uninstall
+        self.undo_core = None  # the flash core's shim, undone by uninstall
 
     def install(self, group) -> str:
         dscomm, _, _ = _deepspeed()
         if not dscomm.is_initialized():  # DeepSpeed's comm over the torch.distributed world already made
             dscomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        if self.attn == FLASH_CORE and self.undo_core is None:
+            self.undo_core = install_flash_core()
         self.group = group
-        return CORE
+        return self.attn
 
     def configure(self, config, group, rows: int = 1) -> None:
         """DeepSpeed's `register_with_transformers` for this model, the CP group (the shim above) and
@@ -70,8 +97,8 @@ class DeepSpeedUlysses:
         self.config, self.rows = config, rows
 
         _, mpu, ulysses_sp = _deepspeed()
-        self.uninstall()
-        self.original = ALL_ATTENTION_FUNCTIONS[CORE]
+        self.put_core_back()
+        self.original = ALL_ATTENTION_FUNCTIONS[self.attn]
         release_sequence_parallel_groups()
         shimmed = mpu.initialize_sequence_parallel
 
@@ -81,19 +108,26 @@ class DeepSpeedUlysses:
         mpu.initialize_sequence_parallel = initialize
         try:
             copy = type(config).from_dict(config.to_dict())
-            set_attn_implementation(copy, CORE)  # the model is built with the core implementation DeepSpeed wraps
+            set_attn_implementation(copy, self.attn)  # the model is built with the core implementation DeepSpeed wraps
             ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(
-                SimpleNamespace(config=copy), CORE, torch.distributed.get_world_size(group), micro_batch_size=rows,
+                SimpleNamespace(config=copy), self.attn, torch.distributed.get_world_size(group), micro_batch_size=rows,
                 seq_length_is_variable=True)
         finally:
             mpu.initialize_sequence_parallel = shimmed
 
-    def uninstall(self) -> None:
+    def put_core_back(self) -> None:
+        """transformers' core attention as it was before DeepSpeed's wrapper replaced it."""
         if self.original is not None:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # start-up time
 
-            ALL_ATTENTION_FUNCTIONS[CORE] = self.original
+            ALL_ATTENTION_FUNCTIONS[self.attn] = self.original
             self.original = None
+
+    def uninstall(self) -> None:
+        self.put_core_back()
+        if self.undo_core is not None:
+            self.undo_core()
+            self.undo_core = None
 
     def shard(self, batch: dict, group) -> dict:
         """DeepSpeed's `UlyssesSPDataLoaderAdapter` on a loader of this one batch: this rank's slice."""
@@ -109,28 +143,67 @@ class DeepSpeedUlysses:
         return {"input_ids": mine["input_ids"], "position_ids": mine["position_ids"], "labels": mine["shift_labels"],
                 "positions": torch.arange(rank * n, (rank + 1) * n, device=mine["input_ids"].device)}
 
-    @staticmethod
-    def refuses_ring(tiny, world_size: int) -> list[str]:
-        """DeepSpeed's own conditions (`UlyssesSPAttentionHF.__init__`): the query heads divisible by P, and
-        the K/V heads divisible by P or P by them (it replicates K/V heads fewer than the ranks)."""
+    def refuses_ring(self, tiny, world_size: int) -> list[str]:
+        """What DeepSpeed (`UlyssesSPAttentionHF.__init__`, `register_with_transformers`) and
+        transformers refuse before a step, one line each: a config without the K/V head count
+        DeepSpeed reads, layers whose heads differ from the config's (DeepSpeed sizes its all-to-all
+        from the config), the query heads not divisible by P, the K/V heads dividing P neither way
+        (it replicates K/V heads fewer than the ranks), a model class that does not run the core."""
         c = tiny.config.get_text_config()
-        heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        out = []
+        if not hasattr(c, "num_key_value_heads"):
+            return [f"DeepSpeed's register_with_transformers reads config.num_key_value_heads (ulysses_sp.py L512), "
+                    f"which {type(c).__name__} does not have: it raises AttributeError"]
+        heads, kv = c.num_attention_heads, c.num_key_value_heads
+        size = getattr(c, "head_dim", None) or c.hidden_size // heads  # what DeepSpeed takes (L506-512)
+        odd = [layer.index for layer in tiny.layers if (layer.heads, layer.kv_heads, layer.head_dim) != (heads, kv, size)]
+        out = [] if not odd else [
+            f"layers {', '.join(map(str, odd))} attend with other head counts or head sizes than the config's "
+            f"({heads} query heads, {kv} K/V heads of {size}), which DeepSpeed sizes its all-to-all from: its shape "
+            f"assertion fails (ulysses_sp.py L299-305)"]
         if heads % world_size:
             out.append(f"{heads} query heads are not divisible by P={world_size}: DeepSpeed's UlyssesSPAttentionHF "
                        f"raises ValueError; run a --world-size that divides {heads}")
         if kv % world_size and world_size % kv:
             out.append(f"{kv} K/V heads and P={world_size} divide neither way: DeepSpeed's UlyssesSPAttentionHF "
                        f"raises ValueError")
-        return out
+        return out + self.refuses_core(causal_lm_class(tiny.config))
+
+    def refuses_core(self, cls: type) -> list[str]:
+        """The one line where transformers does not run `cls` with this core: the class refuses it, or
+        (flash) the class names its own flash kernels, and transformers builds it with the first of
+        those instead of flash_attention_2 (a hub kernel the stand-in does not stand in for)."""
+        own = compatible_flash_implementations(cls)
+        kernel = (f"transformers builds {cls.__name__} with the hub kernel {own[0]!r} when flash_attention_2 is asked "
+                  f"for (its compatible flash kernels), which ringcheck does not run (its flash-attn stand-in is "
+                  f"flash-attn 2's API)" if own and "flash_attention_2" not in own else None)
+        if not supports_attention(cls, self.core):
+            if self.core == "sdpa":
+                fix = (f"{kernel}: not judged here" if kernel else
+                       f"run --glue {glue_name('flash_attention_2')}"
+                       if supports_attention(cls, "flash_attention_2") else "no core DeepSpeed wraps runs it")
+            else:
+                fix = f"run --glue {NAME}" if supports_attention(cls, "sdpa") else "no core DeepSpeed wraps runs it"
+            return [f"transformers builds no {cls.__name__} with attn_implementation={self.core!r} ({SUPPORTS[self.core]}"
+                    f" = False), and DeepSpeed's Ulysses wraps the model's own core attention; {fix}"]
+        if self.core != "sdpa" and kernel:
+            return [f"{kernel}: not judged here" + (f"; run --glue {NAME}" if supports_attention(cls, "sdpa") else "")]
+        return []
 
 
-def deepspeed_ulysses_glue() -> Glue:
-    """The built-in glue `deepspeed_ulysses` (ImportError with the fix where deepspeed is missing)."""
+def glue_name(core: str) -> str:
+    """The `--glue` spelling of DeepSpeed's Ulysses over `core`."""
+    return NAME if core == "sdpa" else f"{NAME}:{core}"
+
+
+def deepspeed_ulysses_glue(core: str = "sdpa") -> Glue:
+    """The built-in glue `deepspeed_ulysses` over `core` (a key of `CORES`; ImportError with the fix
+    where deepspeed is missing)."""
     _deepspeed()
-    a = DeepSpeedUlysses()
-    return Glue(name="deepspeed_ulysses", install=a.install, layout="contiguous", configure=a.configure,
-                shard=a.shard, uninstall=a.uninstall, refuses_ring=a.refuses_ring, shims=SHIMS,
+    a = DeepSpeedUlysses(core)
+    words, dtype = CORES[core][2], CORES[core][1]
+    return Glue(name=glue_name(core), install=a.install, layout="contiguous", configure=a.configure,
+                shard=a.shard, uninstall=a.uninstall, refuses_ring=a.refuses_ring, dtype=dtype,
+                shims=(GROUP_SHIM,) + ((FLASH_SHIM,) if core != "sdpa" else ()),
                 sharding=f"DeepSpeed {VERSION}'s UlyssesSPDataLoaderAdapter (contiguous slices, labels shifted "
                          f"on the whole sequence)",
-                describe=f"DeepSpeed {VERSION}'s Ulysses (UlyssesSPAttentionHF over transformers' {CORE}), as shipped")
+                describe=f"DeepSpeed {VERSION}'s Ulysses (UlyssesSPAttentionHF over {words}), as shipped")
