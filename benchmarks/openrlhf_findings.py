@@ -6,9 +6,16 @@ adapter's reason, not OpenRLHF's sharding:
 
     ringcheck step --model mistral --glue benchmarks.openrlhf_findings:patched --world-size 4
     ringcheck step --model gpt_oss --glue benchmarks.openrlhf_findings:patched_window --world-size 4
+
+and the other way round, a mutant of OpenRLHF's own sharding that the step must fail (the targets
+rolled inside each rank's slice instead of on the whole sample):
+
+    ringcheck step --model llama --glue benchmarks.openrlhf_findings:rolled_in_shards --world-size 4
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from benchmarks.glue_findings import patched_flash_attention_forward
 from ringcheck.trainers.openrlhf import HEAD_STRIDE, SHIMS, OpenRLHF, refuses_ring
@@ -39,3 +46,29 @@ def patch_adapter(group, refuse_sinks: bool) -> None:
 
 
 patched, patched_window = PatchedOpenRLHF(), PatchedOpenRLHF(refuse_sinks=False)
+
+
+class RolledInShards(OpenRLHF):
+    """OpenRLHF's glue with `unpad_and_slice_tensor`'s targets rolled after the slicing (a mutant)."""
+
+    layout, dtype = "contiguous", "bfloat16"
+    describe = "--glue openrlhf with the targets rolled inside each rank's slice (a mutant, benchmarks/openrlhf_findings.py)"
+
+    def __init__(self):
+        super().__init__()
+        self.refuses_ring = refuses_ring
+
+    def install(self, group) -> str:
+        name = super().install(group)
+        shipped = self.utils.unpad_and_slice_tensor
+
+        def sliced_then_rolled(sequences, attention_mask, ring_attn_group):
+            out = list(shipped(sequences, attention_mask, ring_attn_group))
+            out[2] = out[0].roll(-1, dims=1)   # CHANGED: OpenRLHF rolls each whole sample before slicing
+            return tuple(out)
+
+        self.utils = SimpleNamespace(unpad_and_slice_tensor=sliced_then_rolled)  # OpenRLHF's module untouched
+        return name
+
+
+rolled_in_shards = RolledInShards()
