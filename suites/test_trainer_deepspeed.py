@@ -122,3 +122,15 @@ def test_a_bfloat16_glues_loss_is_taken_in_float64_as_the_truths():
         logits = [model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits for mb in batches]
     want = float(causal_lm_loss(logits, [mb["labels"] for mb in batches]))
     assert abs(got["loss"] - want) <= 1e-12 * want, (got["loss"], want)
+
+
+def test_a_cause_every_case_shares_is_said_once():
+    """A glue that raises the same error in every case (a model it cannot build) reads one line, not ten."""
+    from ringcheck.commands import step_model
+
+    same = [{"case": c, "verdict": "not run", "why": "the run through --glue g raised: ValueError: no"}
+            for c in ("one_sequence", "packed", "uneven")]
+    assert step_model._why(same) == "no case could be judged: every case (3): the run through --glue g raised: " \
+                                    "ValueError: no"
+    other = [*same[:2], {**same[2], "why": "the truth raised: KeyError"}]
+    assert step_model._why(other).count("raised") == 3

@@ -273,6 +273,9 @@ def _why(rows: list[dict]) -> str:
     judged = [r for r in rows if r["verdict"] == "pass"]
     tail = f"; not run: {', '.join(r['case'] for r in skipped)}" if skipped else ""
     if not bad and not judged:
+        reasons = list(dict.fromkeys(r["why"] for r in skipped))
+        if len(reasons) == 1:  # one cause, said once (a model the glue cannot build raises in every case)
+            return f"no case could be judged: every case ({len(skipped)}): {reasons[0]}"
         return "no case could be judged: " + "; ".join(f"{r['case']}: {r['why']}" for r in skipped)
     if not bad:
         worst = max(max(r["loss"]["ratio"], r["logits"]["ratio"], max((g["ratio"] for g in r["gradients"]),

@@ -154,7 +154,11 @@ class DeepSpeedUlysses:
             return [f"DeepSpeed's register_with_transformers reads config.num_key_value_heads (ulysses_sp.py L512), "
                     f"which {type(c).__name__} does not have: it raises AttributeError"]
         heads, kv = c.num_attention_heads, c.num_key_value_heads
-        size = getattr(c, "head_dim", None) or c.hidden_size // heads  # what DeepSpeed takes (L506-512)
+        try:
+            size = getattr(c, "head_dim", None) or c.hidden_size // heads  # what DeepSpeed takes (L506-512)
+        except Exception as exc:  # a per-layer attribute that transformers refuses to read globally (gemma4)
+            return [f"DeepSpeed's register_with_transformers reads config.head_dim (ulysses_sp.py L508-511), and "
+                    f"{type(c).__name__} raises {type(exc).__name__} there (a per-layer head_dim)"]
         odd = [layer.index for layer in tiny.layers if (layer.heads, layer.kv_heads, layer.head_dim) != (heads, kv, size)]
         out = [] if not odd else [
             f"layers {', '.join(map(str, odd))} attend with other head counts or head sizes than the config's "
