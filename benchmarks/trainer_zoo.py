@@ -68,14 +68,18 @@ def speed(glues, repeats: int, size: int = 4) -> list[dict]:
     return out
 
 
-def report(rows, speed_rows, zoo_seconds, command: str, glues) -> str:
+def report(rows, speed_rows, zoo_seconds, command: str, glues, models=()) -> str:
     text = markdown(rows, [], [], command).replace("# ringcheck step --model: the zoo",
                                                    f"# The trainers' zoo: {', '.join(glues)}", 1)
+    missing = [m for m in models if m not in {r["model"] for r in rows}]
+    if missing:
+        text += (f"Not reached by the runs above (go on with `--resume`): {len(missing)} architectures, "
+                 f"{', '.join(missing)}.\n\n")
     judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
     tail = ["## Counts and cost", "",
             f"- {len(rows)} runs: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
             f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {len(rows) - len(judged)} not run or no verdict.",
-            f"- The zoo's wall time: {zoo_seconds / 60:.1f} min (this run; the sum of its rows: "
+            f"- The zoo's wall time: {zoo_seconds / 60:.1f} min (the last run; the sum of all its rows: "
             f"{sum(r['seconds'] for r in rows) / 60:.1f} min), on 2 CPU cores shared with other work."]
     for r in speed_rows:
         tail.append(f"- One check of {r['model']} at P={r['P']} over every case through --glue {r['glue']} "
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
                                                            if a not in ("--resume", "--report-only", "--speed"))
     path.write_text(json.dumps({"command": command, "zoo": rows, "zoo_seconds": seconds, "speed": speed_rows},
                                indent=1, default=str) + "\n")
-    (OUT / f"{args.name}.md").write_text(report(rows, speed_rows, seconds, command, glues))
+    (OUT / f"{args.name}.md").write_text(report(rows, speed_rows, seconds, command, glues, models))
     print(f"wrote {OUT / (args.name + '.md')}")
     return 0
 
