@@ -99,6 +99,7 @@ def main(argv=None) -> int:
                                                               "(and the speed, with --speed)")
     p.add_argument("--speed", action="store_true", help="time one check of a dense model at P=4, every case")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--speed-glue", default=None, help="the glues --speed times (default: every --glue)")
     args = p.parse_args(argv)
     from ringcheck.models.tiny import zoo_names
 
@@ -113,10 +114,13 @@ def main(argv=None) -> int:
     rows = list(old.get("zoo", [])) if args.report_only else zoo(models, glues, sizes, path, list(old.get("zoo", [])),
                                                                    old.get("zoo_seconds", 0.0))
     seconds = (0.0 if args.report_only else time.perf_counter() - t0) + old.get("zoo_seconds", 0.0)
-    feats = {m: features_of(m) for m in dict.fromkeys(r["model"] for r in rows)}
+    feats = {r["model"]: r["features"] for r in rows if "features" in r}  # a run's rows keep theirs
     for r in rows:
+        if r["model"] not in feats:
+            feats[r["model"]] = features_of(r["model"])
         r["features"] = feats[r["model"]]
-    speed_rows = speed(glues, args.repeats) if args.speed else old.get("speed", [])
+    timed = (args.speed_glue or args.glue).split(",")
+    speed_rows = speed(timed, args.repeats) if args.speed else old.get("speed", [])
     command = "python -m benchmarks.trainer_zoo " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
                                                            if a not in ("--resume", "--report-only", "--speed"))
     path.write_text(json.dumps({"command": command, "zoo": rows, "zoo_seconds": seconds, "speed": speed_rows},
