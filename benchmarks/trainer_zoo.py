@@ -68,14 +68,18 @@ def speed(glues, repeats: int, size: int = 4) -> list[dict]:
     return out
 
 
-def report(rows, speed_rows, zoo_seconds, command: str, glues) -> str:
+def report(rows, speed_rows, zoo_seconds, command: str, glues, models=()) -> str:
     text = markdown(rows, [], [], command).replace("# ringcheck step --model: the zoo",
                                                    f"# The trainers' zoo: {', '.join(glues)}", 1)
+    missing = [m for m in models if m not in {r["model"] for r in rows}]
+    if missing:
+        text += (f"Not reached by the runs above (go on with `--resume`): {len(missing)} architectures, "
+                 f"{', '.join(missing)}.\n\n")
     judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
     tail = ["## Counts and cost", "",
             f"- {len(rows)} runs: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
             f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {len(rows) - len(judged)} not run or no verdict.",
-            f"- The zoo's wall time: {zoo_seconds / 60:.1f} min (this run; the sum of its rows: "
+            f"- The zoo's wall time: {zoo_seconds / 60:.1f} min (the last run; the sum of all its rows: "
             f"{sum(r['seconds'] for r in rows) / 60:.1f} min), on 2 CPU cores shared with other work."]
     for r in speed_rows:
         tail.append(f"- One check of {r['model']} at P={r['P']} over every case through --glue {r['glue']} "
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
                                                               "(and the speed, with --speed)")
     p.add_argument("--speed", action="store_true", help="time one check of a dense model at P=4, every case")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--speed-glue", default=None, help="the glues --speed times (default: every --glue)")
     args = p.parse_args(argv)
     from ringcheck.models.tiny import zoo_names
 
@@ -109,15 +114,18 @@ def main(argv=None) -> int:
     rows = list(old.get("zoo", [])) if args.report_only else zoo(models, glues, sizes, path, list(old.get("zoo", [])),
                                                                    old.get("zoo_seconds", 0.0))
     seconds = (0.0 if args.report_only else time.perf_counter() - t0) + old.get("zoo_seconds", 0.0)
-    feats = {m: features_of(m) for m in dict.fromkeys(r["model"] for r in rows)}
+    feats = {r["model"]: r["features"] for r in rows if "features" in r}  # a run's rows keep theirs
     for r in rows:
+        if r["model"] not in feats:
+            feats[r["model"]] = features_of(r["model"])
         r["features"] = feats[r["model"]]
-    speed_rows = speed(glues, args.repeats) if args.speed else old.get("speed", [])
+    timed = (args.speed_glue or args.glue).split(",")
+    speed_rows = speed(timed, args.repeats) if args.speed else old.get("speed", [])
     command = "python -m benchmarks.trainer_zoo " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
                                                            if a not in ("--resume", "--report-only", "--speed"))
     path.write_text(json.dumps({"command": command, "zoo": rows, "zoo_seconds": seconds, "speed": speed_rows},
                                indent=1, default=str) + "\n")
-    (OUT / f"{args.name}.md").write_text(report(rows, speed_rows, seconds, command, glues))
+    (OUT / f"{args.name}.md").write_text(report(rows, speed_rows, seconds, command, glues, models))
     print(f"wrote {OUT / (args.name + '.md')}")
     return 0
 
