@@ -134,3 +134,18 @@ def test_a_cause_every_case_shares_is_said_once():
                                     "ValueError: no"
     other = [*same[:2], {**same[2], "why": "the truth raised: KeyError"}]
     assert step_model._why(other).count("raised") == 3
+
+
+def test_a_build_lock_left_by_a_killed_build_is_named_not_waited_on(tmp_path):
+    """DeepSpeed's comm op is built under torch's cpp_extension lock: a build killed midway leaves the
+    lock, and every later run waits on it forever. A lock older than a build ever takes is an error
+    naming the file and the fix; a fresh one (a build under way) and none are left alone."""
+    from ringcheck.trainers.deepspeed_ulysses import STALE_LOCK_S, stale_build_lock
+
+    assert stale_build_lock(tmp_path, now=1e9) is None
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    made = lock.stat().st_mtime
+    assert stale_build_lock(tmp_path, now=made + 30) is None
+    line = stale_build_lock(tmp_path, now=made + STALE_LOCK_S + 1200)
+    assert line is not None and f"rm {lock}" in line and "30 min old" in line and "\n" not in line

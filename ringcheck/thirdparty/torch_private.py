@@ -115,6 +115,12 @@ def tree_flatten(*args, **kwargs):
     return TORCH.reach("torch.utils._pytree", "tree_flatten")(*args, **kwargs)
 
 
+def extension_build_directory(name: str) -> str:
+    """Where torch builds (and locks) the C++ extension `name` (cpp_extension._get_build_directory:
+    TORCH_EXTENSIONS_DIR, else the default root with the Python and device tag), made if absent."""
+    return TORCH.reach("torch.utils.cpp_extension", "_get_build_directory")(name, verbose=False)
+
+
 def dynamo_reset() -> None:
     """Forget every compiled graph (torch._dynamo.reset)."""
     TORCH.reach("torch._dynamo", "reset")()

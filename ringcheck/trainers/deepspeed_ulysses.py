@@ -30,12 +30,15 @@ patched copies that bring it back: docs/findings/trainers.md.
 from __future__ import annotations
 
 import importlib.util
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from ..glues.contract import Glue
 from ..thirdparty.deepspeed_private import hand_sequence_parallel_group, release_sequence_parallel_groups
+from ..thirdparty.torch_private import extension_build_directory
 from ..thirdparty.transformers_private import (
     SUPPORTS,
     causal_lm_class,
@@ -68,6 +71,25 @@ def _deepspeed():
     return dscomm, mpu, ulysses_sp
 
 
+SHM_OP = "deepspeed_shm_comm"   # the comm op DeepSpeed builds with torch's cpp_extension on a CPU
+STALE_LOCK_S = 600              # a build takes under a minute; a lock this old was left by a killed build
+
+
+def stale_build_lock(build_dir: Path, now: float, older_than_s: float = STALE_LOCK_S) -> str | None:
+    """The line that says why DeepSpeed would wait forever, or None: torch's build of DeepSpeed's
+    comm op takes a `lock` file in its build directory and every later build waits until it is
+    gone, so a build killed midway leaves every DeepSpeed run of the machine hanging, silently."""
+    lock = build_dir / "lock"
+    try:
+        age = now - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < older_than_s:
+        return None   # another process may be building it now
+    return (f"DeepSpeed's comm op build lock {lock} is {age / 60:.0f} min old: a build killed midway left it, and "
+            f"DeepSpeed would wait on it forever; remove it (rm {lock}) and run again")
+
+
 class DeepSpeedUlysses:
     """The adapter: the state DeepSpeed's entry points need between ringcheck's calls. `core`: the
     key of `CORES` DeepSpeed wraps ("sdpa" or "flash_attention_2")."""
@@ -82,7 +104,10 @@ class DeepSpeedUlysses:
 
     def install(self, group) -> str:
         dscomm, _, _ = _deepspeed()
-        if not dscomm.is_initialized():  # DeepSpeed's comm over the torch.distributed world already made
+        if not dscomm.is_initialized():
+            stale = stale_build_lock(Path(extension_build_directory(SHM_OP)), time.time())
+            if stale:
+                raise RuntimeError(stale)  # DeepSpeed's comm over the torch.distributed world already made
             dscomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         if self.attn == FLASH_CORE and self.undo_core is None:
             self.undo_core = install_flash_core()
