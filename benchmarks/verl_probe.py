@@ -29,32 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-NAME = "cpu_fa2"  # no "flash" in it: transformers would look a "*flash*" name up as a hub kernel
+from ringcheck.trainers.flash import FLASH_CORE, install_flash_core
 
 
 def shims() -> None:
-    """The `ray` stub and the flash path on the stand-in (see the module's docstring)."""
+    """The `ray` stub and the flash path on the stand-in (`ringcheck.trainers.flash`, the trainers'
+    glues' own flash core; see the module's docstring)."""
     ray = sys.modules.setdefault("ray", types.ModuleType("ray"))
     ray.ObjectRef = getattr(ray, "ObjectRef", type("ObjectRef", (), {}))
-    from ringcheck.flash_stand_in import install
-    install()
-    import flash_attn  # the stand-in
-    import transformers.modeling_flash_attention_utils as mfa
-    from transformers import AttentionInterface
-    from transformers.integrations.flash_attention import flash_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    original = mfa._lazy_imports
-
-    def lazy_imports(implementation, *args, **kwargs):
-        if implementation == NAME:
-            return (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func, None, mfa._pad_input,
-                    mfa._unpad_input)
-        return original(implementation, *args, **kwargs)
-
-    mfa._lazy_imports = lazy_imports
-    AttentionInterface.register(NAME, flash_attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    install_flash_core()
 
 
 def rank_main(rank: int, world: int, port: int, model_name: str) -> None:
@@ -71,7 +54,7 @@ def rank_main(rank: int, world: int, port: int, model_name: str) -> None:
     from ringcheck.models import tiny_model
 
     tiny = tiny_model(model_name)
-    model = tiny.build(NAME, dtype=torch.bfloat16)
+    model = tiny.build(FLASH_CORE, dtype=torch.bfloat16)
     ids = torch.randint(0, tiny.vocab_size, (1, 61), generator=torch.Generator().manual_seed(0), device="cpu")
     pos = torch.cat([torch.arange(27, device="cpu"), torch.arange(34, device="cpu")]).unsqueeze(0)
     with torch.no_grad():
