@@ -79,10 +79,10 @@ def ring_attn_utils():
 def setup_ring_attn_source() -> str:
     """The text of `DeepspeedStrategy.setup_ring_attn`, as OpenRLHF ships it (shim 1)."""
     path = _root() / "utils" / "deepspeed" / "deepspeed.py"
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef) and node.name == "setup_ring_attn":
-            return ast.get_source_segment(path.read_text(), node)
+            return ast.get_source_segment(text, node)
     raise ImportError(f"--glue openrlhf: {path} has no setup_ring_attn; pip install --no-deps openrlhf=={VERSION}")
 
 
