@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..step.contract import IGNORE, shift_labels
-from ..step.diagnosis import Layout
+from ..step.diagnosis import Layout, shard_targets
 from .losses import Candidate, LayerSemantics, canonical, on_layers
 
 HEAD_LOSSES = ("kv_heads_regrouped", "heads_permuted", "sinks_misrouted")
@@ -144,19 +144,6 @@ def shard_candidates(native: dict[int, LayerSemantics], *, world_size: int, layo
         targets = loss.removeprefix("labels_").removesuffix("_in_shards") if loss.startswith("labels") else ""
         out.append(Candidate((loss,), layers, key, (words[loss],), ((loss,),), positions, targets))
     return out
-
-
-def shard_targets(labels: torch.Tensor, where: Layout, rolled: bool) -> torch.Tensor:
-    """The targets a step gives that shards the unshifted labels and then shifts them inside each
-    shard: the last token of a shard gets none (`rolled` False) or its shard's first label (True)."""
-    n = labels.shape[1]
-    padded = F.pad(labels, (0, where.padded - n), value=IGNORE)
-    out = torch.full_like(padded, IGNORE)
-    for held in where.held:
-        held = held.to(labels.device)
-        source = held if rolled else held[:-1]
-        out[:, source] = padded[:, torch.roll(held, -1)[:len(source)]]
-    return out[:, :n]
 
 
 def padded_batch(mb: dict, padded: int) -> dict:

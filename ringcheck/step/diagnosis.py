@@ -66,16 +66,17 @@ class Layout:
             self.local[held] = torch.arange(len(held))
 
 
-def _shifted_in_shards(labels: torch.Tensor, where: Layout) -> torch.Tensor:
-    """The targets a step gets that shards the unshifted labels and shifts inside each shard."""
+def shard_targets(labels: torch.Tensor, where: Layout, rolled: bool = False) -> torch.Tensor:
+    """The targets a step gives that shards the unshifted labels and then shifts them inside each
+    shard: the last token of a shard gets none (`rolled` False) or its shard's first label (True)."""
     n = labels.shape[1]
     padded = F.pad(labels, (0, where.padded - n), value=IGNORE)
-    out = torch.full_like(labels, IGNORE)
+    out = torch.full_like(padded, IGNORE)
     for held in where.held:
-        nxt = held[1:]
-        keep = held[:-1] < n
-        out[:, held[:-1][keep]] = padded[:, nxt[keep]]
-    return out
+        held = held.to(labels.device)
+        source = held if rolled else held[:-1]
+        out[:, source] = padded[:, torch.roll(held, -1)[:len(source)]]
+    return out[:, :n]
 
 
 def _weights(name: str, batches: list[dict], layouts: list[Layout], P: int, dp: int, targets: list[torch.Tensor]):
@@ -145,7 +146,7 @@ def candidates(recipe, build: Callable[[], torch.nn.Module], batches: list[dict]
         for p in params.values():
             p.grad = None
         if name == "labels_shifted_in_shards":
-            targets = [_shifted_in_shards(mb["labels"], lay) for mb, lay in zip(batches, layouts)]
+            targets = [shard_targets(mb["labels"], lay) for mb, lay in zip(batches, layouts)]
         else:
             targets = [shift_labels(mb["labels"]) for mb in batches]
         weights = _weights(name, batches, layouts, P, dp, targets)
