@@ -33,7 +33,7 @@ from ringcheck.commands.validate import Target, validate
 from ringcheck.judge.check import Case, Results, run_whole, simulated_impl, truth
 from ringcheck.judge.distributions import DISTRIBUTIONS
 from ringcheck.judge.inputs import make_inputs
-from ringcheck.judge.precision import CLASS_K, class_reference, flash_class, judge_class, judge_precision
+from ringcheck.judge.precision import CLASS_K, class_context, class_reference, flash_class, judge_class, judge_precision
 from ringcheck.launch import RingError
 from ringcheck.spec import DTYPES, AttentionSpec, RingSpec, Variant
 
@@ -66,11 +66,13 @@ def test_our_ring_passes_and_every_narrowing_fails(world, modes, seed):
         case = _case(world, mode, dtype, dist, seed)
         inputs = make_inputs(case.spec, seed=seed, distribution=dist, ring=case.ring)
         got, true = run_whole(simulated_impl(case), inputs), truth(case.spec, inputs)
-        for t in judge_precision(case, got, true, inputs).tensors:
+        context = class_context(case, true, inputs)  # the case's references, computed once for every narrowing
+        for t in judge_precision(case, got, true, inputs, context=context).tensors:
             assert t.passed, f"false alarm on our ring: {t.describe()} [{case.describe()}]"
             worst[dtype] = max(worst.get(dtype, 0.0), t.ratio)
         for narrow, tensor in itertools.product(NARROWER[dtype], TENSORS):
-            bad = judge_precision(case, _narrowed(got, tensor, narrow), true, inputs, tensors=(tensor,))[tensor]
+            bad = judge_precision(case, _narrowed(got, tensor, narrow), true, inputs, tensors=(tensor,),
+                                  context=context)[tensor]
             key = (mode, dtype, narrow, tensor)
             rows[key] = max(rows.get(key, 0.0), bad.ratio)
     assert worst["float16"] < 0.6 and worst["bfloat16"] < 0.6 and worst["float32"] < 0.2, worst
@@ -115,10 +117,12 @@ def test_variants_and_dsinks_pass_on_our_ring():
     case = Case(spec, target.ring, seed=1, distribution="normal")
     inputs = make_inputs(spec, seed=1, distribution="normal", ring=case.ring)
     got, true = run_whole(simulated_impl(case), inputs), truth(spec, inputs)
-    verdict = judge_precision(case, got, true, inputs)
+    context = class_context(case, true, inputs)
+    verdict = judge_precision(case, got, true, inputs, context=context)
     assert [t.tensor for t in verdict.tensors] == [*TENSORS, "dsinks"] and verdict.passed, verdict.message()
     for name in TENSORS:  # one case with documents, a window, softcap and sinks: every narrowing by >= 3x
-        bad = judge_precision(case, _narrowed(got, name, "bfloat16"), true, inputs, tensors=(name,))[name]
+        bad = judge_precision(case, _narrowed(got, name, "bfloat16"), true, inputs, tensors=(name,),
+                              context=context)[name]
         assert bad.ratio > 3, bad.describe()
 
 
@@ -238,11 +242,13 @@ def test_the_kernel_peer_is_a_ring_of_pytorchs_kernel_and_only_widens_the_budget
     assert kernel is not None and kernel.dv.dtype == torch.float16 and kernel.lse.dtype == torch.float32
     true = truth(case.spec, inputs)
     got = run_whole(simulated_impl(case), inputs)
-    with_peer = judge_precision(case, got, true, inputs)
+    context = class_context(case, true, inputs)
+    with_peer = judge_precision(case, got, true, inputs, context=context)
     alone = judge_precision(case, got, true, inputs, reference=class_reference(case.spec, inputs, true))
     for name in TENSORS:
         assert with_peer[name].budget >= alone[name].budget * (1 - 1e-12), name
-        bad = judge_precision(case, _narrowed(got, name, "bfloat16"), true, inputs, tensors=(name,))[name]
+        bad = judge_precision(case, _narrowed(got, name, "bfloat16"), true, inputs, tensors=(name,),
+                              context=context)[name]
         assert bad.ratio >= 3, bad.describe()
     assert PEER_K < CLASS_K[torch.float16]
     # where the kernel cannot run the case there is no peer

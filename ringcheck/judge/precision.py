@@ -311,8 +311,48 @@ def class_reference(spec: AttentionSpec, inputs: Inputs, true: Results) -> Resul
                      (true.out, true.lse, true.dq, true.dk, true.dv, true.dsinks)))
 
 
+@dataclass
+class ClassContext:
+    """What `judge_precision` derives from one case alone, not from the result it judges: the
+    tokens' owners, PyTorch's kernel ring over the shards and its conventions, the floors and the
+    class reference. Made once by `class_context` and handed to every `judge_precision` of that
+    case (a suite judging many narrowings of one result), so none of it is computed again; the
+    conventions of the first judged result's own output are kept (`conventions`)."""
+
+    owner: torch.Tensor
+    kernel: Results | None
+    theirs: dict[str, list[torch.Tensor]]
+    floors: dict[str, torch.Tensor]
+    reference: Results
+    seen: tuple[torch.Tensor | None, dict[str, list[torch.Tensor]]] | None = None
+
+    def conventions(self, spec: AttentionSpec, inputs: Inputs, true: Results, out: torch.Tensor | None,
+                    tensors) -> dict[str, list[torch.Tensor]]:
+        """`convention_truths` of a result whose output is `out`, for `tensors`: for every tensor
+        the case has when the first output is seen (kept, and read for every result with that
+        output), for `tensors` alone for any other output."""
+        if self.seen is None:
+            every = (*TENSORS, "dsinks") if true.dsinks is not None else TENSORS
+            self.seen = (out, convention_truths(spec, inputs, true, out, self.owner, every))
+        if self.seen[0] is not out:
+            return convention_truths(spec, inputs, true, out, self.owner, tensors)
+        return {name: self.seen[1][name] for name in tensors}
+
+
+def class_context(case: Case, true: Results, inputs: Inputs, *, kernel_peer: bool = True) -> ClassContext:
+    """The `ClassContext` of one case (`kernel_peer` False: no kernel ring, as with a reference of
+    the caller's own)."""
+    spec = case.spec
+    owner, _ = token_owners(spec.seq_len, case.ring, spec.variant.cu_seqlens)
+    kernel = kernel_class(spec, inputs, owner) if kernel_peer else None
+    every = (*TENSORS, "dsinks") if true.dsinks is not None else TENSORS
+    theirs = {} if kernel is None else convention_truths(spec, inputs, true, kernel.out, owner, every)
+    return ClassContext(owner, kernel, theirs, class_floors(spec, inputs), class_reference(spec, inputs, true))
+
+
 def judge_precision(case: Case, got: Results, true: Results, inputs: Inputs, *, tensors=TENSORS,
-                    reference: Results | None = None, k: float | None = None) -> Verdict:
+                    reference: Results | None = None, k: float | None = None,
+                    context: ClassContext | None = None) -> Verdict:
     """The precision-class verdict of every tensor of one case (dsinks too when the truth has
     it): `reference` defaults to `class_reference`, `k` to `CLASS_K` of the input dtype. Each
     tensor's error is the smallest against the exact truth and the computation conventions it
@@ -320,23 +360,26 @@ def judge_precision(case: Case, got: Results, true: Results, inputs: Inputs, *, 
     of flash kernels' (16-bit inputs), dq, dk and dsinks the stored output's D. With the default
     reference, a ring of PyTorch's one-device kernel over the same shards (`kernel_class`, where
     it runs the case) is a second legitimate computation: the class error is the larger of the
-    two, each measured as `got` is."""
+    two, each measured as `got` is. `context`: the case's `class_context` (made here when None),
+    for a caller that judges several results of one case."""
     spec = case.spec
-    owner, _ = token_owners(spec.seq_len, case.ring, spec.variant.cu_seqlens)
-    kernel = kernel_class(spec, inputs, owner) if reference is None else None
-    reference = reference if reference is not None else class_reference(spec, inputs, true)
+    if context is None:
+        context = class_context(case, true, inputs, kernel_peer=reference is None)
+    elif reference is not None:
+        raise ValueError("judge_precision: pass either reference= or context= (a context holds the class reference "
+                         "and the kernel ring that goes with it), not both")
+    owner, kernel = context.owner, context.kernel
+    reference = reference if reference is not None else context.reference
     k = CLASS_K[spec.torch_dtype] if k is None else k
-    floors = class_floors(spec, inputs)
     if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
         tensors = (*tensors, "dsinks")
-    conventions = convention_truths(spec, inputs, true, got.out, owner, tensors)
-    theirs = ({} if kernel is None or got.out is None
-              else convention_truths(spec, inputs, true, kernel.out, owner, tensors))
+    conventions = context.conventions(spec, inputs, true, got.out, tensors)
+    theirs = {} if got.out is None else context.theirs
     verdict = Verdict(f"precision class: {case.describe()}")
     for name in tensors:
         peers = [(kernel.get(name), theirs[name])] if theirs and kernel.get(name) is not None else []
         verdict.tensors.append(judge_class(name, got.get(name), true.get(name), reference.get(name), k=k,
-                                           dtype=spec.torch_dtype, floor=floors.get(name, 0.0),
+                                           dtype=spec.torch_dtype, floor=context.floors.get(name, 0.0),
                                            conventions=conventions[name],
                                            owner=None if name == "dsinks" else (seq_dim(name), owner),
                                            peers=peers))
