@@ -144,15 +144,42 @@ def _short(text: str, n: int = 140) -> str:
     return text if len(text) <= n else text[:n - 1] + "…"
 
 
+GLUE_TAIL = " (refused by glue '"
+REFUSAL_CUT = 300  # run_one keeps the first 300 characters of a refusal's message
+
+
+def _uncut(reason: str, cut: bool) -> str:
+    """A reason without ringcheck's "(refused by glue ...)" tail; where run_one cut it, without the clause or
+    parenthesis it cut through either (so one cause cut in two places reads as one), and "…" said."""
+    reason = re.sub(r" \(refused by glue '[^)]*\)", "", reason)
+    if not cut:
+        return reason
+    i = reason.rfind(" (")
+    if i >= 0 and (GLUE_TAIL.startswith(reason[i:]) or reason[i:].startswith(GLUE_TAIL)):
+        return reason[:i]  # the cut took only the tail: the reason is whole
+    while reason.count("(") > reason.count(")") and " (" in reason:
+        reason = reason[:reason.rfind(" (")]
+    return (reason[:reason.rfind("; ") + 1] if "; " in reason else reason) + " …"
+
+
 def refusal(row: dict) -> str | None:
     """The glue's one-line reason where it refused the model before any rank (else None)."""
     why = row.get("why", "")
-    if row["verdict"].startswith("refused"):
-        return why
-    if row["verdict"] == "not run" and why.startswith("GlueRefused"):
-        reason = why.split("hands its attention: ", 1)[-1]
-        return re.sub(r" \(refused by glue '[^)]*(\)|$)", "", reason)
+    if row["verdict"].startswith("refused") or row["verdict"] == "not run" and why.startswith("GlueRefused"):
+        cut = len(why) - len("GlueRefused: ") >= REFUSAL_CUT
+        return _uncut(why.split("hands its attention: ", 1)[-1], cut)
     return None
+
+
+def raised(row: dict) -> str | None:
+    """Where the glue's code raised in cases of the row: in which, and the first case's exception (else None)."""
+    said = {c: w for c, w in (row.get("not_run") or {}).items() if w.startswith("the run through --glue ")}
+    if not said:
+        return None
+    where = "every case" if len(said) == len(MODEL_CASES) else ", ".join(said)
+    first = re.sub(r"^the run through --glue \S+ raised: ", "", next(iter(said.values())))
+    more = " (other cases: other messages)" if len(set(said.values())) > 1 else ""
+    return f"raised in {where}: {first}{more}"
 
 
 def judge(row: dict, column: Column) -> tuple[str, list[str]]:
@@ -301,11 +328,7 @@ def refusals(rows: list[dict]) -> dict[str, list[str]]:
     """Each reason a glue refused a model for (said generally), or raised for in a case, with its models (P)."""
     out: dict[str, list[str]] = {}
     for r in rows:
-        reason = refusal(r)
-        if reason is None:
-            said = dict.fromkeys((r.get("not_run") or {}).values())
-            reason = "; ".join(re.sub(r"^the run through --glue \S+ raised: ", "raised: ", w) for w in said
-                               if w.startswith("the run through")) or None
+        reason = refusal(r) or raised(r)
         if reason is not None:
             out.setdefault(plain_reason(reason), []).append(f"{r['model']} P={r['P']}")
     return {k: out[k] for k in sorted(out)}
