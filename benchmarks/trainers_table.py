@@ -340,8 +340,8 @@ def table(rows: list[dict], sources: dict[str, list[str]], tiny: dict[str, dict]
     for glue in dict.fromkeys(r["glue"] for r in rows):
         mine = [r for r in rows if r["glue"] == glue]
         files = sources.get(glue, [])
-        left = sorted({r["model"] for r in mine if not built_tiny(sorted(model_facts(r, tiny)[0]))
-                       or r["verdict"] == "not run" and refusal(r) is None})
+        left = [f"{r['model']} P={r['P']}" for r in mine if not built_tiny(sorted(model_facts(r, tiny)[0]))
+                or r["verdict"] == "not run" and refusal(r) is None]
         out.append({"glue": glue, "kind": "trainer" if any(f.startswith("trainers_") for f in files) else "reference",
                     "sources": files, "sizes": sorted({r["P"] for r in mine}),
                     "models": len({r["model"] for r in mine}),
@@ -390,7 +390,7 @@ def markdown(entries: list[dict]) -> str:
             "(`ringcheck.models.step.MODEL_CASES`); not_divisible and checkpoint_non_reentrant are in no column.",
             "", "## Where the rows come from, and what was left out", ""]
     for e in entries:
-        left = f"; left out ({len(e['left'])}, not built tiny or not complete): {', '.join(e['left'])}" if e["left"] else ""
+        left = f"; left out ({len(e['left'])} runs: a model not built tiny, or a run that did not complete): {', '.join(e['left'])}" if e["left"] else ""
         out.append(f"- `{e['glue']}`: {', '.join(e['sources'])}{left}")
     return "\n".join(out) + "\n"
 

@@ -37,7 +37,7 @@ def test_cells_pass_fail_refused_and_not_measured():
     entries = tt.table(_rows(), {"t": ["trainers_t.json"]}, {"mistral": {"kv_heads": [1, 1]}})
     (e,) = entries
     cells = {k: c["text"] for k, c in e["cells"].items()}
-    assert e["kind"] == "trainer" and e["models"] == 4 and e["judged"] == 2 and e["left"] == ["axk2"]
+    assert e["kind"] == "trainer" and e["models"] == 4 and e["judged"] == 2 and e["left"] == ["axk2 P=2"]
     assert cells["plain"] == "pass (1)" and cells["packed"] == "pass (1)" and cells["loss"] == "pass (1)"
     assert cells["sliding"] == "fail: sliding windows removed (1/1); refused on 1"
     assert cells["gqa"] == cells["sliding"]
