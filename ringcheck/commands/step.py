@@ -20,6 +20,7 @@ from typing import Any
 from ..adapters import accepted_keywords
 from ..documents import STEP_SCHEMA, header
 from ..harness.runner import loaded
+from ..harness.settings import torch_threads
 from ..launch import GroupPlan, RingError
 from ..launch.audit import check_own_code
 from ..spec import REFERENCE_DTYPES
@@ -144,7 +145,13 @@ def not_run_row(name: str, n: int, why: str) -> dict[str, Any]:
 
 def run_step(config: StepConfig, processes) -> dict[str, Any]:
     """The CP=P run and the reference on `processes` (`LocalRings` or the `TorchrunWorld` whose
-    every rank calls this in step), judged and, where a case failed, diagnosed."""
+    every rank calls this in step), judged and, where a case failed, diagnosed; with one intra-op
+    thread, as validate and step --model (`step_model.run_model_step`)."""
+    with torch_threads(1):
+        return _run_and_judge(config, processes)
+
+
+def _run_and_judge(config: StepConfig, processes) -> dict[str, Any]:
     recipe = load_recipe(config.recipe)
     mesh, ref_mesh = config.mesh_spec, config.reference_mesh
     world_only = loaded(config.impl_options).world_only
