@@ -25,6 +25,7 @@ of its query heads.
 
     python -m benchmarks.findings.llamafactory minimal   # LLaMA-Factory's own functions alone, P=2, float64
     python -m benchmarks.findings.llamafactory confirm   # ringcheck step, as shipped and patched
+    python -m benchmarks.findings.llamafactory confirm mistral,granite 4 benchmarks.findings.llamafactory:patched
 
 `patched` is the patched copy as a glue (`--glue benchmarks.findings.llamafactory:patched`).
 """
@@ -180,7 +181,10 @@ def minimal() -> dict:
     return result
 
 
-def confirm(models=("mistral", "gemma2", "gemma3_text", "granite", "qwen3_moe"), sizes=(2, 4)) -> None:
+GLUES = ("llamafactory", "benchmarks.findings.llamafactory:patched")
+
+
+def confirm(models=("mistral", "gemma2", "gemma3_text", "granite", "qwen3_moe"), sizes=(2, 4), glues=GLUES) -> None:
     """ringcheck step --model through LLaMA-Factory's glue as shipped and through the patched copy."""
     from ringcheck.commands.step_model import run_model_step
     from ringcheck.launch import open_ring
@@ -190,7 +194,7 @@ def confirm(models=("mistral", "gemma2", "gemma3_text", "granite", "qwen3_moe"),
     try:
         for model in models:
             for size in sizes:
-                for glue in ("llamafactory", "benchmarks.findings.llamafactory:patched"):
+                for glue in glues:
                     judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=size), ring)
                     failed = [c["case"] for c in judged["cases"] if c["verdict"] != "pass"]
                     worst = max((c["logits"]["ratio"] for c in judged["cases"] if "logits" in c), default=float("nan"))
@@ -200,9 +204,9 @@ def confirm(models=("mistral", "gemma2", "gemma3_text", "granite", "qwen3_moe"),
         ring.close()
 
 
-if __name__ == "__main__":
-    command = (sys.argv[1:] or ["minimal"])[0]
-    if command == "confirm" and len(sys.argv) > 2:
-        confirm(tuple(sys.argv[2].split(",")), tuple(int(s) for s in (sys.argv[3:] or ["2,4"])[0].split(",")))
+if __name__ == "__main__":  # minimal | confirm [MODELS [SIZES [GLUES]]], each comma-separated
+    command, *rest = sys.argv[1:] or ["minimal"]
+    if command == "confirm" and rest:
+        confirm(*(tuple(int(x) if i == 1 else x for x in arg.split(",")) for i, arg in enumerate(rest)))
     else:
         {"minimal": minimal, "confirm": confirm}[command]()

@@ -195,7 +195,8 @@ def crash_words(exc: BaseException, config, world_size: int) -> str:
         if name.startswith(root):
             where = f"llamafactory{name[len(root):]} L{tb.tb_lineno}"
         tb = tb.tb_next
-    text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first.split(' (expected')[0]}"  # the shapes differ per case, the place not
     if where is None:
         return text
     c = config.get_text_config()
