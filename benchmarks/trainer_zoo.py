@@ -68,9 +68,9 @@ def speed(glues, repeats: int, size: int = 4) -> list[dict]:
     return out
 
 
-def report(rows, speed_rows, zoo_seconds, command: str, glues, models=()) -> str:
+def report(rows, speed_rows, zoo_seconds, command: str, glues, models=(), note: str = "") -> str:
     text = markdown(rows, [], [], command).replace("# ringcheck step --model: the zoo",
-                                                   f"# The trainers' zoo: {', '.join(glues)}", 1)
+                                                   f"# The trainers' zoo: {', '.join(glues)}" + (f"\n\n{note}" if note else ""), 1)
     missing = [m for m in models if m not in {r["model"] for r in rows}]
     if missing:
         text += (f"Not reached by the runs above (go on with `--resume`): {len(missing)} architectures, "
@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--speed", action="store_true", help="time one check of a dense model at P=4, every case")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--speed-glue", default=None, help="the glues --speed times (default: every --glue)")
+    p.add_argument("--note", default="", help="a line under the report's title (e.g. the environment it ran in)")
     args = p.parse_args(argv)
     from ringcheck.models.tiny import zoo_names
 
@@ -121,11 +122,13 @@ def main(argv=None) -> int:
         r["features"] = feats[r["model"]]
     timed = (args.speed_glue or args.glue).split(",")
     speed_rows = speed(timed, args.repeats) if args.speed else old.get("speed", [])
-    command = "python -m benchmarks.trainer_zoo " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
+    given = list(argv if argv is not None else sys.argv[1:])
+    given = [a for i, a in enumerate(given) if a != "--note" and (i == 0 or given[i - 1] != "--note")]
+    command = "python -m benchmarks.trainer_zoo " + " ".join(a for a in given
                                                            if a not in ("--resume", "--report-only", "--speed"))
     path.write_text(json.dumps({"command": command, "zoo": rows, "zoo_seconds": seconds, "speed": speed_rows},
                                indent=1, default=str) + "\n")
-    (OUT / f"{args.name}.md").write_text(report(rows, speed_rows, seconds, command, glues, models))
+    (OUT / f"{args.name}.md").write_text(report(rows, speed_rows, seconds, command, glues, models, args.note))
     print(f"wrote {OUT / (args.name + '.md')}")
     return 0
 

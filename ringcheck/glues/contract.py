@@ -57,6 +57,9 @@ class Glue:
     refuses_ring: Callable[[Any, int], list[str]] | None = None
     sharding: str = "ringcheck's (the glue's layout)"
     shims: tuple[str, ...] = ()
+    # a trainer whose loss function shards the batch and runs the model itself (LLaMA-Factory's
+    # sequence_parallel_loss): `loss(model, batch, group)`, see `GLUE_LOSS_KEYS`; None: ringcheck's step
+    loss: Callable[[Any, dict, Any], dict] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
@@ -64,6 +67,11 @@ class Glue:
 # None) and returns this rank's input_ids, position_ids and labels (the targets of its tokens, shifted
 # on the whole sequence), and positions: the global index of every token it holds, in its order
 GLUE_SHARD_KEYS = ("input_ids", "position_ids", "labels", "positions")
+# `loss(model, batch, group)` is given this rank's rows of the global micro-batch, not padded (input_ids,
+# labels not yet shifted, position_ids, cu_seqlens or None, and total: the global count of counted targets
+# over every micro-batch and replica) and returns the rank's share of the step's loss (its sum over the
+# ranks is the loss; backward runs on it), this rank's logits and positions: the global index of each
+GLUE_LOSS_KEYS = ("loss", "logits", "positions")
 
 
 def refusals(glue: Glue, tiny: Any) -> list[str]:
@@ -139,7 +147,8 @@ def user_glue(spec: str) -> Glue:
                          f"is built in for your glue; float64 when the attribute is absent)")
     hooks = {}
     for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
-                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines")):
+                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines"),
+                            ("loss", "loss(model, batch, group) -> dict")):
         value = getattr(obj, hook, None)
         if value is not None and not callable(value):
             raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..glues.contract import GLUE_SHARD_KEYS
+from ..glues.contract import GLUE_LOSS_KEYS, GLUE_SHARD_KEYS
 from ..harness import Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.settings import default_dtype
@@ -190,12 +190,31 @@ def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch
     return (*out, held)
 
 
+def glue_loss(loss_of, model, ids, labels, pos, mb: dict, total, group) -> tuple[torch.Tensor, ...]:
+    """A trainer's own loss (`Glue.loss`: it shards the batch and runs the model): the rank's
+    share of the loss, its logits and the global positions it held, checked."""
+    cu = mb.get("cu_seqlens")
+    got = loss_of(model, {"input_ids": ids, "labels": labels, "position_ids": pos, "total": total,
+                          "cu_seqlens": None if cu is None else [int(x) for x in cu]}, group)
+    missing = [k for k in GLUE_LOSS_KEYS if not isinstance(got, dict) or k not in got]
+    if missing:
+        raise TypeError(f"the glue's loss(model, batch, group) returned no {', '.join(missing)}: it must return a dict "
+                        f"of {', '.join(GLUE_LOSS_KEYS)} (docs/reference/glue-contract.md)")
+    held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
+    if got["logits"].shape[:2] != (ids.shape[0], held.numel()) or got["loss"].numel() != 1:
+        raise ValueError(f"the glue's loss(model, batch, group) returned logits of shape {tuple(got['logits'].shape)} "
+                         f"for {held.numel()} positions and a loss of {got['loss'].numel()} elements: the logits must "
+                         f"be (rows, positions, vocab), the loss one number")
+    return got["loss"].reshape(()), got["logits"], held
+
+
 def correct_step(model, batches: list[dict], place: Place, group, dp_group, prepare, *, train: bool,
-                 checkpoint: str | None, shard=None) -> dict[str, Any]:
+                 checkpoint: str | None, shard=None, loss_of=None) -> dict[str, Any]:
     """ringcheck's own correct transformers step on one rank (see the module's docstring): the
     loss (summed over the ranks), every gradient (summed), and per micro-batch this rank's
     logits with the global positions it held. `shard`: a glue's own sharding of the batch (a
-    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout."""
+    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout; `loss_of`: a trainer's
+    own loss, which shards and runs the model itself (`glue_loss`), in place of both."""
     if checkpoint is not None:
         model.train()
         enable_activation_checkpointing(model, use_reentrant=checkpoint == "reentrant")
@@ -208,7 +227,9 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
         padded = -(-n // place.multiple()) * place.multiple()
         cu = mb.get("cu_seqlens")
         cu = None if cu is None else boundaries(mb, padded)
-        if shard is not None:
+        if loss_of is not None:
+            held = None
+        elif shard is not None:
             ids, pos, targets, held = glue_sharded(shard, ids, labels, pos, cu, padded, group)
         else:
             held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
@@ -219,10 +240,13 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
         if prepare is not None:
             prepare(boundaries(mb, padded), group)
         with torch.set_grad_enabled(train):
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-            # in float64, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss
-            loss = F.cross_entropy(logits.to(torch.float64).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                                   reduction="sum") / total
+            if loss_of is not None:
+                loss, logits, held = glue_loss(loss_of, model, ids, labels, pos, mb, total, group)
+            else:
+                logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+                # in float64, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss
+                loss = F.cross_entropy(logits.to(torch.float64).flatten(0, 1), targets.flatten(),
+                                       ignore_index=IGNORE, reduction="sum") / total
         if train:
             loss.backward()
         logged = logged + loss.detach().double()
@@ -278,7 +302,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                 batches = on_device(case_batches(config, tiny, case, dp), member.device)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
-                                           shard=glue.shard)
+                                           shard=glue.shard, loss_of=glue.loss)
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
