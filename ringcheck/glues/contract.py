@@ -58,8 +58,8 @@ class Glue:
     sharding: str = "ringcheck's (the glue's layout)"
     shims: tuple[str, ...] = ()
     # a trainer whose loss function shards the batch and runs the model itself (LLaMA-Factory's
-    # sequence_parallel_loss): `loss(model, batch, group)`, see `GLUE_LOSS_KEYS`; None: ringcheck's step
-    loss: Callable[[Any, dict, Any], dict] | None = None
+    # sequence_parallel_loss): `forward_loss(model, batch, group)`, see `GLUE_LOSS_KEYS`; None: ringcheck's step
+    forward_loss: Callable[[Any, dict, Any], dict] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
@@ -67,7 +67,7 @@ class Glue:
 # None) and returns this rank's input_ids, position_ids and labels (the targets of its tokens, shifted
 # on the whole sequence), and positions: the global index of every token it holds, in its order
 GLUE_SHARD_KEYS = ("input_ids", "position_ids", "labels", "positions")
-# `loss(model, batch, group)` is given this rank's rows of the global micro-batch, not padded (input_ids,
+# `forward_loss(model, batch, group)` is given this rank's rows of the global micro-batch, not padded (input_ids,
 # labels not yet shifted, position_ids, cu_seqlens or None, and total: the global count of counted targets
 # over every micro-batch and replica) and returns the rank's share of the step's loss (its sum over the
 # ranks is the loss; backward runs on it), this rank's logits and positions: the global index of each
@@ -148,7 +148,7 @@ def user_glue(spec: str) -> Glue:
     hooks = {}
     for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
                             ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines"),
-                            ("loss", "loss(model, batch, group) -> dict")):
+                            ("forward_loss", "forward_loss(model, batch, group) -> dict")):
         value = getattr(obj, hook, None)
         if value is not None and not callable(value):
             raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")

@@ -191,18 +191,18 @@ def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch
 
 
 def glue_loss(loss_of, model, ids, labels, pos, mb: dict, total, group) -> tuple[torch.Tensor, ...]:
-    """A trainer's own loss (`Glue.loss`: it shards the batch and runs the model): the rank's
+    """A trainer's own loss (`Glue.forward_loss`: it shards the batch and runs the model): the rank's
     share of the loss, its logits and the global positions it held, checked."""
     cu = mb.get("cu_seqlens")
     got = loss_of(model, {"input_ids": ids, "labels": labels, "position_ids": pos, "total": total,
                           "cu_seqlens": None if cu is None else [int(x) for x in cu]}, group)
     missing = [k for k in GLUE_LOSS_KEYS if not isinstance(got, dict) or k not in got]
     if missing:
-        raise TypeError(f"the glue's loss(model, batch, group) returned no {', '.join(missing)}: it must return a dict "
+        raise TypeError(f"the glue's forward_loss(model, batch, group) returned no {', '.join(missing)}: it must return a dict "
                         f"of {', '.join(GLUE_LOSS_KEYS)} (docs/reference/glue-contract.md)")
     held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
     if got["logits"].shape[:2] != (ids.shape[0], held.numel()) or got["loss"].numel() != 1:
-        raise ValueError(f"the glue's loss(model, batch, group) returned logits of shape {tuple(got['logits'].shape)} "
+        raise ValueError(f"the glue's forward_loss(model, batch, group) returned logits of shape {tuple(got['logits'].shape)} "
                          f"for {held.numel()} positions and a loss of {got['loss'].numel()} elements: the logits must "
                          f"be (rows, positions, vocab), the loss one number")
     return got["loss"].reshape(()), got["logits"], held
@@ -302,7 +302,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                 batches = on_device(case_batches(config, tiny, case, dp), member.device)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
-                                           shard=glue.shard, loss_of=glue.loss)
+                                           shard=glue.shard, loss_of=glue.forward_loss)
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,

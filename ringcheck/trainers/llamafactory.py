@@ -11,7 +11,7 @@ noise budget, as a GPU runs flash-attn 2).
   from sequence shards to head groups, transformers' own `_flash_attention_forward` over the whole
   sequence with the gathered `position_ids`, the all-to-all back). Applied, as the trainer does,
   once the model is built (each case's model), and undone between models (`uninstall`).
-- **Its sharding and its loss** (`loss`, the glue's own loss hook): each micro-batch as its v1
+- **Its sharding and its loss** (`forward_loss`, the glue's own loss hook): each micro-batch as its v1
   padding-free batches hold it (`input_ids`, `attention_mask` of ones, `labels` with the first of
   each row and of each packed document IGNORE, `loss_weights` 1.0 where a label counts,
   `position_ids`) through `SequenceParallelLossPlugin("sequence_parallel_loss")(model, batch)`
@@ -239,7 +239,7 @@ def llamafactory_glue() -> Glue:
     """The built-in glue `llamafactory` (ImportError with the fix where llamafactory is missing)."""
     plugin()
     a = LlamaFactoryUlysses()
-    return Glue(name=NAME, install=a.install, layout="contiguous", uninstall=a.uninstall, loss=a.loss,
+    return Glue(name=NAME, install=a.install, layout="contiguous", uninstall=a.uninstall, forward_loss=a.loss,
                 refuses_ring=refuses_ring, dtype="bfloat16", shims=SHIMS,
                 sharding=f"LLaMA-Factory {VERSION}'s padding_and_split_data (padded to a multiple of P, contiguous "
                          f"chunks) inside its sequence_parallel_loss (labels gathered and shifted on the whole "
