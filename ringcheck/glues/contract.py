@@ -57,6 +57,12 @@ class Glue:
     refuses_ring: Callable[[Any, int], list[str]] | None = None
     sharding: str = "ringcheck's (the glue's layout)"
     shims: tuple[str, ...] = ()
+    # a trainer whose loss is computed on outputs gathered over the CP group (issue 62, verl): `gather(values,
+    # group)` takes the rank's per-token values (rows, held) and returns the whole row's, through the trainer's
+    # own all-gather (its backward handing each rank its slice); the step then computes the loss of the whole row
+    # on every rank and averages the gradients and the logged loss over the CP group (as a data-parallel average
+    # over the SP ranks does). None: each rank's loss over its own tokens, summed over the group
+    gather: Callable[[Any, Any], Any] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
@@ -139,7 +145,8 @@ def user_glue(spec: str) -> Glue:
                          f"is built in for your glue; float64 when the attribute is absent)")
     hooks = {}
     for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
-                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines")):
+                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines"),
+                            ("gather", "gather(values, group) -> the whole row's values")):
         value = getattr(obj, hook, None)
         if value is not None and not callable(value):
             raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")

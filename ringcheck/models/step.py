@@ -15,7 +15,9 @@ and ringcheck's own correct step runs around it, so that the glue is the only th
    the rank's targets and divided by the global count (in float64 from the logits, as the truth's:
    the model's own loss would cast to float32, and a glue run in bfloat16 would round the very loss
    it is judged on), backward per micro-batch;
-4. every gradient and the logged loss summed over the CP group and the data-parallel replicas.
+4. every gradient and the logged loss summed over the CP group and the data-parallel replicas (a
+   glue that gathers the per-token losses before the loss, `Glue.gather`, has the whole row's loss
+   on every rank: averaged over the CP group, as the trainer's data-parallel average does).
 
 The rank's logits come back with the global positions it held, and `assemble_logits` puts the
 ranks' pieces back into whole sequences. `reference_task` is the truth on one rank:
@@ -190,12 +192,26 @@ def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch
     return (*out, held)
 
 
+def step_loss(logits: torch.Tensor, targets: torch.Tensor, total: torch.Tensor, gather=None, group=None):
+    """ringcheck's cross-entropy over the rank's targets divided by the global count, in float64 from
+    the logits, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss.
+    With a glue's `gather` (`Glue.gather`, a trainer's), the per-token losses are gathered into the
+    whole row's first and summed there, the same loss on every rank of the group."""
+    flat = logits.to(torch.float64).flatten(0, 1)
+    if gather is None:
+        return F.cross_entropy(flat, targets.flatten(), ignore_index=IGNORE, reduction="sum") / total
+    each = F.cross_entropy(flat, targets.flatten(), ignore_index=IGNORE, reduction="none").view(targets.shape)
+    return gather(each, group).sum() / total
+
+
 def correct_step(model, batches: list[dict], place: Place, group, dp_group, prepare, *, train: bool,
-                 checkpoint: str | None, shard=None) -> dict[str, Any]:
+                 checkpoint: str | None, shard=None, gather=None) -> dict[str, Any]:
     """ringcheck's own correct transformers step on one rank (see the module's docstring): the
     loss (summed over the ranks), every gradient (summed), and per micro-batch this rank's
     logits with the global positions it held. `shard`: a glue's own sharding of the batch (a
-    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout."""
+    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout. `gather`: a glue's
+    gather of the per-token losses (`step_loss`); every rank then holds the whole row's loss, and
+    the gradients and the loss are averaged over the CP group instead of summed."""
     if checkpoint is not None:
         model.train()
         enable_activation_checkpointing(model, use_reentrant=checkpoint == "reentrant")
@@ -220,20 +236,22 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             prepare(boundaries(mb, padded), group)
         with torch.set_grad_enabled(train):
             logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-            # in float64, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss
-            loss = F.cross_entropy(logits.to(torch.float64).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                                   reduction="sum") / total
+            loss = step_loss(logits, targets, total, gather, group)
         if train:
             loss.backward()
         logged = logged + loss.detach().double()
         keep = held < n
         pieces.append({"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep].cpu(), "length": n})
+    # with a glue's gather every rank of the group computed the whole row's loss: averaged over the group
+    mean = dist.get_world_size(group) if gather is not None and group is not None else 1
     params = [p for p in model.parameters() if p.grad is not None]
     if params:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         for g in (group, dp_group):
             if g is not None:
                 dist.all_reduce(flat, group=g)
+        if mean > 1:
+            flat /= mean
         at = 0
         for p in params:
             p.grad.copy_(flat[at:at + p.numel()].view_as(p))
@@ -241,6 +259,8 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
     for g in (group, dp_group):
         if g is not None:
             dist.all_reduce(logged, group=g)
+    if mean > 1:
+        logged = logged / mean
     grads = {n: None if p.grad is None else p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
     return {"loss": float(logged), "grads": grads if train else {}, "logits": pieces}
 
@@ -278,7 +298,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                 batches = on_device(case_batches(config, tiny, case, dp), member.device)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
-                                           shard=glue.shard)
+                                           shard=glue.shard, gather=getattr(glue, "gather", None))
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
