@@ -99,13 +99,16 @@ def verl_modules() -> tuple[types.ModuleType, types.ModuleType]:
 
 
 def in_verl(exc: BaseException) -> str | None:
-    """`verl/...py:LINE` of the innermost frame of `exc`'s traceback inside verl's package, or None."""
-    root = verl_root().parent
+    """`verl/...py:LINE` of the innermost frame of `exc`'s traceback inside verl's package, or None
+    (also where a frame of ringcheck's own, the flash-attn stand-in, is further in: not verl's crash)."""
+    root, own = verl_root().parent, Path(__file__).resolve().parents[1]
     where, tb = None, exc.__traceback__
     while tb is not None:
-        path = Path(tb.tb_frame.f_code.co_filename)
+        path = Path(tb.tb_frame.f_code.co_filename).resolve()
         if path.is_relative_to(root / "verl"):
             where = f"{path.relative_to(root)}:{tb.tb_lineno}"
+        elif path.is_relative_to(own):
+            where = None
         tb = tb.tb_next
     return where
 
@@ -229,6 +232,11 @@ def refuses_ring(tiny, world_size: int) -> list[str]:
         if kv % world_size and world_size % kv:
             out.append(f"verl's apply_monkey_patch asserts num_key_value_heads {kv} must be divisible by "
                        f"ulysses_sp_size {world_size} or vice versa (monkey_patch.py L346-350)")
+    wide = [layer.index for layer in tiny.layers if layer.v_head_dim != layer.head_dim]
+    if wide:
+        out.append(f"layers {', '.join(map(str, wide))} have a value head dim other than the query's (MLA): "
+                   f"transformers pads the values for the flash path only under the name flash_attention_2, which "
+                   f"ringcheck's flash-attn stand-in runs under another: not judged here")
     cls = causal_lm_class(tiny.config)
     own = compatible_flash_implementations(cls)
     if not supports_attention(cls, "flash_attention_2"):
