@@ -139,3 +139,12 @@ def test_the_command_refuses_the_heads_with_exit_2_in_one_line(tmp_path):
     assert out.stderr.count("num_attention_heads 4 must be divisible by ulysses_sp_size 3") == 1, out.stderr
     assert "num_key_value_heads 4 must be divisible by ulysses_sp_size 3" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_without_verl_the_glue_says_the_pip_line(monkeypatch):
+    import ringcheck.trainers.verl as glue
+    found = importlib.util.find_spec
+    monkeypatch.setattr(glue.importlib.util, "find_spec", lambda name, *a: None if name == "verl" else found(name, *a))
+    with pytest.raises(ImportError, match=r"pip install --no-deps verl==0.9\.1 tensordict==0\.10\.0 omegaconf "
+                                          r"antlr4-python3-runtime==4\.9\.3 cloudpickle orjson pyvers"):
+        glue.verl_glue()
