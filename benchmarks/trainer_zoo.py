@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from benchmarks.models_zoo_run import OUT, PROOF, ROOT, features_of, markdown, run_one
 
@@ -68,6 +69,18 @@ def speed(glues, repeats: int, size: int = 4) -> list[dict]:
     return out
 
 
+def environment() -> str:
+    """The versions this report's runs were made with, and the environment (a trainer's own, of
+    `benchmarks.trainer_envs`, or the checkout's)."""
+    import torch
+    import transformers
+
+    where = Path(sys.prefix).resolve()
+    name = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(where)
+    return (f"Run with transformers {transformers.__version__} and torch {torch.__version__}, in the environment "
+            f"{name}.")
+
+
 def report(rows, speed_rows, zoo_seconds, command: str, glues, models=(), note: str = "") -> str:
     text = markdown(rows, [], [], command).replace("# ringcheck step --model: the zoo",
                                                    f"# The trainers' zoo: {', '.join(glues)}" + (f"\n\n{note}" if note else ""), 1)
@@ -76,7 +89,7 @@ def report(rows, speed_rows, zoo_seconds, command: str, glues, models=(), note: 
         text += (f"Not reached by the runs above (go on with `--resume`): {len(missing)} architectures, "
                  f"{', '.join(missing)}.\n\n")
     judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
-    tail = ["## Counts and cost", "",
+    tail = ["## Counts and cost", "", f"- {environment()}",
             f"- {len(rows)} runs: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
             f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {len(rows) - len(judged)} not run or no verdict.",
             f"- The zoo's wall time: {zoo_seconds / 60:.1f} min (the last run; the sum of all its rows: "

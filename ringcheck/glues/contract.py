@@ -60,6 +60,12 @@ class Glue:
     # a trainer whose loss function shards the batch and runs the model itself (LLaMA-Factory's
     # sequence_parallel_loss): `forward_loss(model, batch, group)`, see `GLUE_LOSS_KEYS`; None: ringcheck's step
     forward_loss: Callable[[Any, dict, Any], dict] | None = None
+    # a trainer whose loss is computed on outputs gathered over the CP group (issue 62, verl): `gather(values,
+    # group)` takes the rank's per-token values (rows, held) and returns the whole row's, through the trainer's
+    # own all-gather (its backward handing each rank its slice); the step then computes the loss of the whole row
+    # on every rank and averages the gradients and the logged loss over the CP group (as a data-parallel average
+    # over the SP ranks does). None: each rank's loss over its own tokens, summed over the group
+    gather: Callable[[Any, Any], Any] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
@@ -148,7 +154,8 @@ def user_glue(spec: str) -> Glue:
     hooks = {}
     for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
                             ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines"),
-                            ("forward_loss", "forward_loss(model, batch, group) -> dict")):
+                            ("forward_loss", "forward_loss(model, batch, group) -> dict"),
+                            ("gather", "gather(values, group) -> the whole row's values")):
         value = getattr(obj, hook, None)
         if value is not None and not callable(value):
             raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")

@@ -15,7 +15,9 @@ and ringcheck's own correct step runs around it, so that the glue is the only th
    the rank's targets and divided by the global count (in float64 from the logits, as the truth's:
    the model's own loss would cast to float32, and a glue run in bfloat16 would round the very loss
    it is judged on), backward per micro-batch;
-4. every gradient and the logged loss summed over the CP group and the data-parallel replicas.
+4. every gradient and the logged loss summed over the CP group and the data-parallel replicas (a
+   glue that gathers the per-token losses before the loss, `Glue.gather`, has the whole row's loss
+   on every rank: averaged over the CP group, as the trainer's data-parallel average does).
 
 The rank's logits come back with the global positions it held, and `assemble_logits` puts the
 ranks' pieces back into whole sequences. `reference_task` is the truth on one rank:
@@ -32,9 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..glues.contract import GLUE_LOSS_KEYS, GLUE_SHARD_KEYS
 from ..harness import Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.settings import default_dtype
@@ -45,6 +45,7 @@ from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
 from ..step.run import check_ring_settings, on_device, step_mesh
 from ..thirdparty.transformers_private import enable_activation_checkpointing
+from .glue_hooks import glue_loss, glue_sharded, pad_positions, pad_rows, step_loss
 from .regimes import REGIME_CASES, model_case
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
 
@@ -141,20 +142,6 @@ def boundaries(mb: dict, padded: int) -> list[int]:
     return cu
 
 
-def _pad(x: torch.Tensor, padded: int, value) -> torch.Tensor:
-    return F.pad(x, (0, padded - x.shape[1]), value=value)
-
-
-def _pad_positions(pos: torch.Tensor, padded: int) -> torch.Tensor:
-    """Position ids padded by continuing the last document's count (the padding is after every
-    real token: under a causal mask no real token sees it)."""
-    extra = padded - pos.shape[1]
-    if not extra:
-        return pos
-    tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
-    return torch.cat([pos, tail], dim=1)
-
-
 @dataclass(frozen=True)
 class Place:
     """A rank's place: its CP rank and group size, the glue's layout, its replica of `dp`."""
@@ -173,48 +160,15 @@ class Place:
         return RingSpec(self.size, self.layout).chunks
 
 
-def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch.Tensor, ...]:
-    """A glue's own sharding (`Glue.shard`, a trainer's): the rank's (input_ids, position_ids,
-    targets, global positions held), from the padded global rows it was given, checked."""
-    got = shard({"input_ids": _pad(ids, padded, 0), "labels": _pad(labels, padded, IGNORE),
-                 "position_ids": _pad_positions(pos, padded), "cu_seqlens": cu}, group)
-    missing = [k for k in GLUE_SHARD_KEYS if not isinstance(got, dict) or k not in got]
-    if missing:
-        raise TypeError(f"the glue's shard(batch, group) returned no {', '.join(missing)}: it must return a dict of "
-                        f"{', '.join(GLUE_SHARD_KEYS)} (docs/reference/glue-contract.md)")
-    held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
-    out = [got[k].contiguous() for k in ("input_ids", "position_ids", "labels")]
-    if any(t.shape != (ids.shape[0], held.numel()) for t in out):
-        raise ValueError(f"the glue's shard(batch, group) returned input_ids, position_ids, labels of shapes "
-                         f"{[tuple(t.shape) for t in out]} for {held.numel()} positions: each must be (rows, positions)")
-    return (*out, held)
-
-
-def glue_loss(loss_of, model, ids, labels, pos, mb: dict, total, group) -> tuple[torch.Tensor, ...]:
-    """A trainer's own loss (`Glue.forward_loss`: it shards the batch and runs the model): the rank's
-    share of the loss, its logits and the global positions it held, checked."""
-    cu = mb.get("cu_seqlens")
-    got = loss_of(model, {"input_ids": ids, "labels": labels, "position_ids": pos, "total": total,
-                          "cu_seqlens": None if cu is None else [int(x) for x in cu]}, group)
-    missing = [k for k in GLUE_LOSS_KEYS if not isinstance(got, dict) or k not in got]
-    if missing:
-        raise TypeError(f"the glue's forward_loss(model, batch, group) returned no {', '.join(missing)}: it must return a dict "
-                        f"of {', '.join(GLUE_LOSS_KEYS)} (docs/reference/glue-contract.md)")
-    held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
-    if got["logits"].shape[:2] != (ids.shape[0], held.numel()) or got["loss"].numel() != 1:
-        raise ValueError(f"the glue's forward_loss(model, batch, group) returned logits of shape {tuple(got['logits'].shape)} "
-                         f"for {held.numel()} positions and a loss of {got['loss'].numel()} elements: the logits must "
-                         f"be (rows, positions, vocab), the loss one number")
-    return got["loss"].reshape(()), got["logits"], held
-
-
 def correct_step(model, batches: list[dict], place: Place, group, dp_group, prepare, *, train: bool,
-                 checkpoint: str | None, shard=None, loss_of=None) -> dict[str, Any]:
+                 checkpoint: str | None, shard=None, loss_of=None, gather=None) -> dict[str, Any]:
     """ringcheck's own correct transformers step on one rank (see the module's docstring): the
     loss (summed over the ranks), every gradient (summed), and per micro-batch this rank's
     logits with the global positions it held. `shard`: a glue's own sharding of the batch (a
     trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout; `loss_of`: a trainer's
-    own loss, which shards and runs the model itself (`glue_loss`), in place of both."""
+    own loss, which shards and runs the model itself (`glue_loss`), in place of both. `gather`: a
+    glue's gather of the per-token losses (`step_loss`); every rank then holds the whole row's loss,
+    and the gradients and the loss are averaged over the CP group instead of summed."""
     if checkpoint is not None:
         model.train()
         enable_activation_checkpointing(model, use_reentrant=checkpoint == "reentrant")
@@ -234,9 +188,9 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
         else:
             held = positions(layout=place.layout, rank=place.rank, world_size=place.size, seq_len=padded,
                              cu_seqlens=cu).to(ids.device)
-            targets = _pad(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
-            ids = _pad(ids, padded, 0).index_select(1, held).contiguous()
-            pos = _pad_positions(pos, padded).index_select(1, held).contiguous()
+            targets = pad_rows(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
+            ids = pad_rows(ids, padded, 0).index_select(1, held).contiguous()
+            pos = pad_positions(pos, padded).index_select(1, held).contiguous()
         if prepare is not None:
             prepare(boundaries(mb, padded), group)
         with torch.set_grad_enabled(train):
@@ -244,20 +198,22 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
                 loss, logits, held = glue_loss(loss_of, model, ids, labels, pos, mb, total, group)
             else:
                 logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-                # in float64, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss
-                loss = F.cross_entropy(logits.to(torch.float64).flatten(0, 1), targets.flatten(),
-                                       ignore_index=IGNORE, reduction="sum") / total
+                loss = step_loss(logits, targets, total, gather, group)
         if train:
             loss.backward()
         logged = logged + loss.detach().double()
         keep = held < n
         pieces.append({"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep].cpu(), "length": n})
+    # with a glue's gather every rank of the group computed the whole row's loss: averaged over the group
+    mean = dist.get_world_size(group) if gather is not None and group is not None else 1
     params = [p for p in model.parameters() if p.grad is not None]
     if params:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         for g in (group, dp_group):
             if g is not None:
                 dist.all_reduce(flat, group=g)
+        if mean > 1:
+            flat /= mean
         at = 0
         for p in params:
             p.grad.copy_(flat[at:at + p.numel()].view_as(p))
@@ -265,6 +221,8 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
     for g in (group, dp_group):
         if g is not None:
             dist.all_reduce(logged, group=g)
+    if mean > 1:
+        logged = logged / mean
     grads = {n: None if p.grad is None else p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
     return {"loss": float(logged), "grads": grads if train else {}, "logits": pieces}
 
@@ -302,7 +260,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                 batches = on_device(case_batches(config, tiny, case, dp), member.device)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
-                                           shard=glue.shard, loss_of=glue.forward_loss)
+                                           shard=glue.shard, loss_of=glue.forward_loss, gather=glue.gather)
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,

@@ -115,3 +115,25 @@ def answer_flash_imports(name: str, flash_attn_func, flash_attn_varlen_func) -> 
             utils._loaded_implementation = None
 
     return undo
+
+
+FLASH_FORWARD = "_flash_attention_forward"  # the kernel call of transformers' flash path, which trainers patch
+FLASH_INTEGRATION = "transformers.integrations.flash_attention"
+
+
+def flash_forward_holders(model_module: str) -> dict[str, Any]:
+    """The modules whose `_flash_attention_forward` a trainer's patch of the flash path replaces
+    (verl's `apply_monkey_patch`: the model's own module where it holds one, legacy models; else
+    `transformers.integrations.flash_attention`'s), each with the function it holds now, for
+    `restore_flash_forward`."""
+    held = {FLASH_INTEGRATION: TRANSFORMERS.reach(FLASH_INTEGRATION, FLASH_FORWARD)}
+    own = TRANSFORMERS.reach(model_module, FLASH_FORWARD, fallback=None)
+    if own is not None:
+        held[model_module] = own
+    return held
+
+
+def restore_flash_forward(held: dict[str, Any]) -> None:
+    """Every module of `held` (`flash_forward_holders`) given back the function it held."""
+    for module, function in held.items():
+        setattr(TRANSFORMERS.reach(module), FLASH_FORWARD, function)

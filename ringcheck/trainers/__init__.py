@@ -9,7 +9,8 @@ each named in the glue's `shims` (the report prints them).
 | `deepspeed_ulysses` | DeepSpeed (ALST) | `UlyssesSPAttentionHF.register_with_transformers`, `UlyssesSPDataLoaderAdapter` | Ulysses over sdpa |
 | `deepspeed_ulysses:flash_attention_2` | DeepSpeed (ALST) | the same | Ulysses over transformers' flash path (`trainers.flash`) |
 | `openrlhf` | OpenRLHF 0.11.2 | `setup_ring_attn`, `unpad_and_slice_tensor`, `update_ring_attn_params` | ring (ring-flash-attn's HF adapter) |
-| `llamafactory` | LLaMA-Factory 0.9.5 (v1) | `apply_sequence_parallel`, `sequence_parallel_loss` (its `padding_and_split_data`) | Ulysses over transformers' flash path, its own loss (`Glue.loss`) |
+| `llamafactory` | LLaMA-Factory 0.9.5 (v1) | `apply_sequence_parallel`, `sequence_parallel_loss` (its `padding_and_split_data`) | Ulysses over transformers' flash path, its own loss (`Glue.forward_loss`) |
+| `verl` | verl 0.9.1 | `set_ulysses_sequence_parallel_group`, `apply_monkey_patch`, `ulysses_pad_and_slice_inputs`, `gather_outputs_and_unpad` | Ulysses over transformers' flash path (`trainers.flash`) |
 
 The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
 contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
@@ -22,10 +23,12 @@ from functools import partial
 from .deepspeed_ulysses import deepspeed_ulysses_glue
 from .llamafactory import llamafactory_glue
 from .openrlhf import openrlhf_glue
+from .verl import verl_glue
 
 # `--glue NAME` -> the function that makes the trainer's glue (ImportError with the fix where the
 # trainer's package is missing; importing the module imports no trainer's package)
 TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue,
                  "deepspeed_ulysses:flash_attention_2": partial(deepspeed_ulysses_glue, "flash_attention_2"),
                  "openrlhf": openrlhf_glue,
-                 "llamafactory": llamafactory_glue}
+                 "llamafactory": llamafactory_glue,
+                 "verl": verl_glue}
