@@ -117,6 +117,8 @@ def user_glue(spec: str) -> Glue:
         raise ValueError(f"--glue {spec!r}: a glue is 'ringcheck', 'ulysses', 'ring_flash_attn' or your own as "
                          f"'package.module:object' (an object with install(group) -> attn_implementation name)")
     obj = import_object(spec, f"--glue {spec!r}")
+    if isinstance(obj, Glue):  # a glue already built (a trainer's, patched): as it is
+        return obj
     install = getattr(obj, "install", None)
     if not callable(install):
         raise TypeError(f"--glue {spec!r}: {type(obj).__name__} {tail!r} has no callable install(group); a glue "
@@ -147,8 +149,7 @@ def user_glue(spec: str) -> Glue:
                          f"is built in for your glue; float64 when the attribute is absent)")
     hooks = {}
     for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
-                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines"),
-                            ("loss", "loss(model, batch, group) -> dict")):
+                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines")):
         value = getattr(obj, hook, None)
         if value is not None and not callable(value):
             raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")

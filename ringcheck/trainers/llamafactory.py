@@ -240,10 +240,11 @@ def refuses_ring(tiny, world_size: int) -> list[str]:
     return out
 
 
-def llamafactory_glue() -> Glue:
-    """The built-in glue `llamafactory` (ImportError with the fix where llamafactory is missing)."""
+def llamafactory_glue(adapter: LlamaFactoryUlysses | None = None) -> Glue:
+    """The built-in glue `llamafactory` (ImportError with the fix where llamafactory is missing);
+    `adapter`: a subclass's instance, for a patched copy of LLaMA-Factory's code."""
     plugin()
-    a = LlamaFactoryUlysses()
+    a = adapter or LlamaFactoryUlysses()
     return Glue(name=NAME, install=a.install, layout="contiguous", uninstall=a.uninstall, loss=a.loss,
                 refuses_ring=refuses_ring, dtype="bfloat16", shims=SHIMS,
                 sharding=f"LLaMA-Factory {VERSION}'s padding_and_split_data (padded to a multiple of P, contiguous "
