@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ pytest.importorskip("transformers")
 from ringcheck.commands.step_model import check_model_before_start, run_model_step
 from ringcheck.glues import GlueRefused
 from ringcheck.models.step import ModelStepConfig
-from ringcheck.trainers.llamafactory import LlamaFactoryUlysses, plugin, refuses_ring
+from ringcheck.trainers.llamafactory import LlamaFactoryUlysses, llamafactory_glue, plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,10 +38,6 @@ class DropsPositions(LlamaFactoryUlysses):
     """The planted bug: LLaMA-Factory's `new_flash_attn_forward` handed `position_ids` that count on
     over the whole sequence (the rotary positions are the model's, before it), so that its gathered
     `position_ids` never reset: packed documents attend to each other."""
-
-    dtype = "bfloat16"
-    describe = "planted: LLaMA-Factory's Ulysses attention without position_ids"
-    refuses_ring = staticmethod(refuses_ring)
 
     def apply(self, model) -> None:
         sp = plugin()
@@ -59,7 +56,8 @@ class DropsPositions(LlamaFactoryUlysses):
             sp.new_flash_attn_forward = shipped
 
 
-planted = DropsPositions()
+planted = replace(llamafactory_glue(DropsPositions()), name="suites.test_trainer_llamafactory:planted",
+                  describe="planted: LLaMA-Factory's Ulysses attention handed position_ids that never reset")
 
 
 @pytest.fixture(scope="module")

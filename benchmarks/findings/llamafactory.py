@@ -36,11 +36,12 @@ import math
 import queue
 import socket
 import sys
+from dataclasses import replace
 from functools import partial
 
 import torch
 
-from ringcheck.trainers.llamafactory import LlamaFactoryUlysses, plugin, refuses_ring
+from ringcheck.trainers.llamafactory import LlamaFactoryUlysses, llamafactory_glue, plugin
 
 P, SEQ, HEADS, DIM = 2, 16, 4, 8
 CASES = {  # the minimal script's layers: what transformers' flash path hands the attention
@@ -85,10 +86,6 @@ def patch():
 class PatchedLlamaFactory(LlamaFactoryUlysses):
     """ringcheck's LLaMA-Factory glue with `patch()` applied while its plugin is applied to a model."""
 
-    dtype = "bfloat16"
-    describe = "LLaMA-Factory 0.9.5's ulysses plugin and loss, patched: the layer's scale, window, softcap; K/V < P"
-    refuses_ring = staticmethod(refuses_ring)
-
     def apply(self, model) -> None:
         undo = patch()
         try:
@@ -97,7 +94,9 @@ class PatchedLlamaFactory(LlamaFactoryUlysses):
             undo()
 
 
-patched = PatchedLlamaFactory()
+patched = replace(llamafactory_glue(PatchedLlamaFactory()), name="benchmarks.findings.llamafactory:patched",
+                  describe="LLaMA-Factory 0.9.5's ulysses plugin and loss, patched: the layer's scale, window and "
+                           "softcap handed on; K/V heads fewer than P replicated")
 
 
 def reference(q, k, v, attention_mask, query_length=None, is_causal=True, dropout=0.0, position_ids=None,

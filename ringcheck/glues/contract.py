@@ -123,6 +123,8 @@ def user_glue(spec: str) -> Glue:
         raise ValueError(f"--glue {spec!r}: a glue is 'ringcheck', 'ulysses', 'ring_flash_attn' or your own as "
                          f"'package.module:object' (an object with install(group) -> attn_implementation name)")
     obj = import_object(spec, f"--glue {spec!r}")
+    if isinstance(obj, Glue):  # a glue already built (a trainer's, patched): as it is
+        return obj
     install = getattr(obj, "install", None)
     if not callable(install):
         raise TypeError(f"--glue {spec!r}: {type(obj).__name__} {tail!r} has no callable install(group); a glue "

@@ -189,11 +189,12 @@ def crash_words(exc: BaseException, config, world_size: int) -> str:
     """One line for an exception raised inside LLaMA-Factory's code: where (its file and line, the
     innermost of its frames), the cause where it is known, the exception's first line."""
     root = str(Path(plugin().__file__).parents[4])  # .../llamafactory, the package
-    tb, where = exc.__traceback__, None
+    tb, where, inner = exc.__traceback__, None, None
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         if name.startswith(root):
             where = f"llamafactory{name[len(root):]} L{tb.tb_lineno}"
+        inner = (name, tb.tb_lineno)
         tb = tb.tb_next
     first = (str(exc).strip().splitlines() or [""])[0]
     text = f"{type(exc).__name__}: {first.split(' (expected')[0]}"  # the shapes differ per case, the place not
@@ -203,6 +204,10 @@ def crash_words(exc: BaseException, config, world_size: int) -> str:
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     cause = (f" ({kv} K/V heads at cp_size={world_size}: its K/V check reads the query heads, sequence_parallel.py "
              f"L93)" if kv % world_size else "")
+    below = inner[0].split("site-packages/")[-1]
+    if below.startswith("transformers/"):  # raised in transformers, below its code: that place, called from its
+        return (f"{below} L{inner[1]} raised under LLaMA-Factory {VERSION}'s {where.replace(SP_DIR, '')} on a "
+                f"configuration it accepts{cause}: {text}")
     return f"LLaMA-Factory {VERSION} crashed at {where.replace(SP_DIR, '')} on a configuration it accepts{cause}: {text}"
 
 
@@ -235,10 +240,11 @@ def refuses_ring(tiny, world_size: int) -> list[str]:
     return out
 
 
-def llamafactory_glue() -> Glue:
-    """The built-in glue `llamafactory` (ImportError with the fix where llamafactory is missing)."""
+def llamafactory_glue(adapter: LlamaFactoryUlysses | None = None) -> Glue:
+    """The built-in glue `llamafactory` (ImportError with the fix where llamafactory is missing);
+    `adapter`: a subclass's instance, for a patched copy of LLaMA-Factory's code."""
     plugin()
-    a = LlamaFactoryUlysses()
+    a = adapter or LlamaFactoryUlysses()
     return Glue(name=NAME, install=a.install, layout="contiguous", uninstall=a.uninstall, forward_loss=a.loss,
                 refuses_ring=refuses_ring, dtype="bfloat16", shims=SHIMS,
                 sharding=f"LLaMA-Factory {VERSION}'s padding_and_split_data (padded to a multiple of P, contiguous "
