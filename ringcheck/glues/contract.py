@@ -57,6 +57,10 @@ class Glue:
     refuses_ring: Callable[[Any, int], list[str]] | None = None
     sharding: str = "ringcheck's (the glue's layout)"
     shims: tuple[str, ...] = ()
+    # a trainer whose sharding runs inside the model's forward and whose loss gathers (ms-swift):
+    # `forward_loss(model, batch, total, group) -> (logits, loss, positions)` in place of the step's
+    # sharding, forward and cross-entropy; see `GLUE_FORWARD_LOSS`
+    forward_loss: Callable[[Any, dict, Any, Any], tuple] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
@@ -64,6 +68,13 @@ class Glue:
 # None) and returns this rank's input_ids, position_ids and labels (the targets of its tokens, shifted
 # on the whole sequence), and positions: the global index of every token it holds, in its order
 GLUE_SHARD_KEYS = ("input_ids", "position_ids", "labels", "positions")
+
+# `forward_loss(model, batch, total, group)` is given the model and this replica's rows of the global
+# micro-batch, unpadded (input_ids, labels not yet shifted, position_ids, cu_seqlens or None), and
+# `total`, the global number of counted targets; it runs the forward and returns this rank's logits
+# (rows, held, vocab), the loss the step backpropagates and sums over the CP group (this rank's share),
+# and positions: the global index of each logit (the glue's padding: >= the rows' length)
+GLUE_FORWARD_LOSS = ("logits", "loss", "positions")
 
 
 def refusals(glue: Glue, tiny: Any) -> list[str]:
@@ -139,11 +150,13 @@ def user_glue(spec: str) -> Glue:
                          f"is built in for your glue; float64 when the attribute is absent)")
     hooks = {}
     for hook, signature in (("configure", "configure(config, group)"), ("shard", "shard(batch, group) -> dict"),
-                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines")):
+                            ("uninstall", "uninstall()"), ("refuses_ring", "refuses_ring(tiny, world_size) -> lines"),
+                            ("forward_loss", "forward_loss(model, batch, total, group) -> (logits, loss, positions)")):
         value = getattr(obj, hook, None)
         if value is not None and not callable(value):
             raise TypeError(f"--glue {spec!r}: {hook} must be callable as {signature}, got {type(value).__name__}")
         hooks[hook] = value
     return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
                 describe=describe, refuses=refuses, dtype=dtype, refuses_calls=refuses_calls, **hooks,
-                sharding="the glue's own (shard)" if hooks["shard"] else "ringcheck's (the glue's layout)")
+                sharding="the glue's own (shard)" if hooks["shard"] else "the glue's own (forward_loss)"
+                if hooks["forward_loss"] else "ringcheck's (the glue's layout)")

@@ -191,11 +191,12 @@ def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch
 
 
 def correct_step(model, batches: list[dict], place: Place, group, dp_group, prepare, *, train: bool,
-                 checkpoint: str | None, shard=None) -> dict[str, Any]:
+                 checkpoint: str | None, shard=None, forward_loss=None) -> dict[str, Any]:
     """ringcheck's own correct transformers step on one rank (see the module's docstring): the
     loss (summed over the ranks), every gradient (summed), and per micro-batch this rank's
     logits with the global positions it held. `shard`: a glue's own sharding of the batch (a
-    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout."""
+    trainer's: `glue_sharded`), in place of ringcheck's in the glue's layout; `forward_loss`: a
+    trainer's own sharding, forward and loss (`Glue.forward_loss`), in place of all three."""
     if checkpoint is not None:
         model.train()
         enable_activation_checkpointing(model, use_reentrant=checkpoint == "reentrant")
@@ -207,6 +208,13 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
         n = ids.shape[1]
         padded = -(-n // place.multiple()) * place.multiple()
         cu = mb.get("cu_seqlens")
+        if forward_loss is not None:  # the trainer's: its forward shards the whole rows, its loss gathers
+            with torch.set_grad_enabled(train):
+                logits, loss, held = forward_loss(model, {"input_ids": ids, "labels": labels, "position_ids": pos,
+                                                          "cu_seqlens": cu}, total, group)
+            pieces.append(_backward(logits, loss, held, n, train))
+            logged = logged + loss.detach().double()
+            continue
         cu = None if cu is None else boundaries(mb, padded)
         if shard is not None:
             ids, pos, targets, held = glue_sharded(shard, ids, labels, pos, cu, padded, group)
@@ -223,11 +231,8 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             # in float64, as the truth's (native_step): a glue run in bfloat16 rounds its logits, not its loss
             loss = F.cross_entropy(logits.to(torch.float64).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                    reduction="sum") / total
-        if train:
-            loss.backward()
+        pieces.append(_backward(logits, loss, held, n, train))
         logged = logged + loss.detach().double()
-        keep = held < n
-        pieces.append({"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep].cpu(), "length": n})
     params = [p for p in model.parameters() if p.grad is not None]
     if params:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -243,6 +248,15 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             dist.all_reduce(logged, group=g)
     grads = {n: None if p.grad is None else p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()}
     return {"loss": float(logged), "grads": grads if train else {}, "logits": pieces}
+
+
+def _backward(logits, loss, held, n: int, train: bool) -> dict[str, Any]:
+    """The micro-batch's backward (when training), and this rank's logits with the global positions
+    it held, the layout's padding (held >= n) dropped."""
+    if train:
+        loss.backward()
+    keep = held < n
+    return {"logits": logits.detach()[:, keep].double().cpu(), "positions": held[keep].cpu(), "length": n}
 
 
 def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> dict[str, Any]:
@@ -278,7 +292,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                 batches = on_device(case_batches(config, tiny, case, dp), member.device)
                 cases[name] = correct_step(model, batches, place, member.group, dp_group if dp > 1 else None,
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
-                                           shard=glue.shard)
+                                           shard=glue.shard, forward_loss=glue.forward_loss)
             except Exception as exc:
                 errors[name] = _error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,

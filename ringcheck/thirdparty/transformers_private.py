@@ -2,7 +2,8 @@
 (`auto_factory._get_model_class` over `AutoModelForCausalLM._model_mapping`), whether a model
 class can set its experts' implementation, a config's attention implementation
 (`config._attn_implementation`), the flash path's kernel loader (`_lazy_imports` of
-`modeling_flash_attention_utils`, answered for one name: `answer_flash_imports`), which core
+`modeling_flash_attention_utils`, answered for one name: `answer_flash_imports`; its
+`_flash_attention_forward` kept: `keep_flash_attention_forward`), which core
 attentions a model class takes (`supports_attention`, `compatible_flash_implementations`), and the
 names that moved within the versions ringcheck supports (5.6 to 5.23: `activation_checkpointing_enable`,
 named `gradient_checkpointing_enable` before). transformers is optional (the `hf` extra); it is imported on
@@ -113,5 +114,17 @@ def answer_flash_imports(name: str, flash_attn_func, flash_attn_varlen_func) -> 
         utils._lazy_imports = original
         if utils._loaded_implementation == name:
             utils._loaded_implementation = None
+
+    return undo
+
+
+def keep_flash_attention_forward() -> Callable[[], None]:
+    """The undo that puts back `_flash_attention_forward` of `modeling_flash_attention_utils` as it
+    is now (a trainer's glue replaces it where flash-attn is installed: ms-swift's `prepare`)."""
+    utils = TRANSFORMERS.reach(FLASH_UTILS)
+    original = TRANSFORMERS.reach(FLASH_UTILS, "_flash_attention_forward")
+
+    def undo() -> None:
+        setattr(utils, "_flash_attention_forward", original)
 
     return undo

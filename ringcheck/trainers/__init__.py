@@ -9,6 +9,9 @@ each named in the glue's `shims` (the report prints them).
 | `deepspeed_ulysses` | DeepSpeed (ALST) | `UlyssesSPAttentionHF.register_with_transformers`, `UlyssesSPDataLoaderAdapter` | Ulysses over sdpa |
 | `deepspeed_ulysses:flash_attention_2` | DeepSpeed (ALST) | the same | Ulysses over transformers' flash path (`trainers.flash`) |
 | `openrlhf` | OpenRLHF 0.11.2 | `setup_ring_attn`, `unpad_and_slice_tensor`, `update_ring_attn_params` | ring (ring-flash-attn's HF adapter) |
+| `ms_swift` (= `ms_swift:sdpa`) | ms-swift 4.6.0 | `SequenceParallel.prepare`, its forward hook, `prepare_inputs`, `per_token_loss_func_sp` (`GatherLoss`) | Ulysses over sdpa (K/V heads a multiple of P) |
+| `ms_swift:flash_attention_2` | ms-swift 4.6.0 | the same | Ulysses over transformers' flash path (`trainers.flash`) |
+| `ms_swift_ring` | ms-swift 4.6.0 | the same | its zig-zag ring (`zigzag_ring_flash_attn_varlen_func`) where it picks one: K/V heads < P, padding-free, flash |
 
 The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
 contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
@@ -19,10 +22,15 @@ from __future__ import annotations
 from functools import partial
 
 from .deepspeed_ulysses import deepspeed_ulysses_glue
+from .ms_swift import ms_swift_glue
 from .openrlhf import openrlhf_glue
 
 # `--glue NAME` -> the function that makes the trainer's glue (ImportError with the fix where the
 # trainer's package is missing; importing the module imports no trainer's package)
 TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue,
                  "deepspeed_ulysses:flash_attention_2": partial(deepspeed_ulysses_glue, "flash_attention_2"),
-                 "openrlhf": openrlhf_glue}
+                 "openrlhf": openrlhf_glue,
+                 "ms_swift": ms_swift_glue,
+                 "ms_swift:sdpa": ms_swift_glue,
+                 "ms_swift:flash_attention_2": partial(ms_swift_glue, "flash_attention_2"),
+                 "ms_swift_ring": partial(ms_swift_glue, "flash_attention_2", ring=True)}
