@@ -310,17 +310,23 @@ class MsSwift:
             raise ValueError("packed documents are ms-swift's padding_free, which needs flash attention: "
                              "SftArguments._check_padding_free raises ValueError for attn_impl sdpa "
                              "(swift/arguments/sft_args.py L186-197, documented in template_args.py L63)")
-        rows, n = batch["input_ids"].shape
-        world = dist.get_world_size(self.group)
-        if self.core == "sdpa" and rows == 1 and n % world:
-            raise ValueError(f"ms-swift crashes here (a finding): {n} tokens pad to a multiple of P={world} with "
-                             f"position id -1 (sequence_parallel.py L598), which transformers reads as a packed document "
-                             f"on the last shard, whose mask ms-swift's sdpa_mask (L104-120) asks at the whole length: "
-                             f"IndexError there, the other ranks wait in the all-to-all")
+        crash = self.known_crash(*batch["input_ids"].shape, dist.get_world_size(self.group))
+        if crash:  # raised on every rank alike: on one rank alone, the others would wait in its all-to-all
+            raise ValueError(crash)
         if self.ring and batch["input_ids"].shape[0] != 1:
             raise ValueError(f"ms-swift's ring needs padding_free (sequence_parallel.py L378), whose collator packs a "
                              f"micro-batch's {batch['input_ids'].shape[0]} rows into one; ringcheck's step holds rows "
                              f"apart, so this case is not judged")
+
+    def known_crash(self, rows: int, n: int, world: int) -> str | None:
+        """The line of a crash of ms-swift's on one rank only (a finding, docs/findings/trainers.md),
+        said before the forward; None where none is known."""
+        if self.core == "sdpa" and rows == 1 and n % world:
+            return (f"ms-swift crashes here (a finding): {n} tokens pad to a multiple of P={world} with position id -1 "
+                    f"(sequence_parallel.py L598), which transformers reads as a packed document on the last shard, "
+                    f"whose mask ms-swift's sdpa_mask (L104-120) asks at the whole length: IndexError there, the other "
+                    f"ranks wait in the all-to-all")
+        return None
 
     def forward_loss(self, model, batch: dict, total: torch.Tensor, group):
         """One micro-batch as ms-swift's trainer runs it: `prepare_inputs` (its label shift and split,
