@@ -1,5 +1,5 @@
-"""ms-swift 4.6.0's sequence parallelism: its two crashes on configurations it accepts, the minimal
-script and the patched copies.
+"""ms-swift 4.6.0's sequence parallelism: its two crashes on configurations it accepts and its loss
+in bf16, the minimal script and the patched copies.
 
 1. **Ulysses over sdpa, a length P does not divide**: `pad_and_split_inputs` pads the position ids
    with -1 (`swift/sequence_parallel/sequence_parallel.py` L598). On the last rank the shard's
@@ -20,8 +20,12 @@ script and the patched copies.
     python -m benchmarks.findings.ms_swift minimal   # ms-swift + transformers, P=2, float64, 15 tokens
     python -m benchmarks.findings.ms_swift confirm   # ringcheck step, as shipped and patched
 
-`sdpa_patched` and `ring_patched` are the patched copies as glues
-(`--glue benchmarks.findings.ms_swift:sdpa_patched`, `...:ring_patched`).
+3. **Its SP loss over bf16 logits**: `per_token_loss_func_sp` (`swift/trainers/utils.py` L167-183)
+   takes the cross-entropy in the logits' dtype; its non-SP `per_token_loss_func` casts to float32.
+   The patched copy (`flash_float_loss`) hands it float32 logits.
+
+`sdpa_patched`, `ring_patched` and `flash_float_loss` are the patched copies as glues
+(`PYTHONPATH=. ringcheck step --glue benchmarks.findings.ms_swift:sdpa_patched`, ...).
 """
 
 from __future__ import annotations
@@ -201,3 +205,24 @@ def confirm() -> None:
 
 if __name__ == "__main__":
     {"minimal": minimal, "confirm": confirm}[(sys.argv[1:] or ["minimal"])[0]]()
+
+
+class FloatLoss(MsSwift):
+    """Finding 3's patched copy: `per_token_loss_func_sp` handed the logits in float32, as its non-SP
+    `per_token_loss_func` casts them (swift/trainers/utils.py L203)."""
+
+    dtype = "bfloat16"
+    describe = "ms-swift 4.6.0's Ulysses over the flash core, patched: its SP loss over float32 logits"
+
+    def install(self, group) -> str:
+        name = super().install(group)
+        shipped = self.swift.per_token_loss
+
+        def per_token_loss(outputs, labels, **kwargs):
+            return shipped(outputs.logits.float(), labels, **kwargs)
+
+        self.swift.per_token_loss = per_token_loss
+        return name
+
+
+flash_float_loss = FloatLoss("flash_attention_2")
