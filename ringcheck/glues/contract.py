@@ -164,4 +164,5 @@ def user_glue(spec: str) -> Glue:
         hooks[hook] = value
     return Glue(name=spec, install=_checked_install(install, repr(spec)), layout=layout, prepare=prepare,
                 describe=describe, refuses=refuses, dtype=dtype, refuses_calls=refuses_calls, **hooks,
-                sharding="the glue's own (shard)" if hooks["shard"] else "ringcheck's (the glue's layout)")
+                sharding="the glue's own (shard)" if hooks["shard"] else "the glue's own (forward_loss)"
+                if hooks["forward_loss"] else "ringcheck's (the glue's layout)")

@@ -2,7 +2,8 @@
 (`auto_factory._get_model_class` over `AutoModelForCausalLM._model_mapping`), whether a model
 class can set its experts' implementation, a config's attention implementation
 (`config._attn_implementation`), the flash path's kernel loader (`_lazy_imports` of
-`modeling_flash_attention_utils`, answered for one name: `answer_flash_imports`), which core
+`modeling_flash_attention_utils`, answered for one name: `answer_flash_imports`; its
+`_flash_attention_forward` kept: `keep_flash_attention_forward`), which core
 attentions a model class takes (`supports_attention`, `compatible_flash_implementations`), and the
 names that moved within the versions ringcheck supports (5.6 to 5.23: `activation_checkpointing_enable`,
 named `gradient_checkpointing_enable` before). transformers is optional (the `hf` extra); it is imported on
@@ -137,3 +138,13 @@ def restore_flash_forward(held: dict[str, Any]) -> None:
     """Every module of `held` (`flash_forward_holders`) given back the function it held."""
     for module, function in held.items():
         setattr(TRANSFORMERS.reach(module), FLASH_FORWARD, function)
+def keep_flash_attention_forward() -> Callable[[], None]:
+    """The undo that puts back `_flash_attention_forward` of `modeling_flash_attention_utils` as it
+    is now (a trainer's glue replaces it where flash-attn is installed: ms-swift's `prepare`)."""
+    utils = TRANSFORMERS.reach(FLASH_UTILS)
+    original = TRANSFORMERS.reach(FLASH_UTILS, "_flash_attention_forward")
+
+    def undo() -> None:
+        setattr(utils, "_flash_attention_forward", original)
+
+    return undo

@@ -11,6 +11,9 @@ each named in the glue's `shims` (the report prints them).
 | `openrlhf` | OpenRLHF 0.11.2 | `setup_ring_attn`, `unpad_and_slice_tensor`, `update_ring_attn_params` | ring (ring-flash-attn's HF adapter) |
 | `llamafactory` | LLaMA-Factory 0.9.5 (v1) | `apply_sequence_parallel`, `sequence_parallel_loss` (its `padding_and_split_data`) | Ulysses over transformers' flash path, its own loss (`Glue.forward_loss`) |
 | `verl` | verl 0.9.1 | `set_ulysses_sequence_parallel_group`, `apply_monkey_patch`, `ulysses_pad_and_slice_inputs`, `gather_outputs_and_unpad` | Ulysses over transformers' flash path (`trainers.flash`) |
+| `ms_swift` (= `ms_swift:sdpa`) | ms-swift 4.6.0 | `SequenceParallel.prepare`, its forward hook, `prepare_inputs`, `per_token_loss_func_sp` (`GatherLoss`) | Ulysses over sdpa (K/V heads a multiple of P) |
+| `ms_swift:flash_attention_2` | ms-swift 4.6.0 | the same | Ulysses over transformers' flash path (`trainers.flash`) |
+| `ms_swift_ring` | ms-swift 4.6.0 | the same | its zig-zag ring (`zigzag_ring_flash_attn_varlen_func`) where it picks one: K/V heads < P, padding-free, flash |
 
 The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
 contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
@@ -22,6 +25,7 @@ from functools import partial
 
 from .deepspeed_ulysses import deepspeed_ulysses_glue
 from .llamafactory import llamafactory_glue
+from .ms_swift import ms_swift_glue
 from .openrlhf import openrlhf_glue
 from .verl import verl_glue
 
@@ -31,4 +35,8 @@ TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue,
                  "deepspeed_ulysses:flash_attention_2": partial(deepspeed_ulysses_glue, "flash_attention_2"),
                  "openrlhf": openrlhf_glue,
                  "llamafactory": llamafactory_glue,
-                 "verl": verl_glue}
+                 "verl": verl_glue,
+                 "ms_swift": ms_swift_glue,
+                 "ms_swift:sdpa": ms_swift_glue,
+                 "ms_swift:flash_attention_2": partial(ms_swift_glue, "flash_attention_2"),
+                 "ms_swift_ring": partial(ms_swift_glue, "flash_attention_2", ring=True)}
