@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 from ringcheck.commands.step_model import check_model_before_start, run_model_step
 from ringcheck.glues import GlueRefused
 from ringcheck.models.step import ModelStepConfig
-from ringcheck.trainers.ms_swift import MsSwift, crash_line, swift
+from ringcheck.trainers.ms_swift import MsSwift, crash_line, ms_swift_glue, swift
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ class ShiftedInShard(MsSwift):
             del sp.pad_and_split_inputs  # the class's method again
 
 
-planted = ShiftedInShard()
+planted = ms_swift_glue(adapter=ShiftedInShard())  # a Glue: the loader takes it as it is
 
 
 def _judged(ring_processes, glue: str, cases: tuple[str, ...]) -> dict:

@@ -191,7 +191,7 @@ def correct_step(model, batches: list[dict], place: Place, group, dp_group, prep
             targets = pad_rows(shift_labels(labels), padded, IGNORE).index_select(1, held).contiguous()
             ids = pad_rows(ids, padded, 0).index_select(1, held).contiguous()
             pos = pad_positions(pos, padded).index_select(1, held).contiguous()
-        if prepare is not None:
+        if prepare is not None and loss_of is None:  # a trainer's own loss hands its boundaries on itself
             prepare(boundaries(mb, padded), group)
         with torch.set_grad_enabled(train):
             if loss_of is not None:

@@ -436,11 +436,12 @@ def glue_name(core: str, ring: bool = False) -> str:
     return RING if ring else NAME if core == "sdpa" else f"{NAME}:{core}"
 
 
-def ms_swift_glue(core: str = "sdpa", ring: bool = False) -> Glue:
+def ms_swift_glue(core: str = "sdpa", ring: bool = False, adapter: MsSwift | None = None) -> Glue:
     """The built-in glue `ms_swift` over `core` (a key of `CORES`), or its ring (`ms_swift_ring`,
-    flash attention); ImportError with the fix where ms-swift is missing."""
+    flash attention); ImportError with the fix where ms-swift is missing. `adapter`: a subclass's
+    instance (a planted bug or a patched copy of ms-swift's code) in place of `MsSwift(core, ring)`."""
     swift()
-    a = MsSwift(core, ring)
+    a = adapter or MsSwift(core, ring)
     words, dtype = CORES[core][2], CORES[core][1]
     kind = ("its zig-zag ring (zigzag_ring_flash_attn_varlen_func, K/V heads < P)" if ring
             else "its Ulysses (DistributedAttention)")
