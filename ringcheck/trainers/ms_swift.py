@@ -37,11 +37,8 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import math
 import os
-import sys
-import types
 import weakref
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -60,6 +57,7 @@ from ..thirdparty.transformers_private import (
 )
 from .flash import FLASH_CORE, install_flash_core
 from .flash import SHIM as FLASH_SHIM
+from .stubs import stubs
 
 NAME, RING = "ms_swift", "ms_swift_ring"
 VERSION = "4.6.0"           # the ms-swift this adapter was written and measured against
@@ -80,85 +78,13 @@ SHIMS = (f"ms-swift's module-level imports of {', '.join(STUBBED)} answered by s
          f"and a tokenizer of pad_token_id {PAD_TOKEN}, which prepare reads (ms-swift's model loader sets them)")
 
 
-class _Stub(type):
-    """A name of a stubbed module: a class (so that isinstance and subclassing work at import), its
-    attributes stubs too; calling it raises, naming the fix."""
-
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stub(name, (), {"__qualname__": f"{cls.__qualname__}.{name}"})
-
-    def __call__(cls, *args, **kwargs):
-        raise RuntimeError(f"{cls.__qualname__} is ringcheck's stub for ms-swift's glue, which was not expected to "
-                           f"call it; install the real package ({FIX} and its dependencies)")
-
-    def __getitem__(cls, item):
-        return cls
-
-    def __or__(cls, other):
-        return cls
-
-    __ror__ = __or__
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stub(name, (), {"__qualname__": f"{self.__name__}.{name}"})
-
-
-def _ms_logger():
-    """modelscope.utils.logger.get_logger, the one stub called at import (swift/utils/logger.py L131)."""
-    logger = logging.getLogger("modelscope")
-    if not logger.handlers:
-        logger.addHandler(logging.NullHandler())
-    return logger
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, names: set[str]):
-        self.names, self.made = names, []
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] not in self.names:
-            return None
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _StubModule(spec.name, "ringcheck's stub for ms-swift's glue")
-        module.__path__ = []
-        if spec.name == "modelscope.utils.logger":
-            module.get_logger = _ms_logger
-        self.made.append(spec.name)
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-@contextmanager
-def _stubs():
-    """The modules of `STUBBED` that are not installed answered by stubs while ms-swift's modules
-    import, then forgotten (their names would make `find_spec` see an installed package)."""
-    finder = _StubFinder({n for n in STUBBED if n not in sys.modules and importlib.util.find_spec(n) is None})
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        sys.meta_path.remove(finder)
-        for name in finder.made:
-            sys.modules.pop(name, None)
-
-
 def swift():
     """ms-swift's modules the glue calls, or ImportError with the fix."""
     for package in ("swift", "accelerate"):
         if importlib.util.find_spec(package) is None:
             raise ImportError(f"--glue {NAME} runs ms-swift's own sequence-parallel code, and {package} is not "
                               f"installed; {FIX} (the versions this adapter was measured on)")
-    with _stubs():
+    with stubs(STUBBED, FIX):
         sp = importlib.import_module("swift.sequence_parallel.sequence_parallel")
         loss = importlib.import_module("swift.sequence_parallel.utils")
         trainer = importlib.import_module("swift.trainers.utils")
