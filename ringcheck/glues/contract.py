@@ -57,6 +57,9 @@ class Glue:
     refuses_ring: Callable[[Any, int], list[str]] | None = None
     sharding: str = "ringcheck's (the glue's layout)"
     shims: tuple[str, ...] = ()
+    # a trainer that picks its strategy from the model (ringmaster: Ulysses, ring or both by the K/V
+    # heads): `describe_for(tiny, world_size)` is the report's words for this model at P (None: `describe`)
+    describe_for: Callable[[Any, int], str] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's

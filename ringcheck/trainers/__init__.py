@@ -9,6 +9,9 @@ each named in the glue's `shims` (the report prints them).
 | `deepspeed_ulysses` | DeepSpeed (ALST) | `UlyssesSPAttentionHF.register_with_transformers`, `UlyssesSPDataLoaderAdapter` | Ulysses over sdpa |
 | `deepspeed_ulysses:flash_attention_2` | DeepSpeed (ALST) | the same | Ulysses over transformers' flash path (`trainers.flash`) |
 | `openrlhf` | OpenRLHF 0.11.2 | `setup_ring_attn`, `unpad_and_slice_tensor`, `update_ring_attn_params` | ring (ring-flash-attn's HF adapter) |
+| `axolotl` | axolotl 0.21 (axolotl-ringmaster 0.2.7) | `ringmaster.setup`, `shard_batch` as its `ContextParallelContextManager` calls it | Ulysses, ring or both (USP), picked by the K/V heads, over sdpa |
+| `axolotl:flash_attention_2` | the same | the same | the same over transformers' flash path (`trainers.flash`) |
+| `axolotl@0.19` | axolotl 0.19.0 | `register_ring_attn_from_device_mesh` (ring-flash-attn) | not run: exit 2, one line |
 
 The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
 contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from .axolotl import axolotl_019_glue, axolotl_glue
 from .deepspeed_ulysses import deepspeed_ulysses_glue
 from .openrlhf import openrlhf_glue
 
@@ -25,4 +29,7 @@ from .openrlhf import openrlhf_glue
 # trainer's package is missing; importing the module imports no trainer's package)
 TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue,
                  "deepspeed_ulysses:flash_attention_2": partial(deepspeed_ulysses_glue, "flash_attention_2"),
-                 "openrlhf": openrlhf_glue}
+                 "openrlhf": openrlhf_glue,
+                 "axolotl": axolotl_glue,
+                 "axolotl:flash_attention_2": partial(axolotl_glue, "flash_attention_2"),
+                 "axolotl@0.19": axolotl_019_glue}
