@@ -62,7 +62,7 @@ def test_heads_the_chosen_ulysses_degree_does_not_divide_are_refused_in_one_line
                            layers=[SimpleNamespace(index=0, heads=4, kv_heads=4), SimpleNamespace(index=1, heads=6,
                                                                                                    kv_heads=2)])
     (line,) = Ringmaster().refuses_ring(tiny, 4)
-    assert "Ulysses degree 4" in line and "1 (6 query / 2 K/V heads)" in line and "ulysses.py L326-331" in line, line
+    assert "Ulysses degree 4" in line and "1 (6 query / 2 K/V heads)" in line and "ulysses.py L144-149" in line, line
     assert Ringmaster().refuses_ring(SimpleNamespace(config=tiny.config, layers=tiny.layers[:1]), 4) == []
 
 

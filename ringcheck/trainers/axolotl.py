@@ -52,8 +52,8 @@ ALIAS_SHIM = (f"the model is built with attn_implementation {ATTN!r}, bound in c
               f"before the model's heads pick ringmaster's strategy")
 NODE_SHIM = ("ringmaster's intra_node_size() is answered with P (ringcheck's P ranks share one machine; on a CPU "
              "without LOCAL_WORLD_SIZE it answers 1, and auto_select would never pick Ulysses)")
-MATH_SHIM = ("the dense ring's torch_native block (aten._scaled_dot_product_flash_attention, ring/kernels.py L243-249, "
-             "a CUDA op) is ringmaster's CPU block math_block (L252-278, float32: the glue is judged in float32)")
+MATH_SHIM = ("the dense ring's torch_native block (aten._scaled_dot_product_flash_attention, ring/kernels.py L45-51, "
+             "a CUDA op) is ringmaster's CPU block math_block (L54-80, float32: the glue is judged in float32)")
 KERNELS_SHIM = ("ring_impl hf_kernels, what auto resolves flash_attention_2 to (strategies/ring.py L23-28; the "
                 "stand-in's name does not start with 'flash_attention')")
 
@@ -175,14 +175,14 @@ class Ringmaster:
     def refuses_ring(self, tiny, world_size: int) -> list[str]:
         """What ringmaster raises at P before a step, one line: layers whose query or K/V heads the
         Ulysses degree it picks from the config's K/V heads does not divide (its ValueError,
-        strategies/ulysses.py L326-331; the all-to-all of USP splits the same heads)."""
+        strategies/ulysses.py L144-149; the all-to-all of USP splits the same heads)."""
         u, _, words = strategy(kv_heads(tiny.config), world_size)
         odd = [layer for layer in tiny.layers if layer.heads % u or layer.kv_heads % u]
         if u == 1 or not odd:
             return []
         shown = ", ".join(f"{layer.index} ({layer.heads} query / {layer.kv_heads} K/V heads)" for layer in odd)
         return [f"ringmaster picks {words} from the config; its Ulysses degree {u} does not divide the heads of "
-                f"layers {shown}: ringmaster's Ulysses raises ValueError (strategies/ulysses.py L326-331); no "
+                f"layers {shown}: ringmaster's Ulysses raises ValueError (strategies/ulysses.py L144-149); no "
                 f"auto choice at P={world_size} runs it"]
 
     def describe_for(self, tiny, world_size: int) -> str:
@@ -210,7 +210,7 @@ def axolotl_glue(core: str = "sdpa") -> Glue:
 
 
 AXOLOTL_019 = ("axolotl 0.19.0's ring glue is not run: register_ring_attn_from_device_mesh hands ring-flash-attn's "
-               "substitute_hf_flash_attn (monkeypatch/ring_attn/patch.py L189-200), which raises ValueError with "
+               "substitute_hf_flash_attn (monkeypatch/ring_attn/patch.py L200), which raises ValueError with "
                "transformers 5.23 (no variant for its flash signature; axolotl 0.19.0 pins transformers 5.16.1), and "
                "update_ring_attn_params moves cu_seqlens to torch.cuda.current_device() (L230), which a CPU has "
                "not; run it on a GPU under that pin, or check axolotl 0.21's CP with --glue axolotl")
