@@ -143,7 +143,9 @@ class _Glue:
     def __init__(self, adapter: Ringmaster, describe: str):
         self.adapter, self.describe = adapter, describe
         self.install, self.configure, self.uninstall = adapter.install, adapter.configure, adapter.uninstall
-        self.shard = adapter.shard
+
+    def shard(self, batch: dict, group) -> dict:
+        return self.adapter.shard(batch, group)
 
 
 class PlantedLocalPositions(_Glue):
