@@ -233,7 +233,8 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
     attn = ring[0][0].get("attn_implementation")
     return {"verdict": verdict, "cases": rows, "mesh": mesh, "why": _why(rows), "model": model_words(checked.tiny),
             "glue": {"spec": config.glue, "name": checked.glue.name, "layout": checked.glue.layout,
-                     "describe": checked.glue.describe, "attn_implementation": attn,
+                     "describe": checked.glue.describe if checked.glue.describe_for is None
+                     else checked.glue.describe_for(checked.tiny, config.world_size), "attn_implementation": attn,
                      "prepare": checked.glue.prepare is not None, "sharding": checked.glue.sharding,
                      "shims": list(checked.glue.shims)},
             "truth_dtype": truth, "float32_steps": ref.get("float32_steps", 0), "noise": noise}

@@ -66,6 +66,9 @@ class Glue:
     # on every rank and averages the gradients and the logged loss over the CP group (as a data-parallel average
     # over the SP ranks does). None: each rank's loss over its own tokens, summed over the group
     gather: Callable[[Any, Any], Any] | None = None
+    # a trainer that picks its strategy from the model (ringmaster: Ulysses, ring or both by the K/V
+    # heads): `describe_for(tiny, world_size)` is the report's words for this model at P (None: `describe`)
+    describe_for: Callable[[Any, int], str] | None = None
 
 
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's

@@ -14,6 +14,9 @@ each named in the glue's `shims` (the report prints them).
 | `ms_swift` (= `ms_swift:sdpa`) | ms-swift 4.6.0 | `SequenceParallel.prepare`, its forward hook, `prepare_inputs`, `per_token_loss_func_sp` (`GatherLoss`) | Ulysses over sdpa (K/V heads a multiple of P) |
 | `ms_swift:flash_attention_2` | ms-swift 4.6.0 | the same | Ulysses over transformers' flash path (`trainers.flash`) |
 | `ms_swift_ring` | ms-swift 4.6.0 | the same | its zig-zag ring (`zigzag_ring_flash_attn_varlen_func`) where it picks one: K/V heads < P, padding-free, flash |
+| `axolotl` | axolotl 0.21 (axolotl-ringmaster 0.2.7) | `ringmaster.setup`, `shard_batch` as its `ContextParallelContextManager` calls it | Ulysses, ring or both (USP), picked by the K/V heads, over sdpa |
+| `axolotl:flash_attention_2` | the same | the same | the same over transformers' flash path (`trainers.flash`) |
+| `axolotl@0.19` | axolotl 0.19.0 | `register_ring_attn_from_device_mesh` (ring-flash-attn) | not run: exit 2, one line |
 
 The glues' loader (`ringcheck.glues.load_glue`) imports no trainer: the trainers build on its
 contract. The layer above both (`ringcheck.models.step.glue_of`) hands it `TRAINER_GLUES`.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from .axolotl import axolotl_019_glue, axolotl_glue
 from .deepspeed_ulysses import deepspeed_ulysses_glue
 from .llamafactory import llamafactory_glue
 from .ms_swift import ms_swift_glue
@@ -39,4 +43,7 @@ TRAINER_GLUES = {"deepspeed_ulysses": deepspeed_ulysses_glue,
                  "ms_swift": ms_swift_glue,
                  "ms_swift:sdpa": ms_swift_glue,
                  "ms_swift:flash_attention_2": partial(ms_swift_glue, "flash_attention_2"),
-                 "ms_swift_ring": partial(ms_swift_glue, "flash_attention_2", ring=True)}
+                 "ms_swift_ring": partial(ms_swift_glue, "flash_attention_2", ring=True),
+                 "axolotl": axolotl_glue,
+                 "axolotl:flash_attention_2": partial(axolotl_glue, "flash_attention_2"),
+                 "axolotl@0.19": axolotl_019_glue}
