@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import contextvars
 import math
-import queue
 import sys
 
 import torch
 
+from benchmarks.findings.ranks import run_ranks
 from ringcheck.trainers.axolotl import CORES, Ringmaster
 
 SEQ, P = 16, 2
@@ -212,27 +212,9 @@ def _rank(rank: int, port: int, patched: bool, out) -> None:
 def minimal() -> dict:
     """ringmaster over sdpa at P=2 (1 K/V head: the ring) on gemma2 (softcap 1) and gpt_oss (sinks),
     against eager on one process, as shipped and patched: the relative error of the logits (float32)."""
-    import socket
-
-    import torch.multiprocessing as mp
     found = {}
     for patched in (False, True):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, port, patched, out)) for r in range(P)]
-        for p in procs:
-            p.start()
-        try:  # the result before the join: a process exits only once what it put on the queue is taken
-            backend, result = out.get(timeout=600)
-        except queue.Empty:
-            raise RuntimeError(f"no result from rank 0 (exit codes {[p.exitcode for p in procs]}); its traceback is "
-                               f"above") from None
-        finally:
-            for p in procs:
-                p.join(timeout=60)
+        [(backend, result)] = run_ranks(_rank, P, patched)
         for name, err in result.items():
             print(f"{'patched' if patched else 'as shipped':10s} {name:22s} ringmaster {backend}, P={P}: logits "
                   f"relative error {err:.1e}", flush=True)

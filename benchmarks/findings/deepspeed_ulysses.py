@@ -24,11 +24,11 @@ later DeepSpeed tutorial refuses packed sdpa instead (docs/findings/trainers.md)
 
 from __future__ import annotations
 
-import queue
 import sys
 
 import torch
 
+from benchmarks.findings.ranks import run_ranks
 from ringcheck.thirdparty.deepspeed_private import release_sequence_parallel_groups
 from ringcheck.trainers.deepspeed_ulysses import DeepSpeedUlysses
 
@@ -152,27 +152,9 @@ def _rank(rank: int, port: int, patched: bool, out) -> None:
 def minimal() -> dict:
     """DeepSpeed's ALST over sdpa at P=2 against eager on one process, as shipped and patched:
     the relative error of the logits (float64: a correct run is ~1e-16)."""
-    import socket
-
-    import torch.multiprocessing as mp
     found = {}
     for patched in (False, True):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, port, patched, out)) for r in range(P)]
-        for p in procs:
-            p.start()
-        try:  # the result before the join: a process exits only once what it put on the queue is taken
-            result = out.get(timeout=600)
-        except queue.Empty:
-            raise RuntimeError(f"no result from rank 0 (exit codes {[p.exitcode for p in procs]}); its traceback is "
-                               f"above") from None
-        finally:
-            for p in procs:
-                p.join(timeout=60)
+        [result] = run_ranks(_rank, P, patched)
         for name, (err, floor) in result.items():
             print(f"{'patched' if patched else 'as shipped':10s} {name:28s} logits relative error {err:.1e} "
                   f"(sdpa on one process, documents apart: {floor:.1e})")

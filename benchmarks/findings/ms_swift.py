@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from benchmarks.findings.ranks import run_ranks
 from ringcheck.trainers.ms_swift import CORES, MsSwift, swift
 
 
@@ -162,24 +163,10 @@ def _rank(rank: int, port: int, patched: bool, name: str, out) -> None:
 
 def minimal() -> dict:
     """Both findings at P=2, as shipped and patched: what each rank got."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     found = {}
     for name in CASES:  # each case and each copy on processes of its own: a crash breaks the group
         for patched in (False, True):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            ctx = mp.get_context("spawn")
-            out = ctx.Queue()
-            procs = [ctx.Process(target=_rank, args=(r, port, patched, name, out)) for r in range(P)]
-            for p in procs:
-                p.start()
-            results = [out.get(timeout=900) for _ in procs]
-            for p in procs:
-                p.join(timeout=60)
+            results = run_ranks(_rank, P, patched, name, results=P, timeout=900)
             for words in sorted(r[name] for r in results):
                 print(f"{'patched' if patched else 'as shipped':10s} finding {name}: {words}", flush=True)
             found[(name, patched)] = results

@@ -21,12 +21,12 @@ so that its all-to-alls run; the flash path then also reads the packed documents
 
 from __future__ import annotations
 
-import queue
 import sys
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.findings.ranks import run_ranks
 from ringcheck.thirdparty.transformers_private import FLASH_FORWARD
 from ringcheck.trainers.verl import Verl, refuses_ring, verl_modules
 
@@ -127,27 +127,9 @@ def _rank(rank: int, port: int, patched_: bool, out) -> None:
 def minimal() -> dict:
     """verl at P=2 against the same model through the same flash path on one process, as shipped and
     patched: the relative error of the logits (bf16; a correct run is 0 here: the same kernel)."""
-    import socket
-
-    import torch.multiprocessing as mp
     found = {}
     for patched_ in (False, True):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, port, patched_, out)) for r in range(P)]
-        for p in procs:
-            p.start()
-        try:  # the result before the join: a process exits only once what it put on the queue is taken
-            result = out.get(timeout=600)
-        except queue.Empty:
-            raise RuntimeError(f"no result from rank 0 (exit codes {[p.exitcode for p in procs]}); its traceback is "
-                               f"above") from None
-        finally:
-            for p in procs:
-                p.join(timeout=60)
+        [result] = run_ranks(_rank, P, patched_)
         for name, err in result.items():
             print(f"{'patched' if patched_ else 'as shipped':10s} {name:16s} logits gathered vs one process (the same "
                   f"flash path, bf16): relative error {err:.1e}", flush=True)
