@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from benchmarks.findings.ranks import run_ranks
+from benchmarks.findings.ranks import confirm_line, run_ranks
 from ringcheck.trainers.axolotl import CORES, Ringmaster
 
 SEQ, P = 16, 2
@@ -224,18 +224,12 @@ def minimal() -> dict:
 
 def confirm() -> None:
     """ringcheck step --model gemma2 at P=4 (USP), as shipped and through the patched copy."""
-    from ringcheck.commands.step_model import run_model_step
     from ringcheck.launch import open_ring
-    from ringcheck.models.step import ModelStepConfig
 
     ring = open_ring(timeout=120)
     try:
         for glue in ("axolotl", "benchmarks.findings.axolotl:sdpa_patched"):
-            judged = run_model_step(ModelStepConfig(model="gemma2", glue=glue, world_size=4), ring)
-            failed = [c["case"] for c in judged["cases"] if c["verdict"] == "fail"]
-            worst = max((c["logits"]["ratio"] for c in judged["cases"] if "logits" in c), default=float("nan"))
-            print(f"gemma2 {glue:44s} {judged['verdict']:5s} worst logits {worst:.2g} of the budget; "
-                  f"failed: {', '.join(failed) or 'none'}", flush=True)
+            print(f"gemma2 {glue:44s} {confirm_line(ring, 'gemma2', glue)}", flush=True)
     finally:
         ring.close()
 

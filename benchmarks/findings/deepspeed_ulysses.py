@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from benchmarks.findings.ranks import run_ranks
+from benchmarks.findings.ranks import confirm_line, run_ranks
 from ringcheck.thirdparty.deepspeed_private import release_sequence_parallel_groups
 from ringcheck.trainers.deepspeed_ulysses import DeepSpeedUlysses
 
@@ -164,19 +164,13 @@ def minimal() -> dict:
 
 def confirm() -> None:
     """ringcheck step --model at P=4, through DeepSpeed's glue as shipped and through the patched copy."""
-    from ringcheck.commands.step_model import run_model_step
     from ringcheck.launch import open_ring
-    from ringcheck.models.step import ModelStepConfig
 
     ring = open_ring(timeout=120)
     try:
         for model in ("llama", "mistral", "gemma3_text"):
             for glue in ("deepspeed_ulysses", "benchmarks.findings.deepspeed_ulysses:sdpa_patched"):
-                judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=4), ring)
-                failed = [c["case"] for c in judged["cases"] if c["verdict"] == "fail"]
-                worst = max((c["logits"]["ratio"] for c in judged["cases"] if "logits" in c), default=float("nan"))
-                print(f"{model:12s} {glue:52s} {judged['verdict']:5s} worst logits {worst:.2g} of the budget; "
-                      f"failed: {', '.join(failed) or 'none'}", flush=True)
+                print(f"{model:12s} {glue:52s} {confirm_line(ring, model, glue)}", flush=True)
     finally:
         ring.close()
 

@@ -31,3 +31,16 @@ def run_ranks(target, size: int, *args, results: int = 1, timeout: float = 600) 
     finally:
         for p in procs:
             p.join(timeout=60)
+
+
+def confirm_line(ring, model: str, glue: str, world_size: int = 4) -> str:
+    """`ringcheck step --model MODEL --glue GLUE` on `ring` (every default case), in one line: the
+    verdict, the worst logits' ratio to the budget, the cases that failed (a finding's confirmation,
+    as shipped and patched)."""
+    from ringcheck.commands.step_model import run_model_step
+    from ringcheck.models.step import ModelStepConfig
+
+    judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=world_size), ring)
+    failed = [c["case"] for c in judged["cases"] if c["verdict"] == "fail"]
+    worst = max((c["logits"]["ratio"] for c in judged["cases"] if "logits" in c), default=float("nan"))
+    return f"{judged['verdict']:5s} worst logits {worst:.2g} of the budget; failed: {', '.join(failed) or 'none'}"
