@@ -145,6 +145,37 @@ class _Since(_Before56):  # the later names (5.23 keeps the old ones as deprecat
         return self.said is not None
 
 
+def test_transformers_attention_state_is_put_back_whatever_a_glue_left(moved):
+    """`keep_attention_state`'s undo: the attention and mask registries (global and local mappings)
+    and the flash path's kernel call, in both its modules, as they were; a registry that has moved
+    says so in one line."""
+    pytest.importorskip("transformers")
+    import transformers.integrations.flash_attention as integration  # optional: the hf extra
+    import transformers.modeling_flash_attention_utils as utils
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    flash, kernel, sdpa = utils._flash_attention_forward, integration._flash_attention_forward, ALL_ATTENTION_FUNCTIONS["sdpa"]
+    undo = transformers_private.keep_attention_state()
+
+    def planted(*args, **kwargs):
+        raise AssertionError("a glue's leftover")
+
+    AttentionInterface.register("ringcheck_leftover", planted)          # the global mapping
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = planted                           # the local one
+    ALL_MASK_ATTENTION_FUNCTIONS["ringcheck_leftover"] = planted
+    utils._flash_attention_forward = integration._flash_attention_forward = planted
+    undo()
+    assert "ringcheck_leftover" not in ALL_ATTENTION_FUNCTIONS and "ringcheck_leftover" not in ALL_MASK_ATTENTION_FUNCTIONS
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
+    assert utils._flash_attention_forward is flash and integration._flash_attention_forward is kernel
+    moved(transformers_private.TRANSFORMERS, "6.0.0", "transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS")
+    with pytest.raises(SurfaceMoved) as excinfo:
+        transformers_private.keep_attention_state()
+    assert _one_line(excinfo).startswith("transformers 6.0.0 moved transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS")
+
+
 @pytest.mark.parametrize(("model", "said"), [(_Before56(), {"use_reentrant": True}),
                                              (_Since(), ("new", {"use_reentrant": True}))])
 def test_checkpointing_is_asked_by_the_name_the_installed_transformers_has(moved, model, said):

@@ -26,18 +26,16 @@ from typing import Any
 
 from ..documents import STEP_SCHEMA, header
 from ..harness.settings import torch_threads
-from ..launch import GroupPlan
 from ..launch.audit import check_own_code
 from ..models.regimes import model_case, regime_reading, shape_words
+from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
     MODEL_CASES,
     OPTIONAL_CASES,
     ModelStepConfig,
     assemble_logits,
-    diagnosis_task,
     glue_of,
     model_step_task,
-    reference_task,
     run_dtype,
     tiny_of,
 )
@@ -192,11 +190,12 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
     names = config.cases
     kw = {} if getattr(processes, "is_torchrun", False) else {"deadline": processes.timeout * (10 + len(names))}
     ring = processes.run_groups(mesh.plan(first, families=True), model_step_task, config, names, **kw)
-    one = GroupPlan(((first,),), label="the truth: transformers' eager attention at CP=1")
     narrow = run_dtype(config, checked.glue)
     narrow = None if narrow == config.dtype else narrow
-    ref = processes.run_groups(one, reference_task, config, names, mesh.rings, checked.glue.layout, narrow,
-                               **kw)[0][0]
+    shares = shares_of(names, mesh.size)  # the truth per case, the cases shared among the ranks
+    ref = merged_truth(processes.run_groups(shares_plan(first, shares, "the truth: transformers' eager attention at "
+                                                                       "CP=1"), reference_shares_task, config,
+                                            shares, mesh.rings, checked.glue.layout, narrow, **kw), names)
     noise = None if narrow is None else narrow_unit(ref["cases"], narrow)
     truth = truth_dtype(config, ref.get("float32_steps", 0))
     ring_errors = _failed_cases(ring)
@@ -212,21 +211,7 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
             row = judge_model_case(name, ring, ref["cases"][name], _targets(cases[name], mesh.rings), config,
                                    None if noise is None else noise["floor"], truth, cases[name])
         rows.append({**row, "shape": shape_words(cases[name], checked.tiny, config.world_size, layout)})
-    for row in rows:
-        if row["verdict"] != "fail":
-            continue
-        name = row["case"]
-        try:
-            row["diagnosis"] = processes.run_groups(
-                GroupPlan(((first,),), label="diagnosis by semantics"), diagnosis_task, config, name, mesh.rings,
-                assemble_logits(ring, name), ring[0][0]["cases"][name]["grads"],
-                # a glue run in bfloat16 sits its noise away from every candidate, and a model with float32 steps
-                # of its own (llama4's) sits a correct glue's float32 noise away from the truth: match within the
-                # logits budget the verdict grants (the gradients' may be wide enough to hold the truth itself)
-                None if noise is None and truth == config.dtype else row["logits"]["budget"], **kw)[0][0]
-        except Exception as exc:  # the verdict stands; the report says the diagnosis could not be made
-            row["diagnosis"] = {"matched": False, "words": f"the diagnosis could not run: {type(exc).__name__}: "
-                                                           f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+    _diagnose(rows, config, processes, first, ring, not (noise is None and truth == config.dtype), kw)
     regime_reading(rows, checked.tiny)  # a window kept on long shards and lost on short ones, named so
     judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
     verdict = ("no verdict" if not judged else "fail" if any(r["verdict"] == "fail" for r in judged) else "pass")
@@ -238,6 +223,31 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
                      "prepare": checked.glue.prepare is not None, "sharding": checked.glue.sharding,
                      "shims": list(checked.glue.shims)},
             "truth_dtype": truth, "float32_steps": ref.get("float32_steps", 0), "noise": noise}
+
+
+def _diagnose(rows: list[dict], config: ModelStepConfig, processes, first: int, ring: list[list[dict]],
+              within_budget: bool, kw: dict) -> None:
+    """A diagnosis by semantics for every failed row, the failed cases shared among the ranks.
+    `within_budget`: match within the logits budget the verdict grants (a glue run in bfloat16
+    sits its noise away from every candidate, and a model with float32 steps of its own, llama4's,
+    sits a correct glue's float32 noise away from the truth; the gradients' budget may be wide
+    enough to hold the truth itself); else within the diagnosis's own float64 tolerance."""
+    failed = [row for row in rows if row["verdict"] == "fail"]
+    if not failed:
+        return
+    jobs = [(row["case"], assemble_logits(ring, row["case"]), ring[0][0]["cases"][row["case"]]["grads"],
+             row["logits"]["budget"] if within_budget else None) for row in failed]
+    shares = shares_of(jobs, config.mesh_spec.size)
+    try:
+        found = {}
+        for group in processes.run_groups(shares_plan(first, shares, "diagnosis by semantics"), diagnoses_task,
+                                          config, shares, config.mesh_spec.rings, **kw):
+            found.update(group[0])
+    except Exception as exc:  # the verdicts stand; the report says the diagnosis could not be made
+        words = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        found = {row["case"]: {"matched": False, "words": f"the diagnosis could not run: {words}"} for row in failed}
+    for row in failed:
+        row["diagnosis"] = found.get(row["case"], {"matched": False, "words": "no diagnosis"})
 
 
 def narrow_unit(cases: dict[str, dict], narrow: str) -> dict[str, Any]:

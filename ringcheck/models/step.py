@@ -20,10 +20,12 @@ and ringcheck's own correct step runs around it, so that the glue is the only th
    on every rank: averaged over the CP group, as the trainer's data-parallel average does).
 
 The rank's logits come back with the global positions it held, and `assemble_logits` puts the
-ranks' pieces back into whole sequences. `reference_task` is the truth on one rank:
+ranks' pieces back into whole sequences. `reference_task` is the truth for a share of the cases
+on one rank (`ringcheck.models.shares` deals the cases among the ranks):
 `ringcheck.models.native.native_step` (transformers' eager attention on whole sequences, packed
-documents kept apart). `diagnosis_task` runs `ringcheck.models.semantics.diagnose` on one rank
-for a failed case.
+documents kept apart). `diagnosis_task` runs `ringcheck.models.semantics.diagnose` for a failed
+case. `model_step_task` puts transformers' attention state back as it found it
+(`keep_attention_state`), whatever the glue's `uninstall` leaves.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
 from ..step.contract import IGNORE, shift_labels
 from ..step.run import check_ring_settings, on_device, step_mesh
-from ..thirdparty.transformers_private import enable_activation_checkpointing
+from ..thirdparty.transformers_private import enable_activation_checkpointing, keep_attention_state
 from .glue_hooks import glue_loss, glue_sharded, pad_positions, pad_rows, step_loss
 from .regimes import REGIME_CASES, model_case
 from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
@@ -231,17 +233,23 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
     """One rank of the run under test (a `ringcheck.launch` task): the glue installed on the
     rank's CP group, then every case of `names`, a model built from the seed for each."""
     tiny, glue = tiny_of(config), glue_of(config)
-    attn = glue.install(member.group)
-    if not isinstance(attn, str) or not attn:
-        raise TypeError(f"--glue {config.glue}: install(group) returned {attn!r}; it must return the "
-                        f"attn_implementation name the model is to use")
+    # transformers as it was after the task, whatever the glue's uninstall (or its lack) leaves: the process
+    # runs the truth, the diagnoses and other glues next
+    restore = keep_attention_state()
     try:
-        if glue.configure is not None:  # a trainer's glue sizes its all-to-all from the model's heads
-            glue.configure(tiny.config, member.group)
-        return _cases_task(member, config, names, tiny, glue, attn)
+        attn = glue.install(member.group)
+        if not isinstance(attn, str) or not attn:
+            raise TypeError(f"--glue {config.glue}: install(group) returned {attn!r}; it must return the "
+                            f"attn_implementation name the model is to use")
+        try:
+            if glue.configure is not None:  # a trainer's glue sizes its all-to-all from the model's heads
+                glue.configure(tiny.config, member.group)
+            return _cases_task(member, config, names, tiny, glue, attn)
+        finally:
+            if glue.uninstall is not None:
+                glue.uninstall()
     finally:
-        if glue.uninstall is not None:  # transformers as it was: the process runs the truth and other checks next
-            glue.uninstall()
+        restore()
 
 
 def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, glue, attn: str) -> dict[str, Any]:
@@ -262,7 +270,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                                            glue.prepare, train=not case.evaluate, checkpoint=case.checkpoint,
                                            shard=glue.shard, loss_of=glue.forward_loss, gather=glue.gather)
             except Exception as exc:
-                errors[name] = _error_words(exc)
+                errors[name] = error_words(exc)
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
             "errors": errors}
 
@@ -278,7 +286,7 @@ def run_dtype(config: ModelStepConfig, glue) -> str:
     return config.dtype if wider else narrow
 
 
-def _error_words(exc: BaseException) -> str:
+def error_words(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
@@ -333,7 +341,7 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                     own = _own_rounding(tiny, config, batches, grads)
                     noise = {n: max(v, own.get(n, 0.0)) for n, v in noise.items()}
             except Exception as exc:
-                errors[name] = _error_words(exc)
+                errors[name] = error_words(exc)
                 continue
             out[name] = {"loss": float(loss), "logits": [t.detach().double().cpu() for t in _as_list(logits, len(batches))],
                          "grads": {} if evaluate else

@@ -148,3 +148,35 @@ def keep_flash_attention_forward() -> Callable[[], None]:
         setattr(utils, "_flash_attention_forward", original)
 
     return undo
+
+
+# transformers' attention state that a glue's install may change: the registries of attention and mask
+# functions (`AttentionInterface.register` writes the class's global mapping, `ALL_ATTENTION_FUNCTIONS[k] = f`
+# the instance's local one) and the flash path's kernel call and kernel loader
+REGISTRIES = (("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"),
+              ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS"))
+FLASH_STATE = ((FLASH_UTILS, FLASH_FORWARD), (FLASH_INTEGRATION, FLASH_FORWARD), (FLASH_UTILS, "_lazy_imports"),
+               (FLASH_UTILS, "_loaded_implementation"))
+
+
+def keep_attention_state() -> Callable[[], None]:
+    """The undo that puts transformers' attention state back as it is now: both registries' mappings
+    (global and local) and the flash path's `_flash_attention_forward` (in both its modules),
+    `_lazy_imports` and `_loaded_implementation`. A glue that patches them and does not put them
+    back (ring-flash-attn's `substitute_hf_flash_attn` sets `ALL_ATTENTION_FUNCTIONS["flash_attention_2"]`)
+    would otherwise leave the next glue run in the same process a patched transformers."""
+    maps = []
+    for module, name in REGISTRIES:
+        for mapping in (TRANSFORMERS.reach(module, f"{name}._local_mapping"),
+                        TRANSFORMERS.reach(module, f"{name}._global_mapping")):
+            maps.append((mapping, dict(mapping)))
+    held = [(TRANSFORMERS.reach(module), attr, TRANSFORMERS.reach(module, attr)) for module, attr in FLASH_STATE]
+
+    def undo() -> None:
+        for mapping, was in maps:
+            mapping.clear()
+            mapping.update(was)
+        for module, attr, was in held:
+            setattr(module, attr, was)
+
+    return undo
