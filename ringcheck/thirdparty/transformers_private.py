@@ -155,16 +155,16 @@ def keep_flash_attention_forward() -> Callable[[], None]:
 # the instance's local one) and the flash path's kernel call and kernel loader
 REGISTRIES = (("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"),
               ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS"))
-FLASH_STATE = ((FLASH_UTILS, FLASH_FORWARD), (FLASH_INTEGRATION, FLASH_FORWARD), (FLASH_UTILS, "_lazy_imports"),
-               (FLASH_UTILS, "_loaded_implementation"))
+FLASH_STATE = ((FLASH_UTILS, FLASH_FORWARD), (FLASH_INTEGRATION, FLASH_FORWARD), (FLASH_UTILS, "_lazy_imports"))
 
 
 def keep_attention_state() -> Callable[[], None]:
     """The undo that puts transformers' attention state back as it is now: both registries' mappings
-    (global and local) and the flash path's `_flash_attention_forward` (in both its modules),
-    `_lazy_imports` and `_loaded_implementation`. A glue that patches them and does not put them
-    back (ring-flash-attn's `substitute_hf_flash_attn` sets `ALL_ATTENTION_FUNCTIONS["flash_attention_2"]`)
-    would otherwise leave the next glue run in the same process a patched transformers."""
+    (global and local) and the flash path's `_flash_attention_forward` (in both its modules) and
+    `_lazy_imports`; the kernels it loaded forgotten (`_loaded_implementation`), to be loaded
+    again. A glue that patches them and does not put them back (ring-flash-attn's
+    `substitute_hf_flash_attn` sets `ALL_ATTENTION_FUNCTIONS["flash_attention_2"]`) would otherwise
+    leave the next glue run in the same process a patched transformers."""
     maps = []
     for module, name in REGISTRIES:
         for mapping in (TRANSFORMERS.reach(module, f"{name}._local_mapping"),
@@ -178,5 +178,8 @@ def keep_attention_state() -> Callable[[], None]:
             mapping.update(was)
         for module, attr, was in held:
             setattr(module, attr, was)
+        # the kernels the flash path loaded are cached under the name they were loaded for: forgotten, so that
+        # the next flash call loads them again through the loader put back (never a glue's kernels under that name)
+        TRANSFORMERS.reach(FLASH_UTILS)._loaded_implementation = None
 
     return undo
