@@ -1,5 +1,5 @@
-"""ms-swift 4.6.0's sequence parallelism: its two crashes on configurations it accepts and its loss
-in bf16, the minimal script and the patched copies.
+"""ms-swift 4.6.0's sequence parallelism: its two crashes on configurations it accepts, its ring's
+window and backward, and its loss in bf16: the minimal scripts and the patched copies.
 
 1. **Ulysses over sdpa, a length P does not divide**: `pad_and_split_inputs` pads the position ids
    with -1 (`swift/sequence_parallel/sequence_parallel.py` L598). On the last rank the shard's
@@ -14,15 +14,20 @@ in bf16, the minimal script and the patched copies.
    `window_size=kwargs.get('sliding_window') or (-1, -1)` (L218): transformers' `sliding_window`
    is an int, flash-attn's `window_size` a (left, right) pair: TypeError at
    `zigzag_ring_attn.py` L228 (`window_size[0]`) on every rank, every case (mistral, gemma2,
-   gemma3_text). The patched copy (`window_pair`) passes (w - 1, w - 1), as transformers' flash
-   path does; what the ring then computes is the second half of the finding (docs/findings/trainers.md).
+   gemma3_text). `window_pair` passes (w - 1, w - 1), as transformers' flash path does; the ring
+   then runs and loses the window (every block windowed as if its rows were contiguous: the second
+   half of the finding). The patched copy (`ring_patched`) also hands its block kernels where their
+   rows lie (`ms_swift_ring.patch_blocks`) and mends its backward (4).
 
-    python -m benchmarks.findings.ms_swift minimal   # ms-swift + transformers, P=2, float64, 15 tokens
+    python -m benchmarks.findings.ms_swift minimal   # ms-swift + transformers, P=2, 15 and 32 tokens
     python -m benchmarks.findings.ms_swift confirm   # ringcheck step, as shipped and patched
 
 3. **Its SP loss over bf16 logits**: `per_token_loss_func_sp` (`swift/trainers/utils.py` L167-183)
    takes the cross-entropy in the logits' dtype; its non-SP `per_token_loss_func` casts to float32.
    The patched copy (`flash_float_loss`) hands it float32 logits.
+4. **Its ring's backward** (any model its ring runs): each block's backward gets the block's own
+   output where flash-attn's D needs the final one, and the first block's lse is overwritten in place
+   before its backward reads it; minimal script and patches: `benchmarks.findings.ms_swift_ring`.
 
 `sdpa_patched`, `ring_patched` and `flash_float_loss` are the patched copies as glues
 (`PYTHONPATH=. ringcheck step --glue benchmarks.findings.ms_swift:sdpa_patched`, ...).
@@ -30,10 +35,12 @@ in bf16, the minimal script and the patched copies.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
 
+from benchmarks.findings.ms_swift_ring import patch_ring
 from benchmarks.findings.ranks import run_ranks
 from ringcheck.trainers.ms_swift import CORES, MsSwift, swift
 
@@ -63,16 +70,21 @@ def window_pair(ring):
     return zigzag
 
 
-def patch() -> callable:
-    """Both patched copies, in memory, on ms-swift's module; returns the undo."""
+def patch(carry_window: bool = True) -> callable:
+    """The patched copies, in memory, on ms-swift's modules; returns the undo. `carry_window`: its
+    ring's block kernels handed their rows' places and its backward mended (findings 2 and 4,
+    `ms_swift_ring.patch_ring`); False: the window pair alone, which runs and loses the window."""
     found = swift()
     cls, module = found.cls, found.module
     originals = (cls.pad_and_split_inputs, module.zigzag_ring_flash_attn_varlen_func)
     cls.pad_and_split_inputs = continued_positions(originals[0])
     module.zigzag_ring_flash_attn_varlen_func = window_pair(originals[1])
+    undo_blocks = patch_ring(importlib.import_module("swift.sequence_parallel.zigzag_ring_attn")) if carry_window \
+        else (lambda: None)
 
     def undo():
         cls.pad_and_split_inputs, module.zigzag_ring_flash_attn_varlen_func = originals
+        undo_blocks()
 
     return undo
 
@@ -81,14 +93,15 @@ class Patched(MsSwift):
     """ringcheck's ms-swift glue with `patch()` applied on the rank (undone by uninstall), and no
     crash said before the run (the patch is what is judged)."""
 
-    def __init__(self, core: str = "sdpa", ring: bool = False):
+    def __init__(self, core: str = "sdpa", ring: bool = False, carry_window: bool = True):
         super().__init__(core, ring)
-        self.dtype = CORES[core][1]
-        self.describe = f"ms-swift 4.6.0's sequence parallelism over {core}{' (its ring)' if ring else ''}, patched"
+        self.dtype, self.carry_window = CORES[core][1], carry_window
+        self.describe = (f"ms-swift 4.6.0's sequence parallelism over {core}{' (its ring)' if ring else ''}, patched"
+                         f"{'' if carry_window else ' (the window pair alone)'}")
         self.undo_patch = None
 
     def install(self, group) -> str:
-        self.undo_patch = patch()
+        self.undo_patch = patch(self.carry_window)
         return super().install(group)
 
     def known_crash(self, rows: int, n: int, world: int) -> None:
@@ -103,6 +116,7 @@ class Patched(MsSwift):
 
 sdpa_patched = Patched("sdpa")
 ring_patched = Patched("flash_attention_2", ring=True)
+ring_pair_only = Patched("flash_attention_2", ring=True, carry_window=False)
 
 
 class Shipped(MsSwift):
@@ -117,8 +131,16 @@ CASES = {"1: llama over sdpa, 15 tokens": ("llama", "sdpa", False, 15),
          "2: mistral through its ring, 32 tokens (window 12)": ("mistral", "flash_attention_2", True, 32)}
 
 
-def _rank(rank: int, port: int, patched: bool, name: str, out) -> None:
-    """One of P ranks: the case `name` of `CASES` through ms-swift (as shipped or patched), the logits
+def _copy(which: str, core: str, ring: bool) -> MsSwift:
+    """The glue of one copy of ms-swift's code: "as shipped", "patched", or "pair only" (finding 2's
+    window pair without its blocks' places)."""
+    if which == "as shipped":
+        return Shipped(core, ring)
+    return Patched(core, ring, carry_window=which == "patched")
+
+
+def _rank(rank: int, port: int, which: str, name: str, out) -> None:
+    """One of P ranks: the case `name` of `CASES` through ms-swift (a copy of `_copy`), the logits
     gathered in global order; rank 0 compares them with the model's eager attention on one process."""
     from datetime import timedelta
 
@@ -131,7 +153,7 @@ def _rank(rank: int, port: int, patched: bool, name: str, out) -> None:
     group, result = dist.new_group(list(range(P))), {}
     for model_type, core, ring, n in (CASES[name],):
         tiny = tiny_model(model_type)
-        glue = (Patched if patched else Shipped)(core, ring)
+        glue = _copy(which, core, ring)
         attn = glue.install(group)
         glue.configure(tiny.config, group)
         dtype = torch.float64 if core == "sdpa" else torch.bfloat16
@@ -162,19 +184,20 @@ def _rank(rank: int, port: int, patched: bool, name: str, out) -> None:
 
 
 def minimal() -> dict:
-    """Both findings at P=2, as shipped and patched: what each rank got."""
+    """Both findings at P=2, as shipped and patched (the ring also with the window pair alone): what
+    each rank got."""
     found = {}
-    for name in CASES:  # each case and each copy on processes of its own: a crash breaks the group
-        for patched in (False, True):
-            results = run_ranks(_rank, P, patched, name, results=P, timeout=900)
+    for name, (_, _, ring, _) in CASES.items():  # each case and copy on processes of its own: a crash breaks the group
+        for which in ("as shipped", *(("pair only",) if ring else ()), "patched"):
+            results = run_ranks(_rank, P, which, name, results=P, timeout=900)
             for words in sorted(r[name] for r in results):
-                print(f"{'patched' if patched else 'as shipped':10s} finding {name}: {words}", flush=True)
-            found[(name, patched)] = results
+                print(f"{which:10s} finding {name}: {words}", flush=True)
+            found[(name, which)] = results
     return found
 
 
 def confirm() -> None:
-    """ringcheck step --model at P=4 (P=2 for mistral's ring), as shipped and patched."""
+    """ringcheck step --model at P=4, as shipped and patched."""
     from ringcheck.commands.step_model import run_model_step
     from ringcheck.launch import open_ring
     from ringcheck.models.step import ModelStepConfig
@@ -182,10 +205,11 @@ def confirm() -> None:
     ring = open_ring(timeout=120)
     try:
         for model, glue, size in (("llama", "ms_swift", 4), ("llama", f"{__name__}:sdpa_patched", 4),
-                                  ("mistral", "ms_swift_ring", 2), ("mistral", f"{__name__}:ring_patched", 2)):
+                                  ("mistral", "ms_swift_ring", 4), ("mistral", f"{__name__}:ring_patched", 4),
+                                  ("qwen3_moe", "ms_swift_ring", 4), ("qwen3_moe", f"{__name__}:ring_patched", 4)):
             judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=size), ring)
             rows = {c["case"]: c["verdict"] for c in judged["cases"]}
-            print(f"{model:8s} P={size} {glue:44s} {judged['verdict']:10s} {rows}", flush=True)
+            print(f"{model:9s} P={size} {glue:44s} {judged['verdict']:10s} {rows}", flush=True)
     finally:
         ring.close()
 
