@@ -19,7 +19,7 @@ window and backward, and its loss in bf16: the minimal scripts and the patched c
    half of the finding). The patched copy (`ring_patched`) also hands its block kernels where their
    rows lie (`ms_swift_ring.patch_blocks`) and mends its backward (4).
 
-    python -m benchmarks.findings.ms_swift minimal   # ms-swift + transformers, P=2, 15 and 32 tokens
+    python -m benchmarks.findings.ms_swift minimal   # ms-swift + transformers, P=2, cases 1, 2 and 5
     python -m benchmarks.findings.ms_swift confirm   # ringcheck step, as shipped and patched
 
 3. **Its SP loss over bf16 logits**: `per_token_loss_func_sp` (`swift/trainers/utils.py` L167-183)
@@ -28,6 +28,11 @@ window and backward, and its loss in bf16: the minimal scripts and the patched c
 4. **Its ring's backward** (any model its ring runs): each block's backward gets the block's own
    output where flash-attn's D needs the final one, and the first block's lse is overwritten in place
    before its backward reads it; minimal script and patches: `benchmarks.findings.ms_swift_ring`.
+5. **Its ring drops the attention logit softcap** (gemma2): `local_flash_attn`'s ring call
+   (`sequence_parallel.py` L209-219) hands the ring no softcap and its blocks call flash-attn with
+   softcap 0.0 (`zigzag_ring_attn.py` L125-126); its Ulysses path hands it on. The patched copy
+   notes the layer's softcap at the attention call (`softcap_from`) and hands it to the blocks
+   with the window (`Window`).
 
 `sdpa_patched`, `ring_patched` and `flash_float_loss` are the patched copies as glues
 (`PYTHONPATH=. ringcheck step --glue benchmarks.findings.ms_swift:sdpa_patched`, ...).
@@ -40,7 +45,7 @@ import sys
 
 import torch
 
-from benchmarks.findings.ms_swift_ring import patch_ring
+from benchmarks.findings.ms_swift_ring import Where, Window, patch_ring, softcap_from
 from benchmarks.findings.ranks import run_ranks
 from ringcheck.trainers.ms_swift import CORES, MsSwift, swift
 
@@ -59,28 +64,33 @@ def continued_positions(original):
     return pad_and_split_inputs
 
 
-def window_pair(ring):
+def window_pair(ring, where: Where | None = None):
     """ms-swift's `zigzag_ring_flash_attn_varlen_func` given flash-attn's (w - 1, w - 1) where
-    `local_flash_attn` hands it transformers' int `sliding_window` (finding 2's fix)."""
+    `local_flash_attn` hands it transformers' int `sliding_window` (finding 2's fix); with `where`,
+    the layer's softcap along (finding 5's fix, `ms_swift_ring.Window`)."""
     def zigzag(*args, window_size=(-1, -1), **kwargs):
         if isinstance(window_size, int):
             window_size = (window_size - 1, window_size - 1)
+        if where is not None:
+            window_size = Window(window_size, where.softcap)
         return ring(*args, window_size=window_size, **kwargs)
 
     return zigzag
 
 
-def patch(carry_window: bool = True) -> callable:
+def patch(carry_window: bool = True, where: Where | None = None) -> callable:
     """The patched copies, in memory, on ms-swift's modules; returns the undo. `carry_window`: its
-    ring's block kernels handed their rows' places and its backward mended (findings 2 and 4,
-    `ms_swift_ring.patch_ring`); False: the window pair alone, which runs and loses the window."""
+    ring's block kernels handed their rows' places, the layer's softcap (noted in `where`) and its
+    backward mended (findings 2, 4 and 5, `ms_swift_ring.patch_ring`); False: the window pair alone,
+    which runs and loses the window."""
+    where = where or Where()
     found = swift()
     cls, module = found.cls, found.module
     originals = (cls.pad_and_split_inputs, module.zigzag_ring_flash_attn_varlen_func)
     cls.pad_and_split_inputs = continued_positions(originals[0])
-    module.zigzag_ring_flash_attn_varlen_func = window_pair(originals[1])
-    undo_blocks = patch_ring(importlib.import_module("swift.sequence_parallel.zigzag_ring_attn")) if carry_window \
-        else (lambda: None)
+    module.zigzag_ring_flash_attn_varlen_func = window_pair(originals[1], where if carry_window else None)
+    undo_blocks = patch_ring(importlib.import_module("swift.sequence_parallel.zigzag_ring_attn"), where) \
+        if carry_window else (lambda: None)
 
     def undo():
         cls.pad_and_split_inputs, module.zigzag_ring_flash_attn_varlen_func = originals
@@ -93,16 +103,26 @@ class Patched(MsSwift):
     """ringcheck's ms-swift glue with `patch()` applied on the rank (undone by uninstall), and no
     crash said before the run (the patch is what is judged)."""
 
-    def __init__(self, core: str = "sdpa", ring: bool = False, carry_window: bool = True):
+    def __init__(self, core: str = "sdpa", ring: bool = False, carry_window: bool = True, carry_softcap: bool = True):
         super().__init__(core, ring)
-        self.dtype, self.carry_window = CORES[core][1], carry_window
+        self.dtype, self.carry_window, self.carry_softcap = CORES[core][1], carry_window, carry_softcap
         self.describe = (f"ms-swift 4.6.0's sequence parallelism over {core}{' (its ring)' if ring else ''}, patched"
                          f"{'' if carry_window else ' (the window pair alone)'}")
-        self.undo_patch = None
+        self.undo_patch, self.where = None, Where()
 
     def install(self, group) -> str:
-        self.undo_patch = patch(self.carry_window)
+        self.undo_patch = patch(self.carry_window, self.where)
         return super().install(group)
+
+    def prepare(self, model) -> None:
+        """The glue's `prepare`, then (its ring, patched) ms-swift's attention as registered made to
+        note each layer's softcap for the ring (`softcap_from`)."""
+        first = model not in self.prepared
+        super().prepare(model)
+        if first and self.ring and self.carry_window and self.carry_softcap:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # start-up time: a --model run only
+
+            ALL_ATTENTION_FUNCTIONS[self.attn] = softcap_from(ALL_ATTENTION_FUNCTIONS[self.attn], self.where)
 
     def known_crash(self, rows: int, n: int, world: int) -> None:
         return None
@@ -128,15 +148,36 @@ class Shipped(MsSwift):
 
 P = 2
 CASES = {"1: llama over sdpa, 15 tokens": ("llama", "sdpa", False, 15),
-         "2: mistral through its ring, 32 tokens (window 12)": ("mistral", "flash_attention_2", True, 32)}
+         "2: mistral through its ring, 32 tokens (window 12)": ("mistral", "flash_attention_2", True, 32),
+         "5: gemma2 with 1 K/V head through its ring, 32 tokens (softcap 2)": ("gemma2", "flash_attention_2", True, 32)}
+# the config each case's tiny model is made from: gemma2 given a GQA ratio of 4, so that its tiny model has 1 K/V head
+# (ms-swift's ring at P=2; the tiny gemma2 has 2, Ulysses at P=2)
+CONFIG = {"gemma2": {"model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2}}
+HALFWAY = {"2": ("pair only",), "5": ("no softcap",)}  # the copies between shipped and patched a case also runs
 
 
 def _copy(which: str, core: str, ring: bool) -> MsSwift:
-    """The glue of one copy of ms-swift's code: "as shipped", "patched", or "pair only" (finding 2's
-    window pair without its blocks' places)."""
+    """The glue of one copy of ms-swift's code: "as shipped", "patched", "pair only" (finding 2's
+    window pair without its blocks' places) or "no softcap" (patched but finding 5)."""
     if which == "as shipped":
         return Shipped(core, ring)
-    return Patched(core, ring, carry_window=which == "patched")
+    return Patched(core, ring, carry_window=which != "pair only", carry_softcap=which != "no softcap")
+
+
+def _tiny(model: str):
+    """The tiny model of a case: its model_type's, or that of its `CONFIG` (a config.json written here)."""
+    import json
+    import tempfile
+
+    from ringcheck.models.tiny import tiny_model
+
+    if model not in CONFIG:
+        return tiny_model(model)
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/config.json"
+        with open(path, "w") as f:
+            json.dump(CONFIG[model], f)
+        return tiny_model(path)
 
 
 def _rank(rank: int, port: int, which: str, name: str, out) -> None:
@@ -146,13 +187,11 @@ def _rank(rank: int, port: int, which: str, name: str, out) -> None:
 
     import torch.distributed as dist
 
-    from ringcheck.models.tiny import tiny_model
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
                             timeout=timedelta(seconds=30))
     group, result = dist.new_group(list(range(P))), {}
     for model_type, core, ring, n in (CASES[name],):
-        tiny = tiny_model(model_type)
+        tiny = _tiny(model_type)
         glue = _copy(which, core, ring)
         attn = glue.install(group)
         glue.configure(tiny.config, group)
@@ -184,11 +223,11 @@ def _rank(rank: int, port: int, which: str, name: str, out) -> None:
 
 
 def minimal() -> dict:
-    """Both findings at P=2, as shipped and patched (the ring also with the window pair alone): what
-    each rank got."""
+    """The cases at P=2, as shipped, through the copies between (`HALFWAY`) and patched: what each
+    rank got."""
     found = {}
-    for name, (_, _, ring, _) in CASES.items():  # each case and copy on processes of its own: a crash breaks the group
-        for which in ("as shipped", *(("pair only",) if ring else ()), "patched"):
+    for name in CASES:  # each case and copy on processes of its own: a crash breaks the group
+        for which in ("as shipped", *HALFWAY.get(name.split(":")[0], ()), "patched"):
             results = run_ranks(_rank, P, which, name, results=P, timeout=900)
             for words in sorted(r[name] for r in results):
                 print(f"{which:10s} finding {name}: {words}", flush=True)

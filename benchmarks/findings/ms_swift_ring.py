@@ -31,11 +31,24 @@ NEG = -1.0e30  # the log-sum-exp of a row the block masks entirely: no weight in
 
 
 class Where:
-    """The ring call in flight: its group and global cu_seqlens, and the steps met so far."""
+    """The ring call in flight: its group and global cu_seqlens, the steps met so far, and the last
+    attention call's logit softcap (0: none; `softcap_from` notes it, the ring is never handed it)."""
 
     def __init__(self):
         self.group = self.cu = None
         self.forward_step = self.backward_step = 0
+        self.softcap = 0.0
+
+
+class Window(tuple):
+    """flash-attn's (left, right) window with the layer's softcap along: the ring keeps its
+    `window_size` for the backward (`ctx.window_size`) and hands it to every block, so each block
+    meets its own layer's cap, in the backward too."""
+
+    def __new__(cls, pair, softcap: float = 0.0):
+        made = super().__new__(cls, pair)
+        made.softcap = softcap
+        return made
 
 
 def rows(cu_local: torch.Tensor, rank: int, world: int, part: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,21 +77,26 @@ def block_mask(where: Where, step: int, q_len: int, k_len: int, block: int, left
         raise RuntimeError(f"the block's rows ({q_len} queries, {k_len} keys) are not those of cu_seqlens "
                            f"{where.cu.tolist()} at rank {rank} of {world}, step {step}")
     distance = q_pos[:, None] - k_pos[None, :]
-    return (q_doc[:, None] == k_doc[None, :]) & (distance >= 0) & (distance <= left)
+    return (q_doc[:, None] == k_doc[None, :]) & (distance >= 0) & ((distance <= left) | (left < 0))
 
 
-def _scores(q, k, mask, scale):
-    """Scores [heads, q, k] in float32, the K/V heads repeated to the query heads (GQA)."""
+def _scores(q, k, mask, scale, cap: float):
+    """Scores [heads, q, k] in float32, the K/V heads repeated to the query heads (GQA), capped as
+    cap * tanh(s / cap) where `cap`; and d(capped)/d(s) (1 where no cap)."""
     k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    return s.masked_fill(~mask.to(s.device), float("-inf"))
+    slope = torch.ones((), device=s.device)
+    if cap:
+        t = torch.tanh(s / cap)
+        s, slope = cap * t, 1 - t * t
+    return s.masked_fill(~mask.to(s.device), float("-inf")), slope
 
 
-def windowed_forward(where: Where, q, k, v, block: int, scale: float, left: int):
+def windowed_forward(where: Where, q, k, v, block: int, scale: float, left: int, cap: float):
     """One block as flash-attn's varlen forward returns it, (out, lse [heads, q]), under the block's mask."""
     mask = block_mask(where, where.forward_step, q.shape[0], k.shape[0], block, left)
     where.forward_step += 1
-    s = _scores(q, k, mask, scale)
+    s, _ = _scores(q, k, mask, scale, cap)
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isinf(lse)
     p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None])
@@ -87,19 +105,21 @@ def windowed_forward(where: Where, q, k, v, block: int, scale: float, left: int)
     return out.to(q.dtype), lse.masked_fill(empty, NEG)
 
 
-def windowed_backward(where: Where, dout, q, k, v, out, lse, block: int, bufs, scale: float, left: int) -> None:
+def windowed_backward(where: Where, dout, q, k, v, out, lse, block: int, bufs, scale: float, left: int,
+                      cap: float) -> None:
     """One block's gradients as flash-attn's varlen backward writes them into ms-swift's buffers."""
     mask = block_mask(where, where.backward_step, q.shape[0], k.shape[0], block, left)
     where.backward_step += 1
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_scores(q, k, mask, scale) - lse.float()[..., None])  # masked scores -inf: weight 0
+    s, slope = _scores(q, k, mask, scale, cap)
+    p = torch.exp(s - lse.float()[..., None])  # masked scores -inf: weight 0
     v_rep = v.float().repeat_interleave(groups, dim=1)
     k_rep = k.float().repeat_interleave(groups, dim=1)
     do = dout.float()
     dv = torch.einsum("hqk,qhd->khd", p, do)
     dp = torch.einsum("qhd,khd->hqk", do, v_rep)
     delta = (do * out.float()).sum(-1).transpose(0, 1)  # [heads, q]
-    ds = p * (dp - delta[..., None])
+    ds = p * (dp - delta[..., None]) * slope
     dq = torch.einsum("hqk,khd->qhd", ds, k_rep) * scale
     dk = torch.einsum("hqk,qhd->khd", ds, q.float()) * scale
     dq_buf, dk_buf, dv_buf = bufs
@@ -108,12 +128,11 @@ def windowed_backward(where: Where, dout, q, k, v, out, lse, block: int, bufs, s
     dv_buf[:k.shape[0]] = dv.unflatten(1, (v.shape[1], groups)).sum(2).to(dv_buf.dtype)
 
 
-def patch_blocks(module) -> callable:
-    """ms-swift's `zigzag_ring_attn` module with its block kernels windowed where the layer has a
-    window (the rest as shipped); returns the undo."""
+def patch_blocks(module, where: Where) -> callable:
+    """ms-swift's `zigzag_ring_attn` module with its block kernels windowed (and capped) where the
+    layer has a window (a softcap, `where.softcap`), the rest as shipped; returns the undo."""
     names = ("forward", "backward", "zigzag_ring_flash_attn_varlen_forward", "zigzag_ring_flash_attn_varlen_backward")
     originals = {n: getattr(module, n) for n in names}
-    where = Where()
 
     def ring_call(name, reset, cu_at):
         def call(process_group, *args, **kwargs):  # its cu_seqlens: after q, k, v (and dout, out, lse: backward)
@@ -124,17 +143,19 @@ def patch_blocks(module) -> callable:
         return call
 
     def forward(q, k, v, causal, cu_seqlens, max_seqlen, block, dropout_p, scale, alibi, window_size):
-        if window_size[0] < 0:
+        cap = getattr(window_size, "softcap", 0.0)
+        if window_size[0] < 0 and not cap:
             return originals["forward"](q, k, v, causal, cu_seqlens, max_seqlen, block, dropout_p, scale, alibi,
                                         window_size)
-        return windowed_forward(where, q, k, v, block, scale, window_size[0])
+        return windowed_forward(where, q, k, v, block, scale, window_size[0], cap)
 
     def backward(dout, q, k, v, out, lse, causal, cu_seqlens, max_seqlen, block, dq, dk, dv, dropout_p, scale,
                  alibi, deterministic, window_size):
-        if window_size[0] < 0:
+        cap = getattr(window_size, "softcap", 0.0)
+        if window_size[0] < 0 and not cap:
             return originals["backward"](dout, q, k, v, out, lse, causal, cu_seqlens, max_seqlen, block, dq, dk,
                                          dv, dropout_p, scale, alibi, deterministic, window_size)
-        return windowed_backward(where, dout, q, k, v, out, lse, block, (dq, dk, dv), scale, window_size[0])
+        return windowed_backward(where, dout, q, k, v, out, lse, block, (dq, dk, dv), scale, window_size[0], cap)
 
     module.forward, module.backward = forward, backward
     module.zigzag_ring_flash_attn_varlen_forward = ring_call(names[2], "forward_step", 3)
@@ -200,10 +221,23 @@ def patch_first_block(module) -> callable:
     return undo
 
 
-def patch_ring(module) -> callable:
-    """Every patch of ms-swift's ring here, on its `zigzag_ring_attn` module: the windowed blocks,
-    the first block kept apart, the final output in each block's backward; returns the undo."""
-    undos = [patch_blocks(module), patch_first_block(module), patch_final_out(module)]
+def softcap_from(attention, where: Where):
+    """The model's attention function (ms-swift's `local_flash_attn`, as registered) that notes the
+    layer's `softcap` for `window_pair` to hand the ring (as a `Window`): its ring call (`sequence_parallel.py` L209-219) hands
+    the ring no softcap, and the ring's blocks call flash-attn with softcap 0.0
+    (`zigzag_ring_attn.py` L125-126)."""
+    def attend(*args, **kwargs):
+        where.softcap = float(kwargs.get("softcap") or 0.0)
+        return attention(*args, **kwargs)
+
+    return attend
+
+
+def patch_ring(module, where: Where) -> callable:
+    """Every patch of ms-swift's ring here, on its `zigzag_ring_attn` module: the windowed (and
+    capped) blocks, the first block kept apart, the final output in each block's backward; returns
+    the undo."""
+    undos = [patch_blocks(module, where), patch_first_block(module), patch_final_out(module)]
 
     def undo():
         for one in reversed(undos):
