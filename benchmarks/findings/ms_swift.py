@@ -245,7 +245,8 @@ def confirm() -> None:
     try:
         for model, glue, size in (("llama", "ms_swift", 4), ("llama", f"{__name__}:sdpa_patched", 4),
                                   ("mistral", "ms_swift_ring", 4), ("mistral", f"{__name__}:ring_patched", 4),
-                                  ("qwen3_moe", "ms_swift_ring", 4), ("qwen3_moe", f"{__name__}:ring_patched", 4)):
+                                  ("qwen3_moe", "ms_swift_ring", 4), ("qwen3_moe", f"{__name__}:ring_patched", 4),
+                                  ("gemma2", "ms_swift_ring", 4), ("gemma2", f"{__name__}:ring_patched", 4)):
             judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=size), ring)
             rows = {c["case"]: c["verdict"] for c in judged["cases"]}
             print(f"{model:9s} P={size} {glue:44s} {judged['verdict']:10s} {rows}", flush=True)
