@@ -11,7 +11,7 @@ transformers, the trainer's own package where it installs on Python 3.11 without
 --no-deps where its declared dependencies pull a CUDA build or what its glue never imports), and
 ringcheck (editable, with its test and peers extras). Then it runs the check there: the `--model` suites and
 `ringcheck step --model llama --glue ringcheck -q`, and where the row names them, whether the
-trainer's glue modules import (with the row's stubs, e.g. `ray`). One line per environment: its
+trainer's glue modules import (with the row's stubs, e.g. `ray`) and its glue suites. One line per environment: its
 versions, its build time and size, and the check's result. An environment is built again only when
 its row changes (or with --rebuild). Adding a trainer is one row of ENVS.
 """
@@ -43,7 +43,8 @@ class TrainerEnv:
     """One trainer's environment: `transformers` is the trainer's own requirement (pip picks the newest
     version it allows), `packages` what pip installs with its dependencies, `no_deps` what it installs
     without them, `stubs` modules faked (empty, with the names given) when the glue modules are
-    imported, `imports` the trainer's glue modules that must import there."""
+    imported, `imports` the trainer's glue modules that must import there (`module:function`: a
+    function of ringcheck's called, which imports them with ringcheck's own stubs, as its glue does)."""
 
     name: str
     transformers: str
@@ -51,6 +52,7 @@ class TrainerEnv:
     no_deps: tuple[str, ...] = ()
     stubs: tuple[tuple[str, tuple[str, ...]], ...] = ()
     imports: tuple[str, ...] = ()
+    suites: tuple[str, ...] = ()  # the trainer's glue suites, run there after the --model suites
     trainer: str = ""  # the distribution whose transformers pin is checked against what was installed
     note: str = ""
 
@@ -66,8 +68,10 @@ ENVS = (
     TrainerEnv("llamafactory", "transformers<=5.6.0,>=5.6", no_deps=("llamafactory==0.9.5",),
                imports=("llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel",),
                trainer="llamafactory", note="LLaMA-Factory 0.9.5 (v1 ulysses plugin)"),
-    TrainerEnv("ms-swift", "transformers<5.20", no_deps=("ms-swift==4.6.0",), trainer="ms-swift",
-               note="ms-swift 4.6.0; its glue needs modelscope, datasets and peft (not installed yet)"),
+    TrainerEnv("ms-swift", "transformers<5.20", no_deps=("ms-swift==4.6.0", "accelerate==1.16.0", "peft==0.20.0"),
+               imports=("ringcheck.trainers.ms_swift:swift",), suites=("suites/test_trainer_ms_swift.py",),
+               trainer="ms-swift", note="ms-swift 4.6.0 as CI installs it (--no-deps, with accelerate and peft); its "
+                                        "other module-level imports stubbed by its glue (ringcheck.trainers.stubs)"),
     TrainerEnv("openrlhf", "transformers==5.15.0", no_deps=("openrlhf==0.11.2",), trainer="openrlhf",
                note="OpenRLHF 0.11.2; flash-attn and deepspeed left out (CUDA builds)"),
 )
@@ -121,7 +125,10 @@ for name, attrs in env["stubs"]:
 failed = {}
 for module in env["imports"]:
     try:
-        importlib.import_module(module)
+        name, _, call = module.partition(":")
+        found = importlib.import_module(name)
+        if call:
+            getattr(found, call)()
     except Exception as e:
         failed[module] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 out["imports_failed"] = failed
@@ -142,6 +149,11 @@ def check(env: TrainerEnv, where: Path, log, workers: str) -> dict:
                    f"--junitxml={junit}"], log, env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
     found["suites"] = junit_counts(junit.read_text() if junit.is_file() else "")
     found["suites_ok"] = suites == 0
+    if env.suites:
+        own = where / "trainer-suites.xml"
+        found["suites_ok"] &= _run([py, "-m", "pytest", *env.suites, "-q", "-p", "no:cacheprovider", "-n", workers,
+                                    f"--junitxml={own}"], log) == 0
+        found["trainer_suites"] = junit_counts(own.read_text() if own.is_file() else "")
     found["step_ok"] = _run([str(where / "bin" / "ringcheck"), "step", "--model", "llama", "--glue", "ringcheck",
                              "-q"], log) == 0
     found["check_s"] = time.perf_counter() - start
@@ -174,8 +186,9 @@ def line(env: TrainerEnv, found: dict, built: float | None, size: float) -> str:
     glue += "".join(f"; {m} does not import: {why}" for m, why in failed.items())
     ok = found["suites_ok"] and found["step_ok"] and not failed and (found.get("pin_ok", True))
     took = "present" if built is None else f"built in {built:.0f} s"
+    own = f"; {', '.join(Path(s).name for s in env.suites)} {found['trainer_suites']}" if env.suites else ""
     return (f"{env.name}: {'pass' if ok else 'FAIL'}: {versions}; {took}, {size:.2f} GiB; --model suites "
-            f"{found['suites']}; step --model llama {'passed' if found['step_ok'] else 'FAILED'} "
+            f"{found['suites']}{own}; step --model llama {'passed' if found['step_ok'] else 'FAILED'} "
             f"({found['check_s']:.0f} s){glue}")
 
 
