@@ -39,6 +39,7 @@ FLAGGED = {
     "cat with a CPU generator's draw": lambda q: torch.cat([q, torch.randn(4, 3, generator=_gen())]),
     "a model never moved": lambda q: torch.nn.Linear(3, 2)(q),
     "a copy to the host mixed back": lambda q: q.cpu() + q,
+    "a host scalar's product met by a host tensor": lambda q: (q * torch.tensor(2.0)) + torch.zeros(4, 3),
 }
 
 PASSING = {
@@ -47,6 +48,7 @@ PASSING = {
     "draw moved first": lambda q: torch.cat([q, torch.randn(4, 3, generator=_gen()).to(q.device)]),
     "zeros_like": lambda q: torch.zeros_like(q) + q,
     "a 0-dim host scalar": lambda q: q * torch.tensor(2.0),
+    "a host scalar's product, then the rank's": lambda q: (q * torch.tensor(2.0)) + q,   # CUDA: on the rank's
     "a host index": lambda q: q[torch.tensor([0, 1])],
     "a host index, then the rank's": lambda q: q[:, torch.tensor([2, 0, 1])] + q,
     "a model moved": lambda q: torch.nn.Linear(3, 2).to(q.device)(q),

@@ -264,6 +264,8 @@ class DeviceAudit(TorchFunctionMode):
             return _RANK if side else self._host(f"{name}(device='cpu')")
         if not tensors:
             return self._host(f"torch.{name} without a device")
+        if any(self._tag(t) is _RANK for t in tensors) and all(t.dim() == 0 for t in tensors if self._tag(t) is not _RANK):
+            return _RANK   # the rank's tensors with host scalars: CUDA computes it on the rank's device
         return self._host_of(tensors) or _RANK
 
     def _autograd(self, func, args, kwargs):
