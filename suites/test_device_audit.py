@@ -16,7 +16,7 @@ import torch
 
 from ringcheck.commands.validate.device import DEVICE_ROW
 from ringcheck.harness.call import arrange
-from ringcheck.launch.audit import DeviceAuditError, audit_requested, device_audit
+from ringcheck.launch.audit import DeviceAuditError, audit_requested, check_handed, device_audit
 
 RANK = "cpu"  # the rank's device: on a CPU, the one the launchers give every rank
 
@@ -125,6 +125,25 @@ def test_ringcheck_own_code_is_told_apart():
     with pytest.raises(DeviceAuditError) as info:
         _under_audit(fn, judge_impl=False)
     assert info.value.ours and "ringcheck's own code" in str(info.value)
+
+
+def test_what_a_glue_hands_the_step_is_judged_where_it_is_handed():
+    """`check_handed`: a host tensor a glue's hook returns (a trainer's loader keeps its shards on the
+    CPU by design) raises where the glue hands it over, naming where it was made; a glue of
+    ringcheck's own is ringcheck's defect, judged by the launchers' audit too."""
+    def users_shard():
+        pass
+
+    def check(q, fn=users_shard):
+        check_handed({"input_ids": q, "labels": q.cpu()}, by="the glue's shard", fn=fn)
+    with pytest.raises(DeviceAuditError) as info:
+        _under_audit(check)
+    assert "labels made on the host (cpu() at" in str(info.value) and not info.value.ours
+    _under_audit(check, judge_impl=False)   # the user's glue: not the launchers' audit's to judge
+    with pytest.raises(DeviceAuditError, match="ringcheck's own code"):
+        _under_audit(lambda q: check(q, fn=check_handed), judge_impl=False)
+    _under_audit(lambda q: check_handed({"input_ids": q, "n": torch.tensor(3)}, by="the glue's shard", fn=check_handed))
+    check(torch.randn(4, 3))   # no audit: nothing judged
 
 
 def test_the_environment_variable():

@@ -353,6 +353,30 @@ def active_audit() -> DeviceAudit | None:
     return getattr(_state, "active", None)
 
 
+def check_handed(handed: dict, *, by: str, fn) -> None:
+    """Under this thread's audit: `DeviceAuditError` where a tensor of `handed` (name -> what a
+    glue's hook `fn` returned to the step) is on the host side. A trainer's own code may hand back
+    host tensors by design (DeepSpeed's loader keeps its shards on the CPU, and its trainer moves
+    them): the glue that calls it must move them, and the mix the model would meet later names the
+    trainer's line as the maker, which the launchers' audit does not judge. `by`: the hook, in
+    words; a glue of ringcheck's own (`fn` defined in ringcheck) is ringcheck's defect."""
+    audit = active_audit()
+    if audit is None or audit.suspended:
+        return
+    module = getattr(fn, "__module__", None) or ""
+    ours = module.split(".")[0] == "ringcheck" and ".catalogue" not in module
+    for name, t in handed.items():
+        tag = audit._tag(t) if isinstance(t, torch.Tensor) and t.dim() > 0 else _RANK
+        if tag is _RANK or (not ours and not audit.judge_impl):
+            continue
+        met, _ = _site()
+        raise DeviceAuditError(
+            f"device audit{OWN_CODE if ours else ''}: {by} handed the step {name} made on the host ({tag.what} at "
+            f"{tag.site}); on a GPU the model's first op on it raises 'Expected all tensors to be on the same "
+            f"device'. Move what the trainer's code returns to the rank's device (.to(batch['input_ids'].device)), "
+            f"as its trainer does", created_at=tag.site, met_at=met, ours=ours)
+
+
 
 class on_the_host:
     """`with on_the_host():` a block that runs on the CPU by design, on a GPU machine too (the
