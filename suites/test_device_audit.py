@@ -195,3 +195,16 @@ def test_the_simulation_beside_a_torchrun_world_runs_on_its_device():
         return RingImpl("ringcheck", SimpleNamespace(processes=processes))
     assert impl(SimpleNamespace(device="cuda:3")).device == torch.device("cuda:3")
     assert impl(SimpleNamespace(size=None)).device == torch.device("cpu")   # local rings
+
+
+def test_the_tiny_models_probe_forward_is_the_hosts_by_design():
+    """`models.tiny._forward_runs` (does the scaled config run at all?) runs on the CPU by design, and
+    a rank's task makes its tiny model under the audit: transformers' `.to(x.device)` of a host x is
+    taken for the rank's there, and the mix it meets raised inside the probe, which said "does not
+    run" and changed the tiny model's head_dim wherever the audit judged every tensor."""
+    pytest.importorskip("transformers")
+    from ringcheck.models import tiny
+
+    config = tiny.tiny_model("llama").config
+    with device_audit(RANK, judge_impl=True):
+        assert tiny._forward_runs(config)
