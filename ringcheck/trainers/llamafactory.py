@@ -102,7 +102,7 @@ class LlamaFactoryUlysses:
 
     def install(self, group) -> str:
         sp = plugin()
-        import torch.distributed.nn  # (L194's dist.nn.all_gather; its trainer's FSDP2 imports it)
+        import torch.distributed.nn  # noqa: F401  (L194's dist.nn.all_gather; its trainer's FSDP2 imports it)
         from torch.distributed.device_mesh import DeviceMesh
         from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
 
@@ -112,7 +112,8 @@ class LlamaFactoryUlysses:
         self.group = group
         cls = sp.DistributedInterface
         self.interface = (cls._instance, cls._initialized)
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+        # the rank's device type: ringcheck's CP groups on a GPU are "cpu:gloo,cuda:nccl", never "nccl" alone
+        device = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
         mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("cp",))
         shim = object.__new__(cls)  # shim 2: its singleton, its "cp" mesh ringcheck's CP group
         shim.__dict__.update(_initialized=True, _is_distributed=True, data_device_mesh={"cp": mesh},
