@@ -208,3 +208,19 @@ def test_the_tiny_models_probe_forward_is_the_hosts_by_design():
     config = tiny.tiny_model("llama").config
     with device_audit(RANK, judge_impl=True):
         assert tiny._forward_runs(config)
+
+
+def test_the_flash_stand_ins_varlen_kernels_take_their_boundaries_on_the_device_only():
+    """flash-attn's varlen kernels check cu_seqlens_q.is_cuda() (flash_api.cpp, CHECK_DEVICE); the
+    stand-in reads the boundaries with .tolist(), so a host tensor never met the rank's: under the
+    audit the stand-in judges them where they are handed, as the real kernel does."""
+    from ringcheck.flash_stand_in.interface import flash_attn_varlen_func
+
+    def run(q, cu):
+        x = q.new_zeros(8, 2, 4, dtype=torch.bfloat16)
+        return flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, causal=True)
+
+    with pytest.raises(DeviceAuditError, match="cu_seqlens_q made on the host .* must be on CUDA") as info:
+        _under_audit(lambda q: run(q, torch.tensor([0, 3, 8], dtype=torch.int32)))
+    assert f"{HERE}:" in info.value.created_at and not info.value.ours
+    _under_audit(lambda q: run(q, torch.tensor([0, 3, 8], dtype=torch.int32, device=q.device)))
