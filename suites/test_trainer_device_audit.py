@@ -81,6 +81,15 @@ def test_ms_swifts_ring_runs_clean_under_the_audit(ring_processes, tmp_path):
     assert _errors(ring_processes, "ms_swift_ring", judge_impl=True, model=str(tmp_path / "config.json")) == {}
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ring_flash_attn") is None,
+                    reason="ring-flash-attn not installed: pip install ring-flash-attn==0.1.8")
+def test_ring_flash_attns_glue_hands_its_kernels_the_boundaries_on_the_device(ring_processes):
+    """`--glue ring_flash_attn` (OpenRLHF's and axolotl 0.19's ring under it) hands the adapter's
+    update_ring_flash_attn_params the global boundaries it is given as a list: made on the host, they
+    reached the varlen kernels, which take them on the device only (flash-attn's CHECK_DEVICE)."""
+    assert _errors(ring_processes, "ring_flash_attn", judge_impl=True) == {}
+
+
 class CpuShards(RingcheckGlue):
     """The planted mistake: ringcheck's glue sharding the batch itself, its slices moved to the CPU
     as a trainer's loader keeps them (DeepSpeed's, ulysses_sp.py L724) and never moved back."""

@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..glues.contract import Glue
+from ..glues.contract import Glue, group_device
 from ..step.contract import IGNORE
 from ..thirdparty.transformers_private import causal_lm_class, compatible_flash_implementations, supports_attention
 from .flash import FLASH_CORE, install_flash_core
@@ -112,8 +112,7 @@ class LlamaFactoryUlysses:
         self.group = group
         cls = sp.DistributedInterface
         self.interface = (cls._instance, cls._initialized)
-        # the rank's device type: ringcheck's CP groups on a GPU are "cpu:gloo,cuda:nccl", never "nccl" alone
-        device = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+        device = group_device(group)
         mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("cp",))
         shim = object.__new__(cls)  # shim 2: its singleton, its "cp" mesh ringcheck's CP group
         shim.__dict__.update(_initialized=True, _is_distributed=True, data_device_mesh={"cp": mesh},
