@@ -16,7 +16,7 @@ import torch
 
 from ringcheck.commands.validate.device import DEVICE_ROW
 from ringcheck.harness.call import arrange
-from ringcheck.launch.audit import DeviceAuditError, audit_requested, device_audit
+from ringcheck.launch.audit import DeviceAuditError, audit_requested, check_handed, device_audit
 
 RANK = "cpu"  # the rank's device: on a CPU, the one the launchers give every rank
 
@@ -39,6 +39,7 @@ FLAGGED = {
     "cat with a CPU generator's draw": lambda q: torch.cat([q, torch.randn(4, 3, generator=_gen())]),
     "a model never moved": lambda q: torch.nn.Linear(3, 2)(q),
     "a copy to the host mixed back": lambda q: q.cpu() + q,
+    "a host scalar's product met by a host tensor": lambda q: (q * torch.tensor(2.0)) + torch.zeros(4, 3),
 }
 
 PASSING = {
@@ -47,6 +48,7 @@ PASSING = {
     "draw moved first": lambda q: torch.cat([q, torch.randn(4, 3, generator=_gen()).to(q.device)]),
     "zeros_like": lambda q: torch.zeros_like(q) + q,
     "a 0-dim host scalar": lambda q: q * torch.tensor(2.0),
+    "a host scalar's product, then the rank's": lambda q: (q * torch.tensor(2.0)) + q,   # CUDA: on the rank's
     "a host index": lambda q: q[torch.tensor([0, 1])],
     "a host index, then the rank's": lambda q: q[:, torch.tensor([2, 0, 1])] + q,
     "a model moved": lambda q: torch.nn.Linear(3, 2).to(q.device)(q),
@@ -125,6 +127,25 @@ def test_ringcheck_own_code_is_told_apart():
     assert info.value.ours and "ringcheck's own code" in str(info.value)
 
 
+def test_what_a_glue_hands_the_step_is_judged_where_it_is_handed():
+    """`check_handed`: a host tensor a glue's hook returns (a trainer's loader keeps its shards on the
+    CPU by design) raises where the glue hands it over, naming where it was made; a glue of
+    ringcheck's own is ringcheck's defect, judged by the launchers' audit too."""
+    def users_shard():
+        pass
+
+    def check(q, fn=users_shard):
+        check_handed({"input_ids": q, "labels": q.cpu()}, by="the glue's shard", fn=fn)
+    with pytest.raises(DeviceAuditError) as info:
+        _under_audit(check)
+    assert "labels made on the host (cpu() at" in str(info.value) and not info.value.ours
+    _under_audit(check, judge_impl=False)   # the user's glue: not the launchers' audit's to judge
+    with pytest.raises(DeviceAuditError, match="ringcheck's own code"):
+        _under_audit(lambda q: check(q, fn=check_handed), judge_impl=False)
+    _under_audit(lambda q: check_handed({"input_ids": q, "n": torch.tensor(3)}, by="the glue's shard", fn=check_handed))
+    check(torch.randn(4, 3))   # no audit: nothing judged
+
+
 def test_the_environment_variable():
     assert audit_requested({"RINGCHECK_DEVICE_AUDIT": "1"}) and audit_requested({"RINGCHECK_DEVICE_AUDIT": "on"})
     assert not audit_requested({}) and not audit_requested({"RINGCHECK_DEVICE_AUDIT": "0"})
@@ -174,3 +195,32 @@ def test_the_simulation_beside_a_torchrun_world_runs_on_its_device():
         return RingImpl("ringcheck", SimpleNamespace(processes=processes))
     assert impl(SimpleNamespace(device="cuda:3")).device == torch.device("cuda:3")
     assert impl(SimpleNamespace(size=None)).device == torch.device("cpu")   # local rings
+
+
+def test_the_tiny_models_probe_forward_is_the_hosts_by_design():
+    """`models.tiny._forward_runs` (does the scaled config run at all?) runs on the CPU by design, and
+    a rank's task makes its tiny model under the audit: transformers' `.to(x.device)` of a host x is
+    taken for the rank's there, and the mix it meets raised inside the probe, which said "does not
+    run" and changed the tiny model's head_dim wherever the audit judged every tensor."""
+    pytest.importorskip("transformers")
+    from ringcheck.models import tiny
+
+    config = tiny.tiny_model("llama").config
+    with device_audit(RANK, judge_impl=True):
+        assert tiny._forward_runs(config)
+
+
+def test_the_flash_stand_ins_varlen_kernels_take_their_boundaries_on_the_device_only():
+    """flash-attn's varlen kernels check cu_seqlens_q.is_cuda() (flash_api.cpp, CHECK_DEVICE); the
+    stand-in reads the boundaries with .tolist(), so a host tensor never met the rank's: under the
+    audit the stand-in judges them where they are handed, as the real kernel does."""
+    from ringcheck.flash_stand_in.interface import flash_attn_varlen_func
+
+    def run(q, cu):
+        x = q.new_zeros(8, 2, 4, dtype=torch.bfloat16)
+        return flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, causal=True)
+
+    with pytest.raises(DeviceAuditError, match="cu_seqlens_q made on the host .* must be on CUDA") as info:
+        _under_audit(lambda q: run(q, torch.tensor([0, 3, 8], dtype=torch.int32)))
+    assert f"{HERE}:" in info.value.created_at and not info.value.ours
+    _under_audit(lambda q: run(q, torch.tensor([0, 3, 8], dtype=torch.int32, device=q.device)))

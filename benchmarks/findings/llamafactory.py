@@ -24,6 +24,7 @@ transformers' `_flash_attention_forward` with the rest; and K/V heads fewer than
 of its query heads.
 
     python -m benchmarks.findings.llamafactory minimal   # LLaMA-Factory's own functions alone, P=2, float64
+    python -m benchmarks.findings.llamafactory device    # its batch moved to cuda:<global rank> (SP L157)
     python -m benchmarks.findings.llamafactory confirm   # ringcheck step, as shipped and patched
     python -m benchmarks.findings.llamafactory confirm mistral,granite 4 benchmarks.findings.llamafactory:patched
 
@@ -180,6 +181,45 @@ def minimal() -> dict:
     return result
 
 
+def device() -> str:
+    """`sequence_parallel_loss` moves the batch with `.to(dist.get_rank())` (SP L157): the global rank
+    as a CUDA device index, while its trainer computes on `cuda:LOCAL_RANK` (`accelerator/helper.py`
+    L122-125, `set_device_index`). On the first rank of the second node of two 8-GPU nodes (RANK=8,
+    LOCAL_RANK=0) the batch goes to cuda:8. Here one gloo process, LLaMA-Factory's singleton handed its
+    group as the glue hands it, and `dist.get_rank()` answering 8 as it would there: where L157 sends
+    the batch (on a CPU build the move to a CUDA index raises, which shows it is one)."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    from ringcheck.trainers.llamafactory import RankDist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    glue, sp = LlamaFactoryUlysses(), plugin()
+    os.environ.update(LOCAL_RANK="0", RANK="8")
+    shimmed = sp.dist
+    try:
+        glue.install(dist.group.WORLD)
+        sp.dist = RankDist(8)   # dist.get_rank() on the first rank of the second node
+        sp.sequence_parallel_loss(lambda **inputs: None, {"input_ids": torch.zeros(1, 4, dtype=torch.int64)})
+        words = "no error: the batch stayed where it was"
+    except Exception as exc:
+        line = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith("sequence_parallel.py")]
+        where = f"sequence_parallel.py:{line[-1].lineno}" if line else "outside sequence_parallel.py"
+        words = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0][:120]}"
+    finally:
+        sp.dist = shimmed
+        glue.uninstall()
+        dist.destroy_process_group()
+    print(f"its trainer's device: cuda:{os.environ['LOCAL_RANK']} (set_device_index, LOCAL_RANK); the batch is moved "
+          f"to index 8 of the accelerator, cuda:8 (.to(dist.get_rank()), RANK=8): {words}")
+    return words
+
+
 GLUES = ("llamafactory", "benchmarks.findings.llamafactory:patched")
 
 
@@ -203,9 +243,9 @@ def confirm(models=("mistral", "gemma2", "gemma3_text", "granite", "qwen3_moe"),
         ring.close()
 
 
-if __name__ == "__main__":  # minimal | confirm [MODELS [SIZES [GLUES]]], each comma-separated
+if __name__ == "__main__":  # minimal | device | confirm [MODELS [SIZES [GLUES]]], each comma-separated
     command, *rest = sys.argv[1:] or ["minimal"]
     if command == "confirm" and rest:
         confirm(*(tuple(int(x) if i == 1 else x for x in arg.split(",")) for i, arg in enumerate(rest)))
     else:
-        {"minimal": minimal, "confirm": confirm}[command]()
+        {"minimal": minimal, "device": device, "confirm": confirm}[command]()

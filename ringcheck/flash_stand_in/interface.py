@@ -28,6 +28,7 @@ import itertools
 
 import torch
 
+from ..launch.audit import check_on_device
 from . import kernel
 
 __all__ = [
@@ -100,6 +101,9 @@ def _sequences(cu_q, cu_k, max_q: int, max_k: int, total_q: int, total_k: int):
                             f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
     if len(cu_q) != len(cu_k):
         raise ValueError(f"flash-attn stand-in: cu_seqlens_q has {len(cu_q)} entries, cu_seqlens_k {len(cu_k)}")
+    # the real kernels take the boundaries on q's device only (flash_api.cpp: CHECK_DEVICE(cu_seqlens_q)); read
+    # with .tolist() here, a host tensor never meets the rank's: under the device audit it is judged here
+    check_on_device({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}, by="flash-attn's varlen kernel")
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for name, cu, total, most in (("q", cq, total_q, max_q), ("k", ck, total_k, max_k)):
         lengths = [b - a for a, b in itertools.pairwise(cu)]

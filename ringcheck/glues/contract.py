@@ -71,6 +71,16 @@ class Glue:
     describe_for: Callable[[Any, int], str] | None = None
 
 
+def group_device(group) -> str:
+    """The device type the ranks of `group` compute on, for what a glue makes outside the forward (the
+    boundaries it hands a kernel, a DeviceMesh): "cpu" for a gloo group, else "cuda", the current device
+    (the launcher set it). ringcheck's groups on a GPU are "cpu:gloo,cuda:nccl" (`launch.common.ring_backend`),
+    never "nccl" alone."""
+    import torch.distributed as dist  # the glue's group exists: torch.distributed is initialised
+
+    return "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+
+
 # `shard(batch, group)` is given this rank's rows of the global micro-batch, padded to the layout's
 # multiple, as a data loader holds it (input_ids, labels not yet shifted, position_ids, cu_seqlens or
 # None) and returns this rank's input_ids, position_ids and labels (the targets of its tokens, shifted

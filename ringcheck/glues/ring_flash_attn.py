@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from .contract import Glue
+from .contract import Glue, group_device
 
 NAME = "ring_flash_attn"
 IMPLEMENTATION = "rfa_hf_adapter"  # no "flash" in it: transformers would look a "*flash*" name up as a hub kernel
@@ -96,8 +96,9 @@ class RingFlashAttnGlue:
         if cu_seqlens is None:
             raise ValueError("--glue ring_flash_attn: prepare needs the global boundaries [0, ..., seq_len] (the "
                              "adapter's update_ring_flash_attn_params takes the whole sequence's length from them)")
-        self.adapter.update_ring_flash_attn_params(torch.tensor([int(x) for x in cu_seqlens], dtype=torch.int32),
-                                                   group)
+        # on the rank's device: the varlen kernels take the boundaries there only (flash-attn's CHECK_DEVICE)
+        bounds = torch.tensor([int(x) for x in cu_seqlens], dtype=torch.int32, device=group_device(group))
+        self.adapter.update_ring_flash_attn_params(bounds, group)
 
 
 def refuses(layer) -> list[str]:

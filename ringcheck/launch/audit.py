@@ -264,6 +264,8 @@ class DeviceAudit(TorchFunctionMode):
             return _RANK if side else self._host(f"{name}(device='cpu')")
         if not tensors:
             return self._host(f"torch.{name} without a device")
+        if any(self._tag(t) is _RANK for t in tensors) and all(t.dim() == 0 for t in tensors if self._tag(t) is not _RANK):
+            return _RANK   # the rank's tensors with host scalars: CUDA computes it on the rank's device
         return self._host_of(tensors) or _RANK
 
     def _autograd(self, func, args, kwargs):
@@ -350,6 +352,47 @@ def active_audit() -> DeviceAudit | None:
     """The audit this thread runs under, or None."""
     return getattr(_state, "active", None)
 
+
+def check_handed(handed: dict, *, by: str, fn) -> None:
+    """Under this thread's audit: `DeviceAuditError` where a tensor of `handed` (name -> what a
+    glue's hook `fn` returned to the step) is on the host side. A trainer's own code may hand back
+    host tensors by design (DeepSpeed's loader keeps its shards on the CPU, and its trainer moves
+    them): the glue that calls it must move them, and the mix the model would meet later names the
+    trainer's line as the maker, which the launchers' audit does not judge. `by`: the hook, in
+    words; a glue of ringcheck's own (`fn` defined in ringcheck) is ringcheck's defect."""
+    module = getattr(fn, "__module__", None) or ""
+    ours = module.split(".")[0] == "ringcheck" and ".catalogue" not in module
+    _check_on_the_rank(handed, ours, lambda name: f"{by} handed the step {name}",
+                       "the model's first op on it raises 'Expected all tensors to be on the same device'. Move what "
+                       "the trainer's code returns to the rank's device (.to(batch['input_ids'].device)), as its "
+                       "trainer does")
+
+
+def check_on_device(named: dict, *, by: str) -> None:
+    """Under this thread's audit: `DeviceAuditError` where a tensor of `named` is on the host side,
+    handed to a kernel that takes it on the device only and never mixes it with the rank's
+    tensors on a CPU (flash-attn's varlen kernels check `cu_seqlens_q.is_cuda()`, flash_api.cpp's
+    CHECK_DEVICE; the stand-in reads the boundaries with .tolist()). Whose defect: where it was made."""
+    _check_on_the_rank(named, None, lambda name: f"{by} was handed {name}",
+                       "the kernel raises '<name> must be on CUDA'. Name the device where it is made "
+                       "(device=q.device, or .to(q.device) before it is handed over)")
+
+
+def _check_on_the_rank(named: dict, ours: bool | None, said, gpu: str) -> None:
+    """The two checks above: the first tensor of `named` (dim > 0) on the host side raises; `ours`
+    None: ringcheck's where the tensor was made in ringcheck's own code."""
+    audit = active_audit()
+    if audit is None or audit.suspended:
+        return
+    for name, t in named.items():
+        tag = audit._tag(t) if isinstance(t, torch.Tensor) and t.dim() > 0 else _RANK
+        mine = tag.ours if ours is None and tag is not _RANK else ours
+        if tag is _RANK or (not mine and not audit.judge_impl):
+            continue
+        met, _ = _site()
+        raise DeviceAuditError(
+            f"device audit{OWN_CODE if mine else ''}: {said(name)} made on the host ({tag.what} at {tag.site}); on a "
+            f"GPU {gpu.replace('<name>', name)}", created_at=tag.site, met_at=met, ours=bool(mine))
 
 
 class on_the_host:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..glues.contract import GLUE_LOSS_KEYS, GLUE_SHARD_KEYS
+from ..launch.audit import check_handed
 from ..step.contract import IGNORE
 
 
@@ -36,6 +37,8 @@ def glue_sharded(shard, ids, labels, pos, cu, padded: int, group) -> tuple[torch
     if missing:
         raise TypeError(f"the glue's shard(batch, group) returned no {', '.join(missing)}: it must return a dict of "
                         f"{', '.join(GLUE_SHARD_KEYS)} (docs/reference/glue-contract.md)")
+    check_handed({k: got[k] for k in ("input_ids", "position_ids", "labels")}, by="the glue's shard(batch, group)",
+                 fn=shard)   # under RINGCHECK_DEVICE_AUDIT: a trainer's loader may hand back host tensors
     held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
     out = [got[k].contiguous() for k in ("input_ids", "position_ids", "labels")]
     if any(t.shape != (ids.shape[0], held.numel()) for t in out):
@@ -54,6 +57,7 @@ def glue_loss(loss_of, model, ids, labels, pos, mb: dict, total, group) -> tuple
     if missing:
         raise TypeError(f"the glue's forward_loss(model, batch, group) returned no {', '.join(missing)}: it must return a dict "
                         f"of {', '.join(GLUE_LOSS_KEYS)} (docs/reference/glue-contract.md)")
+    check_handed({k: got[k] for k in ("loss", "logits")}, by="the glue's forward_loss(model, batch, group)", fn=loss_of)
     held = torch.as_tensor(got["positions"], dtype=torch.int64).reshape(-1)
     if got["logits"].shape[:2] != (ids.shape[0], held.numel()) or got["loss"].numel() != 1:
         raise ValueError(f"the glue's forward_loss(model, batch, group) returned logits of shape {tuple(got['logits'].shape)} "

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..launch.audit import on_the_host
 from ..thirdparty.transformers_private import can_set_experts_implementation, causal_lm_class
 from .scale import ModelRefused, kind_of, refuse_mixing_modules, scale_config
 
@@ -202,9 +203,12 @@ def _forward_runs(config) -> bool:
 
     try:
         extra = {"experts_implementation": "eager"} if _experts_settable(config) else {}  # as build() runs
-        model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32, **extra)
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
+        # on the CPU by design, on a GPU machine too; a rank's task makes its tiny model (and so runs this) under
+        # the device audit, where transformers' .to(x.device) of a host x would be taken for the rank's device
+        with on_the_host():
+            model = AutoModelForCausalLM.from_config(_copy(config), dtype=torch.float32, **extra)
+            with torch.no_grad():
+                model(input_ids=torch.zeros(1, 8, dtype=torch.long), use_cache=False)
         return True
     except Exception:  # any failure means "does not run": the caller compares two configs by it
         return False

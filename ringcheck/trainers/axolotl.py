@@ -36,7 +36,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from ..glues.contract import Glue
+from ..glues.contract import Glue, group_device
 from .flash import FLASH_CORE, install_flash_core
 from .flash import SHIM as FLASH_SHIM
 
@@ -132,7 +132,7 @@ class Ringmaster:
 
         world, kv = dist.get_world_size(group), kv_heads(config)
         u, r, _ = strategy(kv, world)
-        device = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+        device = group_device(group)
         if u > 1 and r > 1:  # as axolotl's RingmasterMesh splits the cp dim for USP (ring outer, Ulysses inner)
             ranks = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64, device="cpu")
             mesh = DeviceMesh(device, ranks.view(r, u), mesh_dim_names=("cp_ring", "cp_ulysses"))

@@ -164,9 +164,13 @@ class DeepSpeedUlysses:
         adapter = ulysses_sp.UlyssesSPDataLoaderAdapter([sample], sp_rank=rank, sp_group=group, sp_world_size=world,
                                                         device=batch["input_ids"].device)
         mine = next(adapter)  # the batch of the group's rank 0 (every rank was given the same), this rank's slice
-        n = mine["input_ids"].shape[1]
-        return {"input_ids": mine["input_ids"], "position_ids": mine["position_ids"], "labels": mine["shift_labels"],
-                "positions": torch.arange(rank * n, (rank + 1) * n, device=mine["input_ids"].device)}
+        # its slices are on the CPU by design (ulysses_sp.py L724, .cpu(): "keep the prefill buffer on cpu"), and the
+        # trainer moves the batch to the rank's device (HF Trainer's _prepare_inputs): so does the step
+        device = batch["input_ids"].device
+        ids = mine["input_ids"].to(device)
+        n = ids.shape[1]
+        return {"input_ids": ids, "position_ids": mine["position_ids"].to(device),
+                "labels": mine["shift_labels"].to(device), "positions": torch.arange(rank * n, (rank + 1) * n, device=device)}
 
     def refuses_ring(self, tiny, world_size: int) -> list[str]:
         """What DeepSpeed (`UlyssesSPAttentionHF.__init__`, `register_with_transformers`) and

@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from ..glues.contract import Glue
+from ..glues.contract import Glue, group_device
 from ..step.contract import IGNORE
 from ..thirdparty.transformers_private import causal_lm_class, compatible_flash_implementations, supports_attention
 from .flash import FLASH_CORE, install_flash_core
@@ -102,7 +102,7 @@ class LlamaFactoryUlysses:
 
     def install(self, group) -> str:
         sp = plugin()
-        import torch.distributed.nn  # (L194's dist.nn.all_gather; its trainer's FSDP2 imports it)
+        import torch.distributed.nn  # noqa: F401  (L194's dist.nn.all_gather; its trainer's FSDP2 imports it)
         from torch.distributed.device_mesh import DeviceMesh
         from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
 
@@ -112,7 +112,7 @@ class LlamaFactoryUlysses:
         self.group = group
         cls = sp.DistributedInterface
         self.interface = (cls._instance, cls._initialized)
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+        device = group_device(group)
         mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("cp",))
         shim = object.__new__(cls)  # shim 2: its singleton, its "cp" mesh ringcheck's CP group
         shim.__dict__.update(_initialized=True, _is_distributed=True, data_device_mesh={"cp": mesh},
