@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ringcheck.glues import load_glue
 from ringcheck.ring.layouts import shard
+from ringcheck.thirdparty.transformers_private import keep_attention_state
 
 SEQ = 32
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -69,23 +70,29 @@ def glue_logits(member, glue_spec: str, layout: str | None, specs: dict, dtype: 
     (float64) or, for a glue that fails loudly, the error's text}."""
     world = dist.get_world_size(member.group)
     glue = load_glue(glue_spec, layout=layout)
+    restore = keep_attention_state()  # the process's transformers as it was, for the tasks that run next
     impl = glue.install(member.group)
     out = {}
-    for name, spec in specs.items():
-        cu = spec[2]
-        model = tiny_transformers_model(spec, impl, getattr(torch, dtype))
-        if glue.prepare is not None:
-            glue.prepare([0, seq] if cu is None else cu, member.group)
+    try:
+        for name, spec in specs.items():
+            cu = spec[2]
+            model = tiny_transformers_model(spec, impl, getattr(torch, dtype))
+            if glue.prepare is not None:
+                glue.prepare([0, seq] if cu is None else cu, member.group)
 
-        def cut(t):
-            return shard(t, layout=glue.layout, rank=member.rank, world_size=world, dim=1)
+            def cut(t):
+                return shard(t, layout=glue.layout, rank=member.rank, world_size=world, dim=1)
 
-        try:
-            with torch.no_grad():
-                out[name] = model(input_ids=cut(token_ids(seq)), position_ids=cut(positions(cu, seq)),
-                                  use_cache=False).logits.double()
-        except Exception as exc:  # a glue that fails loudly: its message is the finding
-            out[name] = f"{type(exc).__name__}: {exc}"
+            try:
+                with torch.no_grad():
+                    out[name] = model(input_ids=cut(token_ids(seq)), position_ids=cut(positions(cu, seq)),
+                                      use_cache=False).logits.double()
+            except Exception as exc:  # a glue that fails loudly: its message is the finding
+                out[name] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if glue.uninstall is not None:
+            glue.uninstall()
+        restore()
     return out
 
 

@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from ..thirdparty.transformers_private import keep_attention_state
 from .contract import Glue, group_device
 
 NAME = "ring_flash_attn"
@@ -72,12 +73,15 @@ class RingFlashAttnGlue:
     def __init__(self):
         self.group = None
         self.adapter = None
+        self.undo = None  # transformers' attention state before the adapter patched it (uninstall)
 
     def install(self, group) -> str:
         import transformers.modeling_flash_attention_utils as mfa  # transformers is the optional extra `hf`
         from transformers import AttentionInterface
         adapter = hf_adapter()
         self.group, self.adapter = group, adapter
+        if self.undo is None:  # substitute_hf_flash_attn patches _flash_attention_forward and flash_attention_2
+            self.undo = keep_attention_state()
         try:
             adapter.substitute_hf_flash_attn(group, HEADS_K_STRIDE)
         except ValueError:   # shim 2: what substitute_hf_flash_attn does, with its newest variant
@@ -90,6 +94,14 @@ class RingFlashAttnGlue:
                 adapter.ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = adapter.flash_attention_forward
         AttentionInterface.register(IMPLEMENTATION, adapter.flash_attention_forward)
         return IMPLEMENTATION
+
+    def uninstall(self) -> None:
+        """transformers as it was before `install`: the adapter leaves `_flash_attention_forward` and
+        `ALL_ATTENTION_FUNCTIONS["flash_attention_2"]` patched for the process (a later flash-path
+        user of the same process would otherwise run its ring, on this group)."""
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
 
     def prepare(self, cu_seqlens, group) -> None:
         """The adapter's own `update_ring_flash_attn_params` with the global boundaries (int32)."""
@@ -113,6 +125,7 @@ def refuses(layer) -> list[str]:
 def ring_flash_attn_glue() -> Glue:
     state = RingFlashAttnGlue()
     return Glue(name=NAME, install=state.install, layout="contiguous", prepare=state.prepare,
+                uninstall=state.uninstall,
                 describe=("ring-flash-attn 0.1.8's Hugging Face adapter (substitute_hf_flash_attn, "
                           "update_ring_flash_attn_params, llama3-style varlen ring) on ringcheck's flash-attn "
                           "stand-in, bfloat16; with transformers 5.23: " + "; ".join(SHIMS)),

@@ -40,6 +40,7 @@ from ..glues.contract import Glue
 from ..glues.ring_flash_attn import IMPLEMENTATION, RingFlashAttnGlue, hf_adapter
 from ..glues.ring_flash_attn import SHIMS as RFA_SHIMS
 from ..step.contract import IGNORE, shift_labels
+from ..thirdparty.transformers_private import keep_attention_state
 
 VERSION = "0.11.2"     # the OpenRLHF this adapter was written and measured against
 HEAD_STRIDE = 1        # OpenRLHF's --ds.ring_attn_head_stride default
@@ -91,10 +92,13 @@ class OpenRLHF:
 
     def __init__(self):
         self.utils = None
+        self.undo = None  # transformers' attention state before setup_ring_attn patched it (uninstall)
 
     def install(self, group) -> str:
         utils = ring_attn_utils()
         self.utils = utils
+        if self.undo is None:  # substitute_hf_flash_attn patches _flash_attention_forward and flash_attention_2
+            self.undo = keep_attention_state()
         scope = {"dist": dist, "set_ring_attn_group": utils.set_ring_attn_group}
         exec(compile(setup_ring_attn_source(), "openrlhf/utils/deepspeed/deepspeed.py", "exec"), scope)
 
@@ -113,6 +117,12 @@ class OpenRLHF:
         # the adapter's flash_attention_forward, under the name transformers builds a model with on a CPU
         AttentionInterface.register(IMPLEMENTATION, hf_adapter().flash_attention_forward)
         return IMPLEMENTATION
+
+    def uninstall(self) -> None:
+        """transformers as it was before `install` (the adapter's patches are for the process)."""
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
 
     def shard(self, batch: dict, group) -> dict:
         """`unpad_and_slice_tensor` on the micro-batch as OpenRLHF's data holds it (one row per sample)."""
@@ -155,6 +165,7 @@ def openrlhf_glue() -> Glue:
     _root()
     a = OpenRLHF()
     return Glue(name="openrlhf", install=a.install, layout="contiguous", shard=a.shard, refuses_ring=refuses_ring,
+                uninstall=a.uninstall,
                 dtype="bfloat16", shims=SHIMS,
                 sharding=f"OpenRLHF {VERSION}'s unpad_and_slice_tensor (one row per document, unpadded into one "
                          f"packed sequence, targets rolled on each whole row, contiguous slices) and its "
