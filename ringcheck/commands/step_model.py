@@ -34,6 +34,7 @@ from ..models.step import (
     OPTIONAL_CASES,
     ModelStepConfig,
     assemble_logits,
+    error_words,
     glue_of,
     model_step_task,
     run_dtype,
@@ -244,8 +245,8 @@ def _diagnose(rows: list[dict], config: ModelStepConfig, processes, first: int, 
                                           config, shares, config.mesh_spec.rings, **kw):
             found.update(group[0])
     except Exception as exc:  # the verdicts stand; the report says the diagnosis could not be made
-        words = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        found = {row["case"]: {"matched": False, "words": f"the diagnosis could not run: {words}"} for row in failed}
+        found = {row["case"]: {"matched": False, "words": f"the diagnosis could not run: {error_words(exc)}"}
+                 for row in failed}
     for row in failed:
         row["diagnosis"] = found.get(row["case"], {"matched": False, "words": "no diagnosis"})
 
