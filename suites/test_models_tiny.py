@@ -184,6 +184,16 @@ def test_per_layer_settings_follow_the_kept_layers():
     assert llama4.scaled["layers kept (original indices)"][1] == [0, 3, 4]
 
 
+def test_a_recurrent_stack_is_as_deep_as_the_kept_layers():
+    """hrm_text: each H/L stack's depth (num_layers_per_stack, 16) shrinks with the layers (to 2), and the
+    config derives its cache slots from it again; L_bp_cycles counts cycles, not layers, and stays."""
+    tiny = tiny_model(_known("hrm_text"))
+    assert tiny.config.num_layers_per_stack == 2 and tiny.scaled["num_layers_per_stack"] == (16, 2)
+    config = tiny.config
+    assert config.num_hidden_layers == 2 * config.H_cycles * (config.L_cycles + 1)
+    assert "L_bp_cycles" not in tiny.scaled and config.L_bp_cycles == [2]
+
+
 def test_a_head_dim_the_model_derives_scales_and_is_said():
     """gpt2 computes its head dim from the width in the module: 64 -> 16, and the probe agrees."""
     tiny = tiny_model("gpt2")

@@ -154,8 +154,13 @@ def _scale_depth(d: dict, n: int | None, picks: list[int], scaled: dict) -> None
             scaled[key] = (d[key], len(picks))
             d[key] = len(picks)
     scaled["layers kept (original indices)"] = (list(range(n)) if n < 8 else f"0..{n - 1}", picks)
+    if isinstance(d.get("num_layers_per_stack"), int) and d["num_layers_per_stack"] > len(picks):
+        # hrm_text: the stacks' real depth, from which the config derives num_hidden_layers (one cache slot per
+        # recurrent call); unset, the config derives both again from the kept layers
+        scaled["num_layers_per_stack"] = (d["num_layers_per_stack"], len(picks))
+        d["num_layers_per_stack"] = None
     for key, value in list(d.items()):  # every per-layer list or pattern string takes the kept layers
-        if _index_list(value, n):
+        if _index_list(value, n) and "cycle" not in key:  # hrm_text's L_bp_cycles counts cycles, not layers
             new = [picks.index(i) for i in value if i in picks]
             scaled[key] = (f"{len(value)} layer indices", new)
             d[key] = new
