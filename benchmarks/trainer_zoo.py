@@ -93,7 +93,7 @@ def report(rows, speed_rows, zoo_seconds, command: str, glues, models=(), note: 
             f"- {len(rows)} runs: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
             f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {len(rows) - len(judged)} not run or no verdict.",
             f"- The zoo's wall time: {zoo_seconds / 60:.1f} min (the last run; the sum of all its rows: "
-            f"{sum(r['seconds'] for r in rows) / 60:.1f} min), on 2 CPU cores shared with other work."]
+            f"{sum(r['seconds'] for r in rows) / 60:.1f} min), on 2 CPU cores (the note at the top says what else ran)."]
     for r in speed_rows:
         tail.append(f"- One check of {r['model']} at P={r['P']} over every case through --glue {r['glue']} "
                     f"(the command, start-up included): {', '.join(map(str, r['seconds']))} s, median "

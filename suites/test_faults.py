@@ -155,6 +155,30 @@ def test_a_rank_that_never_sends(rings):
     assert f"rank {VICTIM} (global rank {VICTIM}) [never answered]" in str(error)
 
 
+def own_group_task(member):
+    """A trainer's own group, made as trainers make theirs (no timeout given); rank 0 waits for a
+    message rank 1 never sends."""
+    import torch.distributed as dist
+
+    group = dist.new_group()
+    if member.rank == 0:
+        dist.recv(torch.zeros(4), src=1, group=group)
+    return "ok"
+
+
+def test_a_trainers_own_group_waits_no_longer_than_the_ring(rings):
+    """c10d gives a group made without a timeout 30 min (gloo): a trainer's stalled ring was a 30-min
+    hang (ms-swift's ring after a raised case, 2026-12-07). The ranks bound new groups by the ring's
+    timeout, so the wait fails in it, naming the rank."""
+    rings.pool(2)  # started before the clock
+    start = time.monotonic()
+    with pytest.raises(RingError) as info:
+        rings.run(2, own_group_task)
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT + 6, f"the stalled wait took {elapsed:.1f} s (the ring's timeout is {TIMEOUT} s)"
+    assert 0 in info.value.failures and "imed out" in info.value.failures[0], str(info.value)
+
+
 def test_closing_leaves_no_process_behind():
     with LocalRings(timeout=TIMEOUT) as rings:
         pids = rings.pool(2).pids

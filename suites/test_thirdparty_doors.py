@@ -64,11 +64,14 @@ def _one_line(excinfo) -> str:
     (C10D, "_resolve_process_group", lambda: torch_private.resolve_process_group("0"),
      f"torch 2.14.0 moved {C10D}._resolve_process_group: ringcheck supports torch 2.3–2.13 here; pin torch<=2.13 or "
      f"upgrade ringcheck"),
+    (C10D, "default_pg_timeout", lambda: torch_private.bound_new_groups(60.0),
+     f"torch 2.14.0 moved {C10D}.default_pg_timeout: ringcheck supports torch 2.3–2.13 here; pin torch<=2.13 or "
+     f"upgrade ringcheck"),
     ("torch.utils._python_dispatch", "TorchDispatchMode", lambda: torch_private.TorchDispatchMode,
      "torch 2.14.0 moved torch.utils._python_dispatch.TorchDispatchMode: ringcheck supports torch 2.3–2.13 here; pin "
      "torch<=2.13 or upgrade ringcheck"),
 ], ids=["cp_options", "templated_ring_attention", "make_grads", "engine_run_backward", "pg_map", "resolve",
-        "dispatch_mode"])
+        "default_timeout", "dispatch_mode"])
 def test_torchs_door_says_the_version_and_the_fix(moved, module, attr, call, said, torchrun_world):
     if torchrun_world is not None and module == C10D:
         pytest.skip("takes c10d's tables away from the torchrun world the session's verdicts travel on: plain pytest")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import DEFAULT_TIMEOUT, check_timeout
+from ..thirdparty.torch_private import bound_new_groups
 from . import wire
 from .common import (
     GRACE,
@@ -74,6 +75,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout: float, conn, lo
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=as_timedelta(control_timeout(timeout)))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=as_timedelta(control_timeout(timeout)))
+        bound_new_groups(timeout)  # a trainer's own groups (its ring, its mesh) wait no longer than ours
         conn.send_bytes(pickle.dumps(("ready", None)))
     except Exception:
         conn.send_bytes(pickle.dumps(("error", f"could not join the ring: {raised_text()}")))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import DEFAULT_TIMEOUT, check_timeout
-from ..thirdparty.torch_private import default_store
+from ..thirdparty.torch_private import bound_new_groups, default_store
 from . import wire
 from .common import (
     GroupPlan,
@@ -75,6 +75,7 @@ class TorchrunWorld:
         elif (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
             raise RuntimeError(f"torch.distributed is initialized as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
+        bound_new_groups(self.timeout)  # a trainer's own groups (its ring, its mesh) wait no longer than ours
         # a world someone else made (NCCL alone, say) is fine: the rings' groups name their backends
         self.control = dist.new_group(backend="gloo", timeout=as_timedelta(control_timeout(self.timeout)))
         self.audit = audit  # every task under the device audit (ringcheck.launch.audit)

@@ -1,7 +1,7 @@
 """torch's private surface, the one door to it: context parallel's ring functions and options,
-the CPU flash kernels' ops, c10d's default store, NCCL's abort and the table of live groups,
-functional collectives' group names, the dispatch-mode base, autograd's engine entry, pytree,
-dynamo's reset and counters.
+the CPU flash kernels' ops, c10d's default store, NCCL's abort, the table of live groups, the
+default timeout of new groups, functional collectives' group names, the dispatch-mode base,
+autograd's engine entry, pytree, dynamo's reset and counters.
 
 Names reached on call (or, for the classes a module derives from or checks against, on import
 of that name: `TorchDispatchMode`, `ProcessGroup`, `Work`, `OpOverload`, `OpOverloadPacket`).
@@ -12,6 +12,7 @@ have a documented fallback instead (None: the launcher does without them).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from .door import Door
@@ -85,6 +86,18 @@ def abort_process_group() -> Any:
     """c10d's abort of one group's communicators (it does not wait for work in flight), or None
     where this torch has none (the fallback: destroy the group)."""
     return TORCH.reach(_C10D, "_abort_process_group", fallback=None)
+
+
+def bound_new_groups(seconds: float) -> None:
+    """Every group made in this process from now on without a timeout of its own (a trainer's
+    `new_group`, its device mesh) waits at most `seconds`, as ringcheck's own do: c10d reads its
+    default on each `new_group`, 30 min for gloo (10 for NCCL), which made a trainer's stalled ring a
+    30-minute hang."""
+    TORCH.reach(_C10D, "default_pg_timeout")  # where it has moved: one line, not a silent no-op
+    c10d = TORCH.reach(_C10D)
+    c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=seconds)
 
 
 def process_group_count() -> int:
