@@ -179,6 +179,71 @@ def test_a_trainers_own_group_waits_no_longer_than_the_ring(rings):
     assert 0 in info.value.failures and "imed out" in info.value.failures[0], str(info.value)
 
 
+def unsettled_task(member, settle: bool):
+    """Two runs on a trainer's group, as two cases of `step --model`: the first posts its K/V exchange
+    (batch_isend_irecv, as a ring does before it computes the block) and raises; the second exchanges
+    again. What the second receives, and what settling the first's requests said."""
+    import torch.distributed as dist
+
+    from ringcheck.launch.in_flight import InFlight
+
+    group, peer = dist.new_group(), 1 - member.rank
+
+    def exchange(value: float):
+        sent, got = torch.full((4,), value + member.rank), torch.zeros(4)
+        return got, dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, peer, group),
+                                            dist.P2POp(dist.irecv, got, peer, group)])
+
+    def first_case():
+        exchange(10.0)  # posted; the block's computation then raises, and the requests go with the stack
+        raise ValueError("planted: the block cannot be computed")
+
+    left = "not settled"
+    with InFlight() as flight:
+        try:
+            first_case()
+        except ValueError:
+            if settle:
+                left = flight.settle(member.timeout)
+        flight.clear()
+        got, requests = exchange(20.0)
+        for request in requests:
+            request.wait()
+    return got.tolist(), left
+
+
+def test_a_raise_with_messages_in_flight_is_settled_before_the_next_run(rings):
+    """The requests a raise leaves in flight, waited for, complete (both ranks posted them): the next run
+    receives its own data. Dropped, the next run waits on a channel out of step (ms-swift's ring after a
+    raised case, 2026-12-07: every later case timed out)."""
+    assert rings.run(2, unsettled_task, True) == [([21.0] * 4, None), ([20.0] * 4, None)]
+    try:
+        dropped = rings.run(2, unsettled_task, False)
+    except RingError as error:  # the channel out of step: a timeout
+        assert "imed out" in str(error), str(error)
+    else:  # or, worse, the last run's data read as this one's
+        assert dropped != [([21.0] * 4, "not settled"), ([20.0] * 4, "not settled")], dropped
+
+
+def one_sided_task(member):
+    """Rank 0 posts a receive its peer never sends, and raises: settling it says what did not complete."""
+    import torch.distributed as dist
+
+    from ringcheck.launch.in_flight import InFlight
+
+    group = dist.new_group()
+    with InFlight() as flight:
+        if member.rank == 0:
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(4), 1, group)])
+        return flight.settle(1.0)
+
+
+def test_messages_that_never_complete_are_said_not_waited_for_forever(rings):
+    left, peer = rings.run(2, one_sided_task)
+    assert peer is None and left.startswith("1 of the 1 point-to-point requests it left in flight did not complete "
+                                            "(RuntimeError: "), left
+
+
 def test_closing_leaves_no_process_behind():
     with LocalRings(timeout=TIMEOUT) as rings:
         pids = rings.pool(2).pids

@@ -31,6 +31,7 @@ from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
     MODEL_CASES,
+    NOT_RUN_AFTER,
     OPTIONAL_CASES,
     ModelStepConfig,
     assemble_logits,
@@ -205,7 +206,9 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
     rows = []
     for name in names:
         if name in ring_errors:
-            row = not_run(name, f"the run through --glue {config.glue} raised: {ring_errors[name]}", cases[name])
+            why = ring_errors[name]
+            row = not_run(name, why if why.startswith(NOT_RUN_AFTER) else
+                          f"the run through --glue {config.glue} raised: {why}", cases[name])
         elif name in ref.get("errors", {}):
             row = not_run(name, f"the truth (native_step) raised: {ref['errors'][name]}", cases[name])
         else:

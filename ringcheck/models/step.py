@@ -41,6 +41,7 @@ from ..harness import Mesh
 from ..harness.mesh import REPLICAS
 from ..harness.settings import default_dtype
 from ..launch.audit import on_the_host
+from ..launch.in_flight import InFlight
 from ..ring.layouts import positions
 from ..spec import REFERENCE_DTYPES, RingSpec
 from ..step.cases import CASES, micro_batches
@@ -259,8 +260,12 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
     place = Place(member.rank, member.world_size, glue.layout, member.group_index, dp)
     cases, errors = {}, {}
     dtype = REFERENCE_DTYPES[run_dtype(config, glue)]
-    with default_dtype(config.torch_dtype):
+    unsettled = None  # a case raised with the glue's messages in flight, which never completed
+    with default_dtype(config.torch_dtype), InFlight() as flight:
         for name in names:
+            if unsettled is not None:
+                errors[name] = f"{NOT_RUN_AFTER}{unsettled}; run it alone: --cases {name}"
+                continue
             case = model_case(name, tiny, config.world_size, glue.layout)
             try:  # a case the glue cannot run is not run (its reason), the others keep their verdicts
                 # on the rank's device (a GPU's under torchrun): the glue and its ring run there
@@ -271,8 +276,15 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                                            shard=glue.shard, loss_of=glue.forward_loss, gather=glue.gather)
             except Exception as exc:
                 errors[name] = error_words(exc)
+                left = flight.settle(member.timeout)  # what the raise left posted completes, or the ring stops
+                if left is not None:
+                    unsettled = f"{name} raised inside the glue, and {left}: its groups are out of step"
+            flight.clear()
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
             "errors": errors}
+
+
+NOT_RUN_AFTER = "not run on this ring after "  # a case's error that is no run of its own (_cases_task)
 
 
 def run_dtype(config: ModelStepConfig, glue) -> str:
