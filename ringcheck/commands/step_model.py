@@ -194,13 +194,15 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
     ring = processes.run_groups(mesh.plan(first, families=True), model_step_task, config, names, **kw)
     narrow = run_dtype(config, checked.glue)
     narrow = None if narrow == config.dtype else narrow
-    shares = shares_of(names, mesh.size)  # the truth per case, the cases shared among the ranks
-    ref = merged_truth(processes.run_groups(shares_plan(first, shares, "the truth: transformers' eager attention at "
-                                                                       "CP=1"), reference_shares_task, config,
-                                            shares, mesh.rings, checked.glue.layout, narrow, **kw), names)
-    noise = None if narrow is None else narrow_unit(ref["cases"], narrow)
-    truth = truth_dtype(config, ref.get("float32_steps", 0))
     ring_errors = _failed_cases(ring)
+    ref: dict[str, Any] = {"cases": {}, "errors": {}, "float32_steps": 0}  # every case raised: nothing to judge
+    if any(name not in ring_errors for name in names):
+        shares = shares_of(names, mesh.size)  # the truth per case, the cases shared among the ranks
+        ref = merged_truth(processes.run_groups(shares_plan(first, shares, "the truth: transformers' eager attention "
+                                                                           "at CP=1"), reference_shares_task, config,
+                                                shares, mesh.rings, checked.glue.layout, narrow, **kw), names)
+    noise = None if narrow is None or not ref["cases"] else narrow_unit(ref["cases"], narrow)
+    truth = truth_dtype(config, ref.get("float32_steps", 0))
     layout = checked.glue.layout
     cases = {name: model_case(name, checked.tiny, config.world_size, layout) for name in names}
     rows = []
