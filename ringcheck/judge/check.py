@@ -145,13 +145,15 @@ def locator(spec: AttentionSpec, ring: RingSpec, tensor: str) -> Callable[[tuple
 
 def judge_results(case: Case, got: Results, true: Results, peer_results: Results, *,
                   budget: Budget = Budget(), tensors=TENSORS, inputs: Inputs | None = None,
-                  use_float32_floors: bool = True) -> Verdict:
+                  use_float32_floors: bool = True, conventions=None) -> Verdict:
     """Judge every tensor; with `inputs`, the float32 floors of `float32_floors` apply (unless
     `use_float32_floors` is False: the bare flash-attention rule, for the suites' findings), and
     a tensor over its budget against the exact truth is judged again against the computation
     conventions it may follow (`ringcheck.judge.conventions`: a flash kernel's roundings, a
     ring of them, the stored output's D), the closest counting: a correct kernel that follows
-    one is no false alarm."""
+    one is no false alarm. `conventions(out, tensors)`: those truths where the caller has them
+    already (the precision class's `ClassContext.conventions` of the same case: the same
+    tensors), else `convention_truths` computes them."""
     floors = spec_floors(case.spec, inputs) if inputs is not None and use_float32_floors else {}
     owner, _ = token_owners(case.spec.seq_len, case.ring, case.spec.variant.cu_seqlens)
     if true.dsinks is not None and got.dsinks is not None and "dsinks" not in tensors:  # not: --forward-only
@@ -171,7 +173,8 @@ def judge_results(case: Case, got: Results, true: Results, peer_results: Results
     over = [tv.tensor for tv in verdict.tensors if not tv.passed and tv.stats.nonfinite == 0]
     if over and inputs is not None and use_float32_floors:
 
-        others = convention_truths(case.spec, inputs, true, got.out, owner, over)
+        others = (conventions(got.out, over) if conventions is not None else
+                  convention_truths(case.spec, inputs, true, got.out, owner, over))
         verdict.tensors = [judged(tv.tensor, others[tv.tensor]) if others.get(tv.tensor) else tv
                            for tv in verdict.tensors]
     return verdict

@@ -33,7 +33,7 @@ from ...harness.embedding import GROUP_SEED, LIKELY_CAUSES, embedding_message
 from ...harness.runner import SECOND, TWO_CALLS_ON_VIEWS
 from ...judge.check import Case, Results, judge_results, peer, reference_kwargs, row_results, truth
 from ...judge.inputs import Inputs, make_inputs, sample_rows, with_sampled_rows
-from ...judge.precision import judge_precision
+from ...judge.precision import ClassContext, class_context, judge_precision
 from ...judge.verdict import TENSORS, Verdict
 from ...launch import RingError
 from ...spec import AttentionSpec, Budget
@@ -219,20 +219,33 @@ def group_label(run, mesh: Mesh) -> str:
 
 
 class Judge:
-    """One case's judging: the references of each input once, every call judged against them."""
+    """One case's judging: the references of each input once, every call judged against them.
+    Of an input the precision class judges (`context_of`), the computation conventions of a
+    result are computed once for both verdicts: the budget rule's of a tensor over its budget
+    and the class's of every tensor (`ClassContext.conventions`, the same truths)."""
 
     def __init__(self, run: Run, case: Case, tensors):
-        self.run, self.case, self.tensors, self.refs = run, case, tensors, {}
+        self.run, self.case, self.tensors, self.refs, self.contexts = run, case, tensors, {}, {}
 
     def refs_of(self, x: Inputs):
         if id(x) not in self.refs:
             self.refs[id(x)] = (x, truth(self.case.spec, x), peer(self.case.spec, x))
         return self.refs[id(x)][1:]
 
+    def context_of(self, x: Inputs) -> ClassContext:
+        """The precision class's context of input `x` (made once: its kernel ring, floors, reference)."""
+        if id(x) not in self.contexts:
+            self.contexts[id(x)] = class_context(self.case, self.refs_of(x)[0], x)
+        return self.contexts[id(x)]
+
     def budget(self, got: Results, x: Inputs, label: str, what: str = "") -> Verdict:
         true, peer_r = self.refs_of(x)
         present = tuple(t for t in self.tensors if got.get(t) is not None)
-        v = judge_results(self.case, got, true, peer_r, budget=self.run.budget, tensors=present, inputs=x)
+        context = self.contexts.get(id(x))
+        conventions = None if context is None else (
+            lambda out, tensors: context.conventions(self.case.spec, x, true, out, tensors))
+        v = judge_results(self.case, got, true, peer_r, budget=self.run.budget, tensors=present, inputs=x,
+                          conventions=conventions)
         v.case, v.group = f"{v.case}{f' ({what})' if what else ''}", label
         return v
 
@@ -299,12 +312,14 @@ def scaled_rows(run: Run) -> list[CheckRow]:
         run.first = run.first or (case, inputs, second, runs)
         run.returns_lse = runs[0].calls[CONTIGUOUS].lse is not None
         judge = Judge(run, case, judged_tensors(run.returns_lse, target.forward_only))
+        judge.context_of(inputs[0])  # the precision class judges group 0 (below): its conventions serve both
         contiguous = [judge.budget(grun.calls[CONTIGUOUS], inputs[g], group_label(grun, run.mesh))
                       for g, grun in enumerate(runs)]
         for g, grun in enumerate(runs):
             x, label, got, verdict = inputs[g], group_label(grun, run.mesh), grun.calls[CONTIGUOUS], contiguous[g]
             if g == 0:  # the precision class judges the kernel's roundings: one group's data tells them
-                precision = judge_precision(case, got, judge.refs_of(x)[0], x, tensors=judge.tensors)
+                precision = judge_precision(case, got, judge.refs_of(x)[0], x, tensors=judge.tensors,
+                                            context=judge.context_of(x))
                 precision.group = label
                 classes.append(precision)
             by_dist.setdefault(case.distribution, []).append(verdict)
