@@ -17,6 +17,7 @@ not recorded: `batch_isend_irecv` checks them by identity, so they cannot be wra
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -54,13 +55,14 @@ class InFlight:
         self.requests.clear()
 
     def settle(self, seconds: float) -> str | None:
-        """Wait up to `seconds` for each request left incomplete; None when all completed, else
-        what did not (the channel is then out of step)."""
+        """Wait up to `seconds` in all for the requests left incomplete; None when all completed,
+        else what did not (the channel is then out of step)."""
         left = [r for r in self.requests if not r.is_completed()]
         self.requests.clear()
+        deadline = time.monotonic() + seconds
         for i, request in enumerate(left):
             try:
-                request.wait(datetime.timedelta(seconds=seconds))
+                request.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except Exception as exc:  # gloo's timeout, a closed pair: the channel cannot be trusted
                 words = str(exc).strip().splitlines()
                 return (f"{len(left) - i} of the {len(left)} point-to-point requests it left in flight did not "
