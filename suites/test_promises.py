@@ -197,6 +197,21 @@ def test_a_coalesced_batch_is_held_like_its_transfers(run_on_ring):
         assert exposed == pytest.approx(delay, abs=0.03) and took >= 0.7 * delay
 
 
+def test_a_counter_restores_each_modules_batch_as_it_found_it():
+    """`torch.distributed` and `distributed_c10d` each hold `batch_isend_irecv`; a counter that
+    replaced one caller's patch restored it into both (a test's stand-in for NCCL's batch then
+    outlived the test in c10d, and the next ring on that process waited on a work without timeouts)."""
+    c10d = dist.distributed_c10d
+    real, stand_in = c10d.batch_isend_irecv, (lambda ops: [])
+    dist.batch_isend_irecv = stand_in
+    try:
+        with CommCounter(0.01):
+            assert dist.batch_isend_irecv is c10d.batch_isend_irecv is not stand_in
+        assert dist.batch_isend_irecv is stand_in and c10d.batch_isend_irecv is real
+    finally:
+        dist.batch_isend_irecv = c10d.batch_isend_irecv = real
+
+
 def test_the_clock_of_a_gpu_call_synchronises_first():
     """A pass on CUDA is timed after its kernels ran (`device_clock`), not when they were launched;
     on the CPU the clock is plain perf_counter."""

@@ -33,17 +33,18 @@ class InFlight:
         self._saved: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> InFlight:
-        original = c10d.batch_isend_irecv
+        for module in (dist, c10d):  # each wraps its own: a caller may have replaced one of them
+            original = module.batch_isend_irecv
+            self._saved.append((module, original))
+            module.batch_isend_irecv = self._recording(original)
+        return self
 
+    def _recording(self, original):
         def recorded(p2p_op_list):
             requests = original(p2p_op_list)
             self.requests.extend(r for r in requests or () if r is not None)
             return requests
-
-        for module in (dist, c10d):
-            self._saved.append((module, module.batch_isend_irecv))
-            module.batch_isend_irecv = recorded
-        return self
+        return recorded
 
     def __exit__(self, *exc) -> None:
         for module, saved in reversed(self._saved):

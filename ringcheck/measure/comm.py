@@ -221,7 +221,7 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 
 _ACTIVE: list[CommCounter] = []   # the counter whose delays `Work.wait` applies (one at a time)
 _WORK_WAIT = Work.wait
-_BATCH: list = []  # the `batch_isend_irecv` that the active counter replaced (one at a time)
+_BATCH: list = []  # the (dist's, c10d's) `batch_isend_irecv` the active counter replaced (one at a time)
 
 
 def _held_batch(p2p_op_list):
@@ -229,7 +229,7 @@ def _held_batch(p2p_op_list):
     answers a batch with one coalesced `Work` that no dispatched op returned (the ops inside
     give placeholders), so the counter would never see the wait the ring makes: the works the
     batch returns are held with the burst its ops just posted."""
-    works = _BATCH[-1](p2p_op_list)
+    works = _BATCH[-1][0](p2p_op_list)
     if _ACTIVE:
         _ACTIVE[-1].adopt(works)
     return works
@@ -283,7 +283,8 @@ class CommCounter(TorchDispatchMode):
                 raise RuntimeError("CommCounter: a counter with a delay is already active; nest none")
             _ACTIVE.append(self)
             Work.wait = _held_wait
-            _BATCH.append(dist.batch_isend_irecv)
+            # each module's own, restored as it was: a caller may have replaced one and not the other
+            _BATCH.append((dist.batch_isend_irecv, dist.distributed_c10d.batch_isend_irecv))
             dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = _held_batch
         return super().__enter__()
 
@@ -294,7 +295,7 @@ class CommCounter(TorchDispatchMode):
             if _ACTIVE and _ACTIVE[-1] is self:
                 _ACTIVE.pop()
                 Work.wait = _WORK_WAIT
-                dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = _BATCH.pop()
+                dist.batch_isend_irecv, dist.distributed_c10d.batch_isend_irecv = _BATCH.pop()
             self._pending.clear()
 
     def adopt(self, works: Any) -> None:
