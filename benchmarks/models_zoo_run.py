@@ -46,15 +46,18 @@ def _glue(spec: str) -> tuple[str, str | None]:
     return name, layout or None
 
 
-def run_one(ring, model: str, glue: str, layout: str | None, size: int) -> dict:
-    """One `step --model` run, summarised: verdict, the cases' verdicts, what was named or why not run."""
+def run_one(ring, model: str, glue: str, layout: str | None, size: int, truths: dict | None = None) -> dict:
+    """One `step --model` run, summarised: verdict, the cases' verdicts, what was named or why not run.
+    `truths`: kept by the caller across one model's runs (`run_model_step`: a truth computed once
+    for the glues that share it)."""
     from ringcheck.commands.step_model import run_model_step
     from ringcheck.models.step import ModelStepConfig
 
     t0 = time.perf_counter()
     row = {"model": model, "glue": glue + (f":{layout}" if layout else ""), "P": size}
     try:
-        judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=size, layout=layout), ring)
+        judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=size, layout=layout), ring,
+                                truths=truths)
     except (ValueError, TypeError, ImportError) as exc:  # refused before any rank: the model or the glue
         row.update(verdict="not run", why=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
     except Exception as exc:  # a run that did not complete: recorded, the zoo goes on
@@ -86,10 +89,11 @@ def zoo(models, glues, sizes, out: Path) -> list[dict]:
     ring = open_ring(timeout=120)
     try:
         for model in models:
+            truths: dict = {}  # the model's truths, each computed once for the glues that share it
             for spec in glues:
                 name, layout = _glue(spec)
                 for size in sizes:
-                    row = run_one(ring, model, name, layout, size)
+                    row = run_one(ring, model, name, layout, size, truths)
                     print(f"{model:16s} {row['glue']:20s} P={size} {row['verdict']:9s} {row['seconds']:6.1f}s "
                           f"{row['why'][:150]}", flush=True)
                     rows.append(row)

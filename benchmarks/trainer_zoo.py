@@ -37,11 +37,12 @@ def zoo(models, glues, sizes, path, rows: list[dict], base: float = 0.0) -> list
     ring = open_ring(timeout=120)
     try:
         for model in models:
+            truths: dict = {}  # the model's truths, each computed once for the glues that share it
             for glue in glues:
                 for size in sizes:
                     if (model, glue, size) in done:
                         continue
-                    row = run_one(ring, model, glue, None, size)
+                    row = run_one(ring, model, glue, None, size, truths)
                     print(f"{model:16s} {glue:36s} P={size} {row['verdict']:9s} {row['seconds']:6.1f}s "
                           f"{row['why'][:150]}", flush=True)
                     rows.append(row)

@@ -217,3 +217,20 @@ def test_a_config_json_that_transformers_cannot_read_is_refused_in_one_line(tmp_
     assert len(str(info.value)) < 400
     with pytest.raises(ValueError, match="is not JSON"):
         tiny_model(str(broken))
+
+
+def test_a_model_type_is_made_once_and_each_caller_gets_its_own_copy():
+    """Every task of a `step --model` run asks for the tiny model; a model_type's is made once per
+    process, and what one caller changes (a glue's configure writes on the config) no other sees."""
+    from ringcheck.models import tiny as tiny_module
+
+    first = tiny_model("mistral")
+    assert ("mistral", 64) in tiny_module._MADE
+    first.config.sliding_window = 999
+    first.kept["planted"] = True
+    second = tiny_model("mistral")
+    assert second is not first and second.config is not first.config
+    assert second.config.sliding_window == 12 and "planted" not in second.kept
+    assert second.config.to_dict() == tiny_module._MADE[("mistral", 64)].config.to_dict()
+    torch.testing.assert_close(second.build("eager", seed=3).state_dict(),
+                               tiny_module._make("mistral", 64).build("eager", seed=3).state_dict(), rtol=0, atol=0)

@@ -46,6 +46,36 @@ def test_a_correct_glue_passes_against_the_models_own_attention(ring_processes, 
         assert any("window" in " ".join(layer["features"]) for layer in judged["model"]["layers"])
 
 
+class _Spy:
+    """The ring's processes, recording which tasks were run on them."""
+
+    def __init__(self, processes):
+        self.processes, self.tasks = processes, []
+
+    def __getattr__(self, name):
+        return getattr(self.processes, name)
+
+    def run_groups(self, plan, task, *args, **kw):
+        self.tasks.append(task.__name__)
+        return self.processes.run_groups(plan, task, *args, **kw)
+
+
+def test_glues_that_share_a_truth_are_judged_against_one_computed_once(ring_processes):
+    """A zoo's glues on one model (`truths` kept across runs): the truth is computed for the first,
+    the second is judged against it, and a bug in the second is still caught and named."""
+    truths: dict = {}
+    first = run_model_step(ModelStepConfig(model="llama", world_size=2, cases=("packed",)), ring_processes, truths=truths)
+    assert first["verdict"] == "pass" and len(truths) == 1, first["why"]
+    spy = _Spy(ring_processes)
+    second = run_model_step(ModelStepConfig(model="llama", glue="ringcheck.catalogue.glue_mutants:documents_crossed",
+                                            world_size=2, cases=("packed",)), spy, truths=truths)
+    assert len(truths) == 1 and "reference_shares_task" not in spy.tasks and "model_step_task" in spy.tasks
+    assert second["verdict"] == "fail" and "documents" in second["why"], second["why"]
+    alone = run_model_step(ModelStepConfig(model="llama", glue="ringcheck.catalogue.glue_mutants:documents_crossed",
+                                           world_size=2, cases=("packed",)), ring_processes)
+    assert alone["cases"][0]["logits"] == second["cases"][0]["logits"]  # the same judgement as with its own truth
+
+
 def test_the_report_says_what_was_scaled_kept_and_switched_off(ring_processes):
     judged = _run(ring_processes, "llama", layout="zigzag")
     doc = model_report_dict(ModelStepConfig(model="llama", world_size=2, cases=CASES), judged, "ringcheck step")

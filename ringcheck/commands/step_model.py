@@ -176,17 +176,28 @@ def not_run(name: str, why: str, case: Case | None = None) -> dict[str, Any]:
     return {"case": name, "words": (case or CASES[name]).words, "verdict": "not run", "why": why}
 
 
-def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | None = None) -> dict[str, Any]:
+def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | None = None,
+                   truths: dict | None = None) -> dict[str, Any]:
     """The run under test and the truth on `processes` (`LocalRings` or the `TorchrunWorld`
     whose every rank calls this), judged and, where a case failed, diagnosed by semantics. One
     intra-op thread while it judges, as validate: its tensors are a tiny model's, and a second
     thread only spins against the ranks' processes (a dot product of a gradient took 10-20 ms
-    with two threads on a busy 2-core machine, 0.01 ms with one: 2.2 of a zoo row's 7.5 s)."""
+    with two threads on a busy 2-core machine, 0.01 ms with one: 2.2 of a zoo row's 7.5 s).
+    `truths`: a dict the caller keeps across runs (a zoo's glues on one model); a truth is
+    computed once for everything it depends on (`truth_key`), and the next glue judged against it."""
     with torch_threads(1):
-        return _run_and_judge(config, processes, checked or check_model_before_start(config))
+        return _run_and_judge(config, processes, checked or check_model_before_start(config), truths)
 
 
-def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) -> dict[str, Any]:
+def truth_key(config: ModelStepConfig, layout: str, narrow: str | None) -> tuple:
+    """What the truth depends on (`reference_task`): the model, the dtype, the seed, the ring's size
+    and its replicas, the cases, the layout the noise splits the targets by, the glue's narrow dtype;
+    not the glue."""
+    return (config.model, config.dtype, config.seed, config.world_size, config.mesh_spec.rings, tuple(config.cases),
+            layout, narrow)
+
+
+def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel, truths: dict | None) -> dict[str, Any]:
     mesh = config.mesh_spec
     first = 0 if processes.size is None else processes.size - mesh.size
     names = config.cases
@@ -196,11 +207,16 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel) ->
     narrow = None if narrow == config.dtype else narrow
     ring_errors = _failed_cases(ring)
     ref: dict[str, Any] = {"cases": {}, "errors": {}, "float32_steps": 0}  # every case raised: nothing to judge
-    if any(name not in ring_errors for name in names):
+    key = truth_key(config, checked.glue.layout, narrow)
+    if truths is not None and key in truths:
+        ref = truths[key]
+    elif any(name not in ring_errors for name in names):
         shares = shares_of(names, mesh.size)  # the truth per case, the cases shared among the ranks
         ref = merged_truth(processes.run_groups(shares_plan(first, shares, "the truth: transformers' eager attention "
                                                                            "at CP=1"), reference_shares_task, config,
                                                 shares, mesh.rings, checked.glue.layout, narrow, **kw), names)
+        if truths is not None:
+            truths[key] = ref
     noise = None if narrow is None or not ref["cases"] else narrow_unit(ref["cases"], narrow)
     truth = truth_dtype(config, ref.get("float32_steps", 0))
     layout = checked.glue.layout

@@ -9,6 +9,8 @@ CPU. Every change is recorded (`kept`, `scaled`, `disabled`) so the report can s
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import sys
@@ -72,6 +74,11 @@ class TinyModel:
         model.train()  # dropout is off in the config; train mode is what a step runs
         return model
 
+    def fresh(self) -> TinyModel:
+        """A copy a caller may change (its config and its words) without changing this one."""
+        return dataclasses.replace(self, config=copy.deepcopy(self.config), kept=dict(self.kept),
+                                   scaled=dict(self.scaled), disabled=dict(self.disabled))
+
 
 def zoo_names() -> tuple[str, ...]:
     """Every causal-LM model_type transformers registers."""
@@ -80,10 +87,25 @@ def zoo_names() -> tuple[str, ...]:
     return tuple(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+_MADE: dict[tuple[str, int], TinyModel] = {}  # per process, by model_type: what tiny_model made
+
+
 def tiny_model(name_or_path: str, *, seq_len: int = 64) -> TinyModel:
-    """The tiny model of `name_or_path`: a transformers model_type, or a path to a config.json."""
+    """The tiny model of `name_or_path`: a transformers model_type, or a path to a config.json.
+    A model_type's is made once per process (a fresh copy each call): every task of a `step
+    --model` run (the ranks, the truth, the diagnoses) asks for it, and making it reads, scales and
+    validates the config (a fifth of a zoo row's time when each call made it again)."""
     if not isinstance(seq_len, int) or seq_len < 16:
         raise ValueError(f"seq_len must be an int >= 16 (windows are scaled to bite at it), got {seq_len!r}")
+    if not isinstance(name_or_path, str) or name_or_path not in zoo_names():  # a file may change: made each time
+        return _make(name_or_path, seq_len)
+    key = (name_or_path, seq_len)
+    if key not in _MADE:
+        _MADE[key] = _make(name_or_path, seq_len)
+    return _MADE[key].fresh()
+
+
+def _make(name_or_path: str, seq_len: int) -> TinyModel:
     original, name, scaled = _original_config(name_or_path)
     settable = not isinstance(getattr(type(original), "head_dim", None), property)  # falcon derives it
     said = dict(scaled)
