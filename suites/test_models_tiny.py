@@ -234,3 +234,31 @@ def test_a_model_type_is_made_once_and_each_caller_gets_its_own_copy():
     assert second.config.to_dict() == tiny_module._MADE[("mistral", 64)].config.to_dict()
     torch.testing.assert_close(second.build("eager", seed=3).state_dict(),
                                tiny_module._make("mistral", 64).build("eager", seed=3).state_dict(), rtol=0, atol=0)
+
+
+def test_a_task_builds_its_model_once_and_each_case_gets_a_pristine_copy():
+    """`reused_builds`: one build per (model, attention, dtype, seed) in the scope, each caller a copy
+    as built (what a case did to its model no later case sees); under a torch mode, a fresh build."""
+    from torch.overrides import TorchFunctionMode
+
+    from ringcheck.models import tiny as tiny_module
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    tiny = tiny_model("llama")
+    alone = tiny.build("eager", seed=5).state_dict()
+    with tiny_module.reused_builds():
+        first = tiny.build("eager", seed=5)
+        (key, (_, kept)), = tiny_module._BUILT[-1].items()
+        with torch.no_grad():
+            next(first.parameters()).add_(1.0)  # a case changes its model
+        second = tiny.build("eager", seed=5)
+        assert second is not first and second is not kept
+        torch.testing.assert_close(second.state_dict(), alone, rtol=0, atol=0)
+        assert tiny.build("eager", seed=6) is not None and len(tiny_module._BUILT[-1]) == 2
+        with Passing():
+            tiny.build("eager", seed=7)
+        assert len(tiny_module._BUILT[-1]) == 2  # not kept: built under a mode
+    assert not tiny_module._BUILT

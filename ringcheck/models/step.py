@@ -255,13 +255,15 @@ def model_step_task(member, config: ModelStepConfig, names: tuple[str, ...]) -> 
 
 def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, glue, attn: str) -> dict[str, Any]:
     """Every case of `names` on one rank, through the installed glue."""
+    from .tiny import reused_builds  # start-up time: only a --model run imports the tiny models
+
     dp_group = member.groups[REPLICAS]
     dp = dist.get_world_size(dp_group)
     place = Place(member.rank, member.world_size, glue.layout, member.group_index, dp)
     cases, errors = {}, {}
     dtype = REFERENCE_DTYPES[run_dtype(config, glue)]
     unsettled = None  # a case raised with the glue's messages in flight, which never completed
-    with default_dtype(config.torch_dtype), InFlight() as flight:
+    with default_dtype(config.torch_dtype), InFlight() as flight, reused_builds():
         for name in names:
             if unsettled is not None:
                 errors[name] = f"{NOT_RUN_AFTER}{unsettled}; run it alone: --cases {name}"
@@ -333,10 +335,11 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
     runs' changes against the truth (`narrow_noise`)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from .native import NATIVE, native_logits, native_step
+    from .tiny import reused_builds
 
     tiny = tiny_of(config)
     out, errors, casts = {}, {}, None
-    with default_dtype(config.torch_dtype), on_the_host():  # the truth: on the CPU by design
+    with default_dtype(config.torch_dtype), on_the_host(), reused_builds():  # the truth: on the CPU by design
         for name in names:
             try:
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from ..launch.audit import on_the_host
+from ..thirdparty.torch_private import in_a_torch_mode
 from ..thirdparty.transformers_private import can_set_experts_implementation, causal_lm_class
 from .scale import ModelRefused, kind_of, refuse_mixing_modules, scale_config
 
@@ -65,6 +67,10 @@ class TinyModel:
         if not isinstance(attn_implementation, str) or not attn_implementation:
             raise TypeError(f"attn_implementation must be a name (eager, sdpa, or one registered with "
                             f"transformers' AttentionInterface), got {attn_implementation!r}")
+        scope = _BUILT[-1] if _BUILT and not in_a_torch_mode() else None
+        key = (id(self), attn_implementation, dtype, seed, torch.get_default_dtype())
+        if scope is not None and key in scope:
+            return copy.deepcopy(scope[key][1])
         extra = {"experts_implementation": "eager"} if _experts_settable(self.config) else {}
         with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
             torch.manual_seed(seed)  # transformers' own init of what we do not overwrite (buffers)
@@ -72,12 +78,31 @@ class TinyModel:
                                                      dtype=dtype, **extra)
         _init_weights(model, seed)
         model.train()  # dropout is off in the config; train mode is what a step runs
+        if scope is not None:
+            scope[key] = (self, copy.deepcopy(model))  # self kept: its id stays its own while the scope lasts
         return model
 
     def fresh(self) -> TinyModel:
         """A copy a caller may change (its config and its words) without changing this one."""
         return dataclasses.replace(self, config=copy.deepcopy(self.config), kept=dict(self.kept),
                                    scaled=dict(self.scaled), disabled=dict(self.disabled))
+
+
+_BUILT: list[dict] = []  # the innermost `reused_builds` scope's models, by what built them
+
+
+@contextmanager
+def reused_builds():
+    """Within it, `TinyModel.build` builds each (tiny model, attention, dtype, seed) once and hands
+    out copies: a task's cases each ask for the same model (one build and copies, as a trainer
+    builds its model once; building was half of a rank's time in a zoo row). A build under a torch
+    function or dispatch mode (`step_noise.float64_throughout`) is made afresh: the mode may change
+    what it makes, or count it."""
+    _BUILT.append({})
+    try:
+        yield
+    finally:
+        _BUILT.pop()
 
 
 def zoo_names() -> tuple[str, ...]:

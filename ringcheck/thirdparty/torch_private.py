@@ -68,6 +68,16 @@ def to_copy_op() -> Any:
     return TORCH.reach("torch", "ops.aten._to_copy.default")
 
 
+def in_a_torch_mode() -> bool:
+    """Whether a torch function mode or dispatch mode is active on this thread; True where this
+    torch does not say (the caller then assumes the worst)."""
+    function = TORCH.reach("torch", "_C._is_torch_function_mode_enabled", fallback=None)
+    dispatch = TORCH.reach("torch", "_C._len_torch_dispatch_stack", fallback=None)
+    if function is None or dispatch is None:
+        return True
+    return bool(function()) or dispatch() > 0
+
+
 # -- c10d ------------------------------------------------------------------------------------------
 
 def default_store() -> Any:
