@@ -76,6 +76,25 @@ def test_glues_that_share_a_truth_are_judged_against_one_computed_once(ring_proc
     assert alone["cases"][0]["logits"] == second["cases"][0]["logits"]  # the same judgement as with its own truth
 
 
+def test_a_glue_run_narrower_adds_only_its_noise_runs_to_a_shared_truth(ring_processes):
+    """ring-flash-attn's glue runs in bfloat16: on a truth shared from ringcheck's float64 glue, only
+    its noise runs are computed (the truth task once more, the rest kept), and its verdict, its
+    measured noise and its budgets are the ones it gets alone."""
+    truths: dict = {}
+    config = ModelStepConfig(model="llama", world_size=2, cases=("one_sequence",))
+    run_model_step(config, ring_processes, truths=truths)
+    spy = _Spy(ring_processes)
+    narrow = ModelStepConfig(model="llama", glue="ring_flash_attn", world_size=2, cases=("one_sequence",))
+    shared = run_model_step(narrow, spy, truths=truths)
+    assert spy.tasks.count("reference_shares_task") == 1 and len(truths) == 1
+    assert all("narrow" not in case for case in next(iter(truths.values()))["cases"].values())
+    alone = run_model_step(narrow, ring_processes)
+    assert shared["verdict"] == alone["verdict"] == "pass", shared["why"]
+    assert shared["noise"] == alone["noise"] and shared["noise"] is not None
+    assert shared["cases"][0]["logits"] == alone["cases"][0]["logits"]
+    assert shared["cases"][0]["gradients"] == alone["cases"][0]["gradients"]
+
+
 def test_the_report_says_what_was_scaled_kept_and_switched_off(ring_processes):
     judged = _run(ring_processes, "llama", layout="zigzag")
     doc = model_report_dict(ModelStepConfig(model="llama", world_size=2, cases=CASES), judged, "ringcheck step")

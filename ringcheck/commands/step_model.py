@@ -189,12 +189,42 @@ def run_model_step(config: ModelStepConfig, processes, checked: CheckedModel | N
         return _run_and_judge(config, processes, checked or check_model_before_start(config), truths)
 
 
-def truth_key(config: ModelStepConfig, layout: str, narrow: str | None) -> tuple:
+def truth_key(config: ModelStepConfig, layout: str) -> tuple:
     """What the truth depends on (`reference_task`): the model, the dtype, the seed, the ring's size
-    and its replicas, the cases, the layout the noise splits the targets by, the glue's narrow dtype;
-    not the glue."""
+    and its replicas, the cases, the layout the noise splits the targets by; not the glue (a glue's
+    narrow dtype adds its noise runs on top)."""
     return (config.model, config.dtype, config.seed, config.world_size, config.mesh_spec.rings, tuple(config.cases),
-            layout, narrow)
+            layout)
+
+
+def _truth(config: ModelStepConfig, processes, first: int, layout: str, narrow: str | None, ring_errors: dict,
+           truths: dict | None, kw: dict) -> dict[str, Any]:
+    """Every case's truth (`reference_task`, the cases shared among the ranks). With `truths`, the
+    one computed for another glue where it depends on nothing that differs (`truth_key`), and for a
+    glue run in a narrow dtype only its noise runs computed on top of it."""
+    names, mesh = config.cases, config.mesh_spec
+    key = truth_key(config, layout)
+    known = None if truths is None else truths.get(key)
+    if known is None and all(name in ring_errors for name in names):
+        return {"cases": {}, "errors": {}, "float32_steps": 0}  # every case raised: nothing to judge
+    shares = shares_of(names, mesh.size)
+
+    def run(only_narrow: bool) -> dict[str, Any]:
+        plan = shares_plan(first, shares, "the truth: transformers' eager attention at CP=1")
+        return merged_truth(processes.run_groups(plan, reference_shares_task, config, shares, mesh.rings, layout, narrow,
+                                                 only_narrow, **kw), names)
+
+    if known is None:
+        ref = run(False)
+        if truths is not None:  # kept without a glue's narrow runs: another glue's are its own
+            truths[key] = {**ref, "cases": {n: {k: v for k, v in c.items() if k != "narrow"}
+                                            for n, c in ref["cases"].items()}}
+        return ref
+    if narrow is None:
+        return known
+    extra = run(True)["cases"]
+    return {**known, "cases": {n: {**c, **({"narrow": extra[n]["narrow"]} if n in extra else {})}
+                               for n, c in known["cases"].items()}}
 
 
 def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel, truths: dict | None) -> dict[str, Any]:
@@ -206,17 +236,7 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel, tr
     narrow = run_dtype(config, checked.glue)
     narrow = None if narrow == config.dtype else narrow
     ring_errors = _failed_cases(ring)
-    ref: dict[str, Any] = {"cases": {}, "errors": {}, "float32_steps": 0}  # every case raised: nothing to judge
-    key = truth_key(config, checked.glue.layout, narrow)
-    if truths is not None and key in truths:
-        ref = truths[key]
-    elif any(name not in ring_errors for name in names):
-        shares = shares_of(names, mesh.size)  # the truth per case, the cases shared among the ranks
-        ref = merged_truth(processes.run_groups(shares_plan(first, shares, "the truth: transformers' eager attention "
-                                                                           "at CP=1"), reference_shares_task, config,
-                                                shares, mesh.rings, checked.glue.layout, narrow, **kw), names)
-        if truths is not None:
-            truths[key] = ref
+    ref = _truth(config, processes, first, checked.glue.layout, narrow, ring_errors, truths, kw)
     noise = None if narrow is None or not ref["cases"] else narrow_unit(ref["cases"], narrow)
     truth = truth_dtype(config, ref.get("float32_steps", 0))
     layout = checked.glue.layout

@@ -29,9 +29,9 @@ def shares_plan(first: int, shares: tuple, label: str) -> GroupPlan:
 
 
 def reference_shares_task(member, config, shares: tuple[tuple[str, ...], ...], dp: int, layout: str,
-                          narrow: str | None = None) -> dict[str, Any]:
+                          narrow: str | None = None, only_narrow: bool = False) -> dict[str, Any]:
     """`reference_task` on this rank's share of the cases (`member.group_index`)."""
-    return reference_task(member, config, shares[member.group_index], dp, layout, narrow)
+    return reference_task(member, config, shares[member.group_index], dp, layout, narrow, only_narrow)
 
 
 def merged_truth(results: list[list[dict]], names: tuple[str, ...]) -> dict[str, Any]:

@@ -328,11 +328,12 @@ def _own_rounding(tiny, config: ModelStepConfig, batches: list[dict], grads: dic
 
 
 def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str,
-                   narrow: str | None = None) -> dict[str, Any]:
+                   narrow: str | None = None, only_narrow: bool = False) -> dict[str, Any]:
     """The truth on one rank: `native_step` on every case's whole batch (every replica's rows),
     and per parameter the truth's own rounding noise (`ringcheck.models.step_noise`: the targets
     split as the ranks of `layout` hold them); for a glue run in a `narrow` dtype, the noise
-    runs' changes against the truth (`narrow_noise`)."""
+    runs' changes against the truth (`narrow_noise`). `only_narrow`: those changes alone (the rest
+    known from another glue's run: no rounding noise, no float32 steps counted)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from .native import NATIVE, native_logits, native_step
     from .tiny import reused_builds
@@ -345,11 +346,11 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
                 case = model_case(name, tiny, config.world_size, layout)
                 batches = case_batches(config, tiny, case, dp)
-                if casts is None and config.dtype == "float64":
+                if casts is None and config.dtype == "float64" and not only_narrow:
                     casts = float32_steps(model, batches[0], native_logits)
                 evaluate = case.evaluate
                 loss, grads, logits = native_step(model, batches)
-                noise = {} if evaluate else truth_noise(split_gradients(
+                noise = {} if evaluate or only_narrow else truth_noise(split_gradients(
                     model, batches, native_logits, layout=layout, world_size=config.world_size,
                     total=count_targets(batches)), grads)
                 if noise and casts:  # the model's own float32 steps: the truth's distance to a float64 run of it
