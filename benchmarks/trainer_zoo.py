@@ -27,14 +27,14 @@ from benchmarks.models_zoo_run import OUT, PROOF, ROOT, features_of, markdown, r
 DENSE = "llama"
 
 
-def zoo(models, glues, sizes, path, rows: list[dict], base: float = 0.0) -> list[dict]:
+def zoo(models, glues, sizes, path, rows: list[dict], base: float = 0.0, timeout: float = 120.0) -> list[dict]:
     """Every (model, glue, size) not yet in `rows`, model by model, appended and written to `path`
     after each (a run cut short keeps whole rows)."""
     from ringcheck.launch import open_ring
 
     done = {(r["model"], r["glue"], r["P"]) for r in rows}
     t0 = time.perf_counter()
-    ring = open_ring(timeout=120)
+    ring = open_ring(timeout=timeout)
     try:
         for model in models:
             truths: dict = {}  # the model's truths, each computed once for the glues that share it
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--speed", action="store_true", help="time one check of a dense model at P=4, every case")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--speed-glue", default=None, help="the glues --speed times (default: every --glue)")
+    p.add_argument("--timeout", type=float, default=120.0, help="the rings' timeout, seconds (a glue that hangs "
+                                                                 "waits it out, once per hanging case)")
     p.add_argument("--note", default="", help="a line under the report's title (e.g. the environment it ran in)")
     args = p.parse_args(argv)
     from ringcheck.models.tiny import zoo_names
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     old = json.loads(path.read_text()) if args.report_only else old
     rows = list(old.get("zoo", [])) if args.report_only else zoo(models, glues, sizes, path, list(old.get("zoo", [])),
-                                                                   old.get("zoo_seconds", 0.0))
+                                                                   old.get("zoo_seconds", 0.0), args.timeout)
     seconds = (0.0 if args.report_only else time.perf_counter() - t0) + old.get("zoo_seconds", 0.0)
     feats = {r["model"]: r["features"] for r in rows if "features" in r}  # a run's rows keep theirs
     for r in rows:

@@ -427,6 +427,14 @@ class LocalRings:
                 other._in_flight.settle()
         return self.pool(plan.size, exact=True).submit_groups(plan, task, *args, deadline=deadline)
 
+    def retire(self, size: int) -> None:
+        """Close the pool of exactly `size` processes (the next task gets fresh ones): a run left
+        messages in flight that never completed, and gloo closes a pair that timed out for good."""
+        for pool in [p for p in self._pools if p.size == size]:
+            pool.close()  # graceful: a task in flight is collected by the caller first (run_groups)
+            self._pools.remove(pool)
+            del self._used[id(pool)]
+
     def close(self) -> None:
         for pool in self._pools:
             pool.close()

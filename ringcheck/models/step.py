@@ -281,12 +281,23 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                 left = flight.settle(member.timeout)  # what the raise left posted completes, or the ring stops
                 if left is not None:
                     unsettled = f"{name} raised inside the glue, and {left}: its groups are out of step"
+                elif spoils_groups(errors[name]):
+                    unsettled = f"{name} raised inside the glue in a gloo operation that closed its connection"
             flight.clear()
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
             "errors": errors}
 
 
 NOT_RUN_AFTER = "not run on this ring after "  # a case's error that is no run of its own (_cases_task)
+# gloo closes a pair whose operation timed out or whose peer went away, for good: a later run on it fails at once
+GLOO_SPOILED = ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by peer",
+                "Connection reset by peer")
+
+
+def spoils_groups(why: str) -> bool:
+    """Whether a case's error (a rank's, in the glue) leaves the ring's groups unusable afterwards:
+    gloo closed a pair, or messages left in flight never completed (`NOT_RUN_AFTER`)."""
+    return why.startswith(NOT_RUN_AFTER) or any(words in why for words in GLOO_SPOILED)
 
 
 def run_dtype(config: ModelStepConfig, glue) -> str:
