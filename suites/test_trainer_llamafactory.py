@@ -61,9 +61,20 @@ planted = replace(llamafactory_glue(DropsPositions()), name="suites.test_trainer
 
 
 @pytest.fixture(scope="module")
-def judged(ring_processes):
+def gathering_ring(ring_processes):
+    """The rings of 2 its loss can gather on. LLaMA-Factory gathers with torch.distributed.nn.all_gather,
+    whose backward over gloo raises on a group that does not start at global rank 0 (torch 2.13's,
+    benchmarks/findings/torch_gloo.py); under torchrun on a CPU a ring of 2 sits on the world's last ranks."""
+    if getattr(ring_processes, "is_torchrun", False) and ring_processes.size != 2 and not torch.cuda.is_available():
+        pytest.skip("torchrun on a CPU: a ring of 2 on the world's last ranks, where torch 2.13's gloo all-to-all "
+                    "(LLaMA-Factory's loss gather) raises: benchmarks/findings/torch_gloo.py; plain pytest runs it")
+    return ring_processes
+
+
+@pytest.fixture(scope="module")
+def judged(gathering_ring):
     return run_model_step(ModelStepConfig(model="llama", glue="llamafactory", world_size=2,
-                                          cases=("one_sequence", "packed", "two_micro_batches")), ring_processes)
+                                          cases=("one_sequence", "packed", "two_micro_batches")), gathering_ring)
 
 
 def test_llama_passes_through_llamafactorys_ulysses_and_loss(judged):
@@ -87,9 +98,9 @@ def test_heads_that_p_does_not_divide_are_refused_before_any_rank_starts():
         check_model_before_start(ModelStepConfig(model="llama", glue="llamafactory", world_size=3))
 
 
-def test_a_planted_bug_fails_named(ring_processes):
+def test_a_planted_bug_fails_named(gathering_ring):
     got = run_model_step(ModelStepConfig(model="llama", glue="suites.test_trainer_llamafactory:planted",
-                                         world_size=2, cases=("packed",)), ring_processes)
+                                         world_size=2, cases=("packed",)), gathering_ring)
     assert got["verdict"] == "fail", got["why"]
     assert "packed documents" in got["why"], got["why"]
 
