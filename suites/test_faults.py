@@ -265,7 +265,7 @@ def test_step_model_retires_a_ring_whose_groups_a_case_left_unusable(why):
     (ms-swift's zoo: 21 rows at P=4 failed at once after one timeout). A plain raise keeps them."""
     pytest.importorskip("transformers")
     from ringcheck.commands.step_model import run_model_step
-    from ringcheck.models.step import NOT_RUN_AFTER, ModelStepConfig
+    from ringcheck.models.step import NOT_RUN_AFTER, ModelStepConfig, spoils_groups
 
     class Processes:  # the ring's replies as a rank reports them; the truth never asked (every case raised)
         size, timeout, retired = None, TIMEOUT, []
@@ -273,8 +273,9 @@ def test_step_model_retires_a_ring_whose_groups_a_case_left_unusable(why):
         def run_groups(self, plan, task, config, names, **kw):
             errors = {"one_sequence": why, "packed": f"{NOT_RUN_AFTER}one_sequence raised ..."}
             errors = {name: errors[name] for name in names}
-            return [[{"cp_rank": r, "dp_rank": 0, "attn_implementation": "sdpa", "cases": {}, "errors": errors}
-                     for r in range(2)]]
+            spoiled = any(spoils_groups(why) for why in errors.values())  # as the rank's _cases_task says it
+            return [[{"cp_rank": r, "dp_rank": 0, "attn_implementation": "sdpa", "cases": {}, "errors": errors,
+                      "spoiled": spoiled} for r in range(2)]]
 
         def retire(self, size):
             self.retired.append(size)

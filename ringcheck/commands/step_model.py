@@ -39,7 +39,6 @@ from ..models.step import (
     glue_of,
     model_step_task,
     run_dtype,
-    spoils_groups,
     tiny_of,
 )
 from ..models.step_noise import K_NOISE
@@ -255,8 +254,8 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel, tr
                                    None if noise is None else noise["floor"], truth, cases[name])
         rows.append({**row, "shape": shape_words(cases[name], checked.tiny, config.world_size, layout)})
     _diagnose(rows, config, processes, first, ring, not (noise is None and truth == config.dtype), kw)
-    if any(spoils_groups(why) for why in ring_errors.values()) and hasattr(processes, "retire"):
-        processes.retire(mesh.size)  # the next run on fresh processes
+    if any(r.get("spoiled") for group in ring for r in group) and hasattr(processes, "retire"):
+        processes.retire(mesh.size)  # a rank's groups are unusable (`_cases_task`): the next run on fresh processes
     regime_reading(rows, checked.tiny)  # a window kept on long shards and lost on short ones, named so
     judged = [r for r in rows if r["verdict"] in ("pass", "fail")]
     verdict = ("no verdict" if not judged else "fail" if any(r["verdict"] == "fail" for r in judged) else "pass")

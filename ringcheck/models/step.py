@@ -285,7 +285,7 @@ def _cases_task(member, config: ModelStepConfig, names: tuple[str, ...], tiny, g
                     unsettled = f"{name} raised inside the glue in a gloo operation that closed its connection"
             flight.clear()
     return {"cp_rank": member.rank, "dp_rank": member.group_index, "attn_implementation": attn, "cases": cases,
-            "errors": errors}
+            "errors": errors, "spoiled": unsettled is not None}  # its groups unusable after this run
 
 
 NOT_RUN_AFTER = "not run on this ring after "  # a case's error that is no run of its own (_cases_task)
