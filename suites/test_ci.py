@@ -121,14 +121,17 @@ def test_every_test_that_starts_a_command_is_marked_cli():
 
 
 def test_each_command_test_runs_once_in_ci():
-    """make test deselects the cli tests, make test-cli selects them, .ci/run runs both targets and
-    deselects them under torchrun (where they start their own worlds and would skip or repeat)."""
+    """make test deselects the cli tests and the thorough cases, make test-cli selects the cli tests,
+    make test-thorough the thorough ones but no cli test; .ci/run runs the three targets and deselects
+    the cli tests under torchrun (where they start their own worlds and would skip or repeat)."""
     makefile = (ROOT / "Makefile").read_text()
-    test = makefile[makefile.index("\ntest: "):].split("\n\n")[0]
-    test_cli = makefile[makefile.index("\ntest-cli: "):].split("\n\n")[0]
-    assert '-m "not cli"' in test and re.search(r"pytest suites .*-m cli\b", test_cli), (test, test_cli)
+    test, test_cli, thorough = (makefile[makefile.index(f"\n{target}: "):].split("\n\n")[0]
+                                for target in ("test", "test-cli", "test-thorough"))
+    assert '-m "not cli and not thorough"' in test and re.search(r"pytest suites .*-m cli\b", test_cli), (test, test_cli)
+    assert '-m "thorough and not cli"' in thorough, thorough
     script = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", script, re.M) and re.search(r"^make test-cli$", script, re.M), script
+    for target in ("test", "test-cli", "test-thorough"):
+        assert re.search(rf"^make {target}$", script, re.M), (target, script)
     for line in script.splitlines():
         if "torchrun" in line and "-m pytest" in line and "planted" not in line and "test_distributed" not in line:
             assert '-m "not cli"' in line, line

@@ -79,7 +79,15 @@ def verdict_of(case: Case, backend=None):
     return run_case(case, impl=impl)
 
 
-@pytest.mark.parametrize("name", TRITON_CASES)
+# make test runs P=8 in one mode (causal) and float32 and float16 at P=4 in two modes each (the kernels are
+# per block: a larger ring adds blocks, not code); the other combinations carry the marker thorough
+# (make test-thorough, in CI)
+_THOROUGH = {"p8_zigzag_bf16_h2kv1_triton", "p8_bidirectional_bf16_h2kv1_triton", "p4_causal_fp32_h2kv1_triton",
+             "p4_striped_fp32_h2kv1_triton", "p4_zigzag_fp16_h2kv1_triton", "p4_bidirectional_fp16_h2kv1_triton"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.thorough) if n in _THOROUGH else n
+                                  for n in TRITON_CASES])
 def test_ring_with_triton_blocks_meets_budget(name):
     verdict = verdict_of(TRITON_CASES[name])
     assert verdict.passed, verdict.message()
@@ -379,3 +387,7 @@ def test_gpu_causal_block_matches_float64(sq, sk, diagonal):
     failures = check_block(batch=2, sq=sq, sk=sk, heads=4, kv_heads=1,
                            head_dim=48, dtype=torch.bfloat16, mask="causal", diagonal=diagonal)
     assert not failures, "\n".join(failures)
+
+
+def test_the_cases_make_test_leaves_to_ci_are_cases_of_the_grid():
+    assert _THOROUGH <= set(TRITON_CASES), sorted(_THOROUGH - set(TRITON_CASES))

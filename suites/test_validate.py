@@ -82,7 +82,10 @@ def test_every_mutant_fails(ring_processes, torchrun_world, mutant):
     ring = SPECIAL.get(mutant, {}).get("world_size", 4)
     if torchrun_world is not None and torchrun_world.size % ring:
         pytest.skip(f"{mutant} shows on a ring of {ring}: launch a multiple of {ring} ranks")
-    rows = _rows(ring_processes, impl=f"ringcheck.catalogue.mutants:{mutant}", **SPECIAL.get(mutant, {}))
+    # on its ring alone (locally; a torchrun world places it itself): the default embedding runs the same
+    # cases again on a second ring (cp=P,tp=2), and group handling is test_embedded's catalogue
+    alone = {"mesh": f"cp={ring}"} if torchrun_world is None else {}
+    rows = _rows(ring_processes, impl=f"ringcheck.catalogue.mutants:{mutant}", **alone, **SPECIAL.get(mutant, {}))
     failed = _failed(rows)
     assert failed, f"validate passed the mutant {mutant!r} ({MUTANTS[mutant]})"
     if mutant in ("block_lse_backward", "stale_kv_backward", "dkdv_not_home", "scale_twice_backward"):
