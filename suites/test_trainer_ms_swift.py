@@ -5,7 +5,9 @@ A tiny llama at P=2 passes through its Ulysses over sdpa (one sequence, two rows
 names its sharding and its shims; packed documents over sdpa are not run, with its own condition
 (its padding_free needs flash attention); a planted bug in its sharding (the labels shifted inside
 each rank's shard) fails, named; its ring over sdpa is refused before any rank starts (exit 2, one
-line with the head count and P); a crash inside its code is one line with its file:line.
+line with the head count and P); a crash inside its code is one line with its file:line. A length its
+pad fills with position id -1 on bert (its embeddings look the -1 up: one rank would crash, the other
+wait in the all-to-all) is said in one line before the forward, and llama there runs and passes.
 
 The zoo at P=2 and P=4 is reports/models/trainers_ms_swift.md.
 """
@@ -13,6 +15,7 @@ The zoo at P=2 and P=4 is reports/models/trainers_ms_swift.md.
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +123,42 @@ def test_the_command_refuses_its_ring_over_sdpa_with_exit_2(tmp_path):
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.count("1 K/V heads at P=4") == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def _one_case(ring_processes, model: str, glue: str, case: str) -> dict:
+    judged = run_model_step(ModelStepConfig(model=model, glue=glue, world_size=2, cases=(case,)), ring_processes)
+    return judged["cases"][0]
+
+
+def test_a_length_its_pad_fills_with_minus_one_on_bert_is_said_on_every_rank_before_the_forward(ring_processes):
+    """bert over its flash Ulysses, 61 tokens at P=2: its pad gives the last rank position id -1, which
+    bert's embeddings look up (the token_type_ids buffer gathered by position id): that rank would
+    crash and the other wait in the all-to-all. The glue says it, one line, before the forward."""
+    row = _one_case(ring_processes, "bert", "ms_swift:flash_attention_2", "not_divisible")
+    assert row["verdict"] == "not run", row
+    why = row["why"]
+    assert "\n" not in why and "61 tokens pad to 62 with position id -1 (sequence_parallel.py L598)" in why, why
+    assert re.search(r"which BertLMHeadModel reads as an index \(gather at "
+                     r"transformers/models/bert/modeling_bert\.py:\d+\)", why), why
+    assert why.endswith("the others wait in the all-to-all (ulysses.py L68)") and "gloo" not in why, why
+
+
+def test_a_model_that_takes_position_id_minus_one_is_run_where_its_pad_fills(ring_processes):
+    """llama (rotary positions) over the same glue and case: ms-swift runs it, and it passes."""
+    row = _one_case(ring_processes, "llama", "ms_swift:flash_attention_2", "not_divisible")
+    assert row["verdict"] == "pass", row
+
+
+@pytest.mark.parametrize("model, where", [("bert", r"gather at transformers/models/bert/modeling_bert\.py:\d+"),
+                                          ("gpt2", r"embedding at transformers/models/gpt2/modeling_gpt2\.py:\d+"),
+                                          ("llama", None), ("biogpt", None)])
+def test_the_probe_names_the_lookup_at_minus_one_and_passes_a_model_that_reaches_its_attention(model, where):
+    """`negative_lookup` on one process: bert's buffer gather and gpt2's learned positions are named;
+    llama (rotary) and biogpt (learned positions offset by 2: -1 reads row 1) reach their attention."""
+    from ringcheck.models.tiny import tiny_model
+    from ringcheck.trainers.lookup import negative_lookup
+
+    tiny = tiny_model(model)
+    ids, pos = torch.ones(1, 8, dtype=torch.long), torch.tensor([[0, 1, 2, 3, 4, 5, -1, -1]])
+    found = negative_lookup(tiny.build("sdpa", dtype=torch.float64), "sdpa", ids, pos)
+    assert (found is None) if where is None else re.fullmatch(where, found or ""), found

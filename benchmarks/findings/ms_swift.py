@@ -33,8 +33,17 @@ window and backward, and its loss in bf16: the minimal scripts and the patched c
    softcap 0.0 (`zigzag_ring_attn.py` L125-126); its Ulysses path hands it on. The patched copy
    notes the layer's softcap at the attention call (`softcap_from`) and hands it to the blocks
    with the window (`Window`).
+6. **A length P does not divide, on a model that looks a table up by position id** (bert and its
+   kin, any core): the -1 its pad gives the position ids (L598) is read as an index by the model's
+   embeddings (bert's `token_type_ids` buffer gathered by position id, `modeling_bert.py` L93; its
+   learned positions, L99): on the last rank `index -1 is out of bounds` before the first
+   all-to-all, and the other ranks wait in it (`ulysses.py` L68) until the timeout, or, where the
+   crashed rank goes on to its next all-to-all, gloo aborts them on the size. The patched copy is
+   finding 1's (`continued_positions`); `flash_patched` is it over the flash core.
 
-`sdpa_patched`, `ring_patched` and `flash_float_loss` are the patched copies as glues
+    python -m benchmarks.findings.ms_swift minimal 6   # case 6 alone
+
+`sdpa_patched`, `flash_patched`, `ring_patched` and `flash_float_loss` are the patched copies as glues
 (`PYTHONPATH=. ringcheck step --glue benchmarks.findings.ms_swift:sdpa_patched`, ...).
 """
 
@@ -127,6 +136,9 @@ class Patched(MsSwift):
     def known_crash(self, rows: int, n: int, world: int) -> None:
         return None
 
+    def lookup_crash(self, model, batch: dict) -> None:
+        return None
+
     def uninstall(self) -> None:
         super().uninstall()
         if self.undo_patch is not None:
@@ -135,6 +147,7 @@ class Patched(MsSwift):
 
 
 sdpa_patched = Patched("sdpa")
+flash_patched = Patched("flash_attention_2")  # finding 6: its Ulysses over flash, the position ids continued
 ring_patched = Patched("flash_attention_2", ring=True)
 ring_pair_only = Patched("flash_attention_2", ring=True, carry_window=False)
 
@@ -145,11 +158,15 @@ class Shipped(MsSwift):
     def known_crash(self, rows: int, n: int, world: int) -> None:
         return None
 
+    def lookup_crash(self, model, batch: dict) -> None:
+        return None
+
 
 P = 2
 CASES = {"1: llama over sdpa, 15 tokens": ("llama", "sdpa", False, 15),
          "2: mistral through its ring, 32 tokens (window 12)": ("mistral", "flash_attention_2", True, 32),
-         "5: gemma2 with 1 K/V head through its ring, 32 tokens (softcap 2)": ("gemma2", "flash_attention_2", True, 32)}
+         "5: gemma2 with 1 K/V head through its ring, 32 tokens (softcap 2)": ("gemma2", "flash_attention_2", True, 32),
+         "6: bert over flash, 15 tokens": ("bert", "flash_attention_2", False, 15)}
 # the config each case's tiny model is made from: gemma2 given a GQA ratio of 4, so that its tiny model has 1 K/V head
 # (ms-swift's ring at P=2; the tiny gemma2 has 2, Ulysses at P=2)
 CONFIG = {"gemma2": {"model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2}}
@@ -209,7 +226,7 @@ def _rank(rank: int, port: int, which: str, name: str, out) -> None:
                 whole[:, at[keep]] = piece[:, keep]
             words = None
         except Exception as exc:
-            words = f"{type(exc).__name__}: {str(exc)[:160]}"
+            words = f"{type(exc).__name__}: {str(exc)[:260]}"
         finally:
             glue.uninstall()
         if rank == 0 and words is None:
@@ -222,11 +239,11 @@ def _rank(rank: int, port: int, which: str, name: str, out) -> None:
     out.put(result)
 
 
-def minimal() -> dict:
-    """The cases at P=2, as shipped, through the copies between (`HALFWAY`) and patched: what each
-    rank got."""
+def minimal(only: str | None = None) -> dict:
+    """The cases at P=2 (`only`: the one of that number), as shipped, through the copies between
+    (`HALFWAY`) and patched: what each rank got."""
     found = {}
-    for name in CASES:  # each case and copy on processes of its own: a crash breaks the group
+    for name in (n for n in CASES if only in (None, n.split(":")[0])):  # each case and copy on processes of its own
         for which in ("as shipped", *HALFWAY.get(name.split(":")[0], ()), "patched"):
             results = run_ranks(_rank, P, which, name, results=P, timeout=900)
             for words in sorted(r[name] for r in results):
@@ -255,7 +272,7 @@ def confirm() -> None:
 
 
 if __name__ == "__main__":
-    {"minimal": minimal, "confirm": confirm}[(sys.argv[1:] or ["minimal"])[0]]()
+    {"minimal": minimal, "confirm": confirm}[(sys.argv[1:] or ["minimal"])[0]](*sys.argv[2:3])
 
 
 class FloatLoss(MsSwift):

@@ -21,6 +21,10 @@ loss (`per_token_loss_func_sp`, `GatherLoss`), as `Seq2SeqTrainer.compute_loss` 
   split, a model class transformers does not build with the core. Per case: packed documents over
   sdpa (its `padding_free` needs flash attention, `sft_args.py` L186-197, documented in
   `template_args.py` L63), and rows kept apart under the ring (padding-free packs them into one).
+- **Its crashes on one rank, said on every rank before the forward** (findings): a length its pad
+  fills with position id -1 on a model that looks a table up by position id (bert and its kin,
+  any core: `lookup.negative_lookup` on the padded rows, the same on every rank), and over sdpa a
+  single row P does not divide (its `sdpa_mask`).
 
 Shims (`SHIMS`, the report prints them): its package imports modelscope, datasets, pandas, peft,
 json_repair, requests at module level (accelerate and peft it uses: installed); where they are absent, stubs answer those imports (the glue
@@ -57,6 +61,7 @@ from ..thirdparty.transformers_private import (
 )
 from .flash import FLASH_CORE, install_flash_core
 from .flash import SHIM as FLASH_SHIM
+from .lookup import negative_lookup
 from .stubs import stubs
 
 NAME, RING = "ms_swift", "ms_swift_ring"
@@ -230,19 +235,43 @@ class MsSwift:
             AttentionMaskInterface.register(FLASH_CORE, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
         self.prepared.add(model)
 
-    def refuse_case(self, batch: dict) -> None:
-        """ValueError for a micro-batch ms-swift does not take in this configuration."""
+    def refuse_case(self, batch: dict, model=None) -> None:
+        """ValueError for a micro-batch ms-swift does not take in this configuration, or on which it
+        is known to crash on one rank (said on every rank alike: on one rank alone, the others
+        would wait in its all-to-all)."""
         if self.core == "sdpa" and batch["cu_seqlens"] is not None:
             raise ValueError("packed documents are ms-swift's padding_free, which needs flash attention: "
                              "SftArguments._check_padding_free raises ValueError for attn_impl sdpa "
                              "(swift/arguments/sft_args.py L186-197, documented in template_args.py L63)")
-        crash = self.known_crash(*batch["input_ids"].shape, dist.get_world_size(self.group))
-        if crash:  # raised on every rank alike: on one rank alone, the others would wait in its all-to-all
-            raise ValueError(crash)
         if self.ring and batch["input_ids"].shape[0] != 1:
             raise ValueError(f"ms-swift's ring needs padding_free (sequence_parallel.py L378), whose collator packs a "
                              f"micro-batch's {batch['input_ids'].shape[0]} rows into one; ringcheck's step holds rows "
                              f"apart, so this case is not judged")
+        crash = (self.lookup_crash(model, batch) if model is not None else None) or \
+            self.known_crash(*batch["input_ids"].shape, dist.get_world_size(self.group))
+        if crash:
+            raise ValueError(crash)
+
+    def lookup_crash(self, model, batch: dict) -> str | None:
+        """The line of ms-swift's crash where its pad gives the position ids -1 and the model looks a
+        table up by position id (a finding, docs/findings/trainers.md): `negative_lookup` on the
+        whole rows as its pad makes them, the same on every rank; None where it pads nothing or the
+        model reaches its attention first."""
+        sp, pos = self.swift.sp, batch["position_ids"]
+        padded = sp.pad(pos, padding_value=-1, position_ids=pos, dim=-1)
+        if padded.shape[-1] == pos.shape[-1]:
+            return None
+        ids = sp.pad(batch["input_ids"], padding_value=PAD_TOKEN, position_ids=pos)
+        world, sp.world_size = sp.world_size, 1  # its own switch: its hook, masks and attention pass through
+        try:
+            where = negative_lookup(model, self.attn, ids, padded)
+        finally:
+            sp.world_size = world
+        if where is None:
+            return None
+        return (f"ms-swift crashes here (a finding): {pos.shape[-1]} tokens pad to {padded.shape[-1]} with position "
+                f"id -1 (sequence_parallel.py L598), which {type(model).__name__} reads as an index ({where}): out of "
+                f"range on the rank holding the padding, while the others wait in the all-to-all (ulysses.py L68)")
 
     def known_crash(self, rows: int, n: int, world: int) -> str | None:
         """The line of a crash of ms-swift's on one rank only (a finding, docs/findings/trainers.md),
@@ -261,7 +290,7 @@ class MsSwift:
         (DDP's mean, which its `GatherLoss.backward` x P expects). Returns this rank's logits, the
         loss, and the global position of each logit (padding: past the rows' length)."""
         self.prepare(model)
-        self.refuse_case(batch)
+        self.refuse_case(batch, model)
         ids, pos = batch["input_ids"], batch["position_ids"]
         # each sample's first label -100, as its template's encode sets it (template/base.py L1650): its roll
         # of the labels (pad_and_split_inputs L628) wraps the first label round to the last token. Not a target
