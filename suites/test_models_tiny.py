@@ -166,6 +166,15 @@ def test_a_users_config_json_with_special_ids_outside_the_vocab(tmp_path):
         tiny_model("qwen2x")
 
 
+def test_a_second_vocab_the_config_keeps_at_the_first_size_shrinks_with_it():
+    """marian's decoder_vocab_size (its decoder's embeddings and lm_head) is vocab_size's 58101: left
+    there, its tiny model's logits were 58101 wide and its zoo rows took 30-50 s."""
+    tiny = tiny_model("marian")
+    assert tiny.config.decoder_vocab_size == tiny.config.vocab_size == 128, tiny.config
+    assert tiny.scaled["decoder_vocab_size"] == (58101, 128)
+    assert tiny.build("eager").get_output_embeddings().out_features == 128
+
+
 def test_the_zoo_is_every_causal_lm():
     names = zoo_names()
     assert len(names) > 150 and set(NAMED) <= set(names)

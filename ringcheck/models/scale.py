@@ -275,10 +275,15 @@ def _scale_attention(d: dict, seq_len: int, scaled: dict, kept: dict) -> None:
 
 
 def _scale_vocab(d: dict, scaled: dict) -> None:
-    """A vocab of 128 with every special id inside it: ids at or past it move to the top, distinct."""
-    if isinstance(d.get("vocab_size"), int) and d["vocab_size"] > VOCAB:
-        scaled["vocab_size"] = (d["vocab_size"], VOCAB)
-        d["vocab_size"] = VOCAB
+    """A vocab of 128 with every special id inside it: ids at or past it move to the top, distinct.
+    A second vocab the config keeps at the first's size (marian's decoder_vocab_size, its decoder's
+    embeddings and lm_head) shrinks with it: left at 58101, marian's logits were 450 times wider."""
+    original = d.get("vocab_size")
+    if isinstance(original, int) and original > VOCAB:
+        for key, value in list(d.items()):
+            if (key == "vocab_size" or key.endswith("_vocab_size")) and value == original:
+                scaled[key] = (value, VOCAB)
+                d[key] = VOCAB
     vocab = d.get("vocab_size", VOCAB)
     moved: dict[int, int] = {}
     free = iter(range(vocab - 1, -1, -1))
