@@ -12,7 +12,7 @@ One unit for every parameter, the largest relative change of any, made every bud
 parameter's: bert's key biases (analytically zero, their float64 truth ~1e-17, their bfloat16
 gradient the bfloat16 residue of the whole) changed by 2.2e13 relative, and every gradient of
 bert and its kin was judged against 9e13, which no glue fails (ringcheck's defect, see
-docs/findings/glues.md).
+docs/findings/trainers.md).
 
 A budget of `UNBOUNDED` (relative 1) or wider admits a zero gradient, a contribution dropped
 whole: it is no evidence, and the parameter is reported **not judged** with the numbers, never
