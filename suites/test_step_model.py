@@ -191,6 +191,92 @@ def test_a_gradient_that_cancels_to_rounding_is_judged_as_part_of_the_whole(resi
     assert (row["ratio"] <= 1) == (verdict == "pass")
 
 
+def _narrowed_case(glue_grads: dict, noise_diffs: dict, truth_grads: dict) -> dict:
+    """`judge_model_case` on one rank of a narrowed glue, its budgets measured from one noise run
+    (`noise_diffs`: ||g_noise - g_truth|| per parameter) by `narrow_unit`."""
+    from ringcheck.commands.step_model import judge_model_case
+    from ringcheck.models.budgets import narrow_unit
+
+    logits = torch.ones(1, 4, 5, dtype=torch.float64)
+    ref = {"loss": 1.0, "logits": [logits], "grads": truth_grads}
+    noise = narrow_unit({"one_sequence": {**ref, "narrow": {"rows": [
+        {"run": "eager", "loss": 1e-3, "logits": 1e-2, "diffs": noise_diffs}], "skipped": {}}}},
+        "bfloat16", {"one_sequence": 64}, "float64")
+    config = ModelStepConfig(model="llama", world_size=2)
+    return judge_model_case("one_sequence", _one_rank_case(glue_grads, logits), ref, 64, config, noise["floor"],
+                            "float64"), noise
+
+
+def test_a_narrowed_glue_judges_each_gradient_against_its_own_noise():
+    """One budget for every parameter, the largest relative change of any over the noise runs,
+    made every budget the widest one's: a key bias's truth is ~1e-17 (analytically zero), its
+    bfloat16 gradient the bfloat16 residue of the whole, and bert's every gradient was judged
+    against 9e13 (ringcheck's defect). Per parameter, as it is judged (the key bias against the
+    whole gradient), a weight's gradient halved is caught while the bfloat16 noise passes."""
+    gen = torch.Generator().manual_seed(0)
+    weight, other = (torch.randn(8, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    bias = torch.full((8,), 1e-17, dtype=torch.float64)
+    truth = {"w": weight, "v": other, "key.bias": bias}
+    diffs = {"w": 0.01 * float(weight.norm()), "v": 0.01 * float(other.norm()), "key.bias": 2e-4}
+    noisy = {k: g + 0.005 * float(g.norm()) / 8 * torch.randn(g.shape, generator=gen, dtype=torch.float64)
+             for k, g in truth.items()}
+    judged, noise = _narrowed_case(noisy, diffs, truth)
+    assert judged["verdict"] == "pass" and noise["unit"]["gradient"] == pytest.approx(0.01), judged["why"]
+    assert all(g["budget"] < 0.05 for g in judged["gradients"]) and not judged["not_judged"]
+    halved, _ = _narrowed_case({**noisy, "w": 0.5 * weight}, diffs, truth)
+    assert halved["verdict"] == "fail" and halved["first_out"]["name"] == "w"
+    assert halved["first_out"]["factor"] == pytest.approx(0.5), halved["first_out"]
+
+
+def test_a_gradient_whose_measured_noise_is_no_bound_is_reported_not_judged():
+    """A parameter whose true gradient is small against the narrow dtype's noise (a budget of 1 or
+    more of it: a gradient of zeros would pass) is not judged, said with its numbers; it neither
+    passes silently nor widens another parameter's budget."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    small = 1e-3 * torch.randn(8, generator=gen, dtype=torch.float64)  # far above float64 rounding of the whole
+    truth = {"w": weight, "small": small}
+    diffs = {"w": 0.01 * float(weight.norm()), "small": 0.5 * float(small.norm())}
+    judged, noise = _narrowed_case({"w": weight.clone(), "small": torch.zeros(8, dtype=torch.float64)}, diffs, truth)
+    assert judged["verdict"] == "pass" and [g["name"] for g in judged["not_judged"]] == ["small"], judged
+    assert noise["unbounded"] == ["small"] and "not judged" in noise["words"]
+    row = next(g for g in judged["gradients"] if g["name"] == "small")
+    assert row["judged"] is False and "a gradient of zeros would pass" in row["why"]
+    assert next(g for g in judged["gradients"] if g["name"] == "w")["budget"] == pytest.approx(0.04)
+
+
+def test_a_bert_glue_that_halves_a_layers_gradient_fails_over_a_bf16_flash_core(ring_processes):
+    """ring-flash-attn's adapter (bfloat16 on the flash stand-in) with layer 1's attention gradient
+    halved (`ringcheck.catalogue.gradient_mutants`): its loss and logits are the correct glue's, and
+    against bert's key biases' bfloat16 noise (a budget of 5.6e13) it passed. Each gradient against
+    its own noise, it fails, and the correct adapter still passes, every budget a bound."""
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        pytest.skip("ring-flash-attn is not installed (the extra `peers`)")
+    cases = ("one_sequence",)
+    correct = run_model_step(ModelStepConfig(model="bert", glue="ring_flash_attn", world_size=2, cases=cases),
+                             ring_processes)
+    assert correct["verdict"] == "pass", correct["why"]
+    row = correct["cases"][0]
+    assert row["gradient_budget"] < 0.2 and not row["not_judged"], row["gradient_budget"]
+    assert all(g.get("judged", True) and g["ratio"] <= 1 for g in row["gradients"])
+    planted = run_model_step(ModelStepConfig(model="bert", glue="ringcheck.catalogue.gradient_mutants:"
+                                             "layer_gradient_halved", world_size=2, cases=cases), ring_processes)
+    assert planted["verdict"] == "fail", planted["why"]
+    assert planted["cases"][0]["logits"]["ratio"] <= 1 and "gradient of" in planted["why"]
+
+
+def test_a_key_bias_is_judged_against_the_truths_own_rounding_of_the_whole(ring_processes):
+    """The truth's own rounding (its loss summed part by part) floors a parameter's budget measured
+    as the parameter is judged: bert's key biases, judged against the whole gradient, took a floor
+    measured relative to their own ~1e-17 truth (0.94: a budget of 3.8 of the whole gradient).
+    Now their budget is the derived float64 one, and ringcheck's glue passes it."""
+    judged = _run(ring_processes, "bert")
+    assert judged["verdict"] == "pass", judged["why"]
+    for row in judged["cases"]:
+        bias = [g for g in row["gradients"] if g["name"].endswith("key.bias")]
+        assert bias and all(g["against"].startswith("whole") and g["budget"] < 1e-10 for g in bias), bias
+
+
 @pytest.mark.cli
 def test_the_plugin_runs_a_model_through_a_glue_and_names_the_lost_semantic(tmp_path, torchrun_world):
     """`pytest --ring-model mistral --ring-glue <window_dropped>` as a user's CI runs it: the cases

@@ -27,6 +27,7 @@ from typing import Any
 from ..documents import STEP_SCHEMA, header
 from ..harness.settings import torch_threads
 from ..launch.audit import check_own_code
+from ..models.budgets import UNBOUNDED, gradient_budget, judged_scale, narrow_unit, not_judged, scaled, whole_norm
 from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
@@ -116,14 +117,15 @@ def _failed_cases(groups: list[list[dict]]) -> dict[str, str]:
 def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, config: ModelStepConfig,
                      floor: dict | None = None, truth: str | None = None, case: Case | None = None) -> dict:
     """One case: every rank's loss and gradients, and the assembled logits, against the truth;
-    `floor`: the measured budgets of a narrowed glue (`narrow_unit`), where wider than derived;
-    `case`: the case as it ran (default step's of that name)."""
+    `floor`: the measured budgets of a narrowed glue (`ringcheck.models.budgets.narrow_unit`: the
+    loss's, the logits' and each parameter's own), where wider than derived; a gradient whose
+    budget is no bound is not judged (`ringcheck.models.budgets`); `case`: the case as it ran
+    (default step's of that name)."""
     case = case or CASES[name]
     loss_budget, budget = model_budgets(n, config, truth)
     logits_budget = budget
     if floor is not None:
-        loss_budget, logits_budget, budget = (max(loss_budget, floor["loss"]), max(budget, floor["logits"]),
-                                              max(budget, floor["gradient"]))
+        loss_budget, logits_budget = max(loss_budget, floor["loss"]), max(budget, floor["logits"])
     ranks = [{"where": (g, r["cp_rank"]), "loss": r["cases"][name]["loss"], "grads": r["cases"][name]["grads"]}
              for g, group in enumerate(groups) for r in group]
     logits = assemble_logits(groups, name)
@@ -131,34 +133,56 @@ def judge_model_case(name: str, groups: list[list[dict]], ref: dict, n: int, con
     shapes_agree = len(logits) == len(want) and all(a.shape == b.shape for a, b in zip(logits, want))
     logits_err = max((relative(a, b) for a, b in zip(logits, want)), default=0.0) if shapes_agree else math.inf
     loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
-    grads, floored = [], []
-    wanted = {} if case.evaluate else ref["grads"]
-    whole = _whole_norm(wanted)
-    cancelled = n * unit_roundoff(truth or config.dtype) * whole
-    for pname, want in wanted.items():
-        floor = K_NOISE * ref.get("noise", {}).get(pname, 0.0)  # the truth's own rounding (step_noise)
-        if floor > budget:
-            floored.append({"name": pname, "noise": floor / K_NOISE, "budget": floor})
-        rows = gradient_rows(ranks, {pname: want}, max(budget, floor))
-        if want is not None and float(want.double().norm()) <= cancelled:
-            rows = [_against_whole(row, ranks, pname, want, whole) for row in rows]
-        grads += rows
-    out = [g for g in grads if not g["ratio"] <= 1]
+    if not (math.isfinite(loss_budget) and math.isfinite(logits_budget)):
+        return _no_budget(name, case, n, floor)
+    grads, floored = _gradient_rows(ranks, ref, n, config, budget, floor, truth, case.evaluate)
+    judged = [g for g in grads if g.get("judged", True)]
+    out = [g for g in judged if not g["ratio"] <= 1]
     passed = loss_err <= loss_budget and logits_err <= logits_budget and not out
     first = out[0] if out else None
     return {"case": name, "words": case.words, "verdict": "pass" if passed else "fail", "targets": n,
             "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": loss_err, "budget": loss_budget,
                      "ratio": loss_err / loss_budget},
             "logits": {"error": logits_err, "budget": logits_budget, "ratio": logits_err / logits_budget},
-            "gradient_budget": budget, "worst_gradient": max((g["error"] for g in grads), default=0.0),
-            "noise_floored": floored,
+            "gradient_budget": max((g["budget"] for g in judged), default=budget),
+            "gradient_budgets": [min((g["budget"] for g in judged), default=budget),
+                                 max((g["budget"] for g in judged), default=budget)],
+            "worst_gradient": max((g["error"] for g in judged), default=0.0),
+            "noise_floored": floored, "not_judged": [{k: g[k] for k in ("name", "budget", "why")}
+                                                     for g in grads if not g.get("judged", True)],
             "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
             "gradients": grads}
 
 
-def _whole_norm(grads: dict) -> float:
-    """The norm of the whole gradient (every parameter's, as one vector: what clipping reads)."""
-    return math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads.values() if g is not None))
+def _gradient_rows(ranks: list[dict], ref: dict, n: int, config: ModelStepConfig, budget: float, floor: dict | None,
+                   truth: str | None, evaluate: bool) -> tuple[list[dict], list[dict]]:
+    """Every parameter's row, against its own budget (`gradient_budget`), and the parameters whose
+    budget the truth's own rounding widened."""
+    grads, floored = [], []
+    wanted = {} if evaluate else ref["grads"]
+    whole = whole_norm(wanted)
+    for pname, want in wanted.items():
+        if want is None:
+            continue
+        scale, against = judged_scale(want, whole, n, truth or config.dtype)
+        own = scaled(ref.get("noise", {}).get(pname, 0.0), scale)  # the truth's own rounding (step_noise)
+        if K_NOISE * own > budget:
+            floored.append({"name": pname, "noise": own, "budget": K_NOISE * own})
+        mine = gradient_budget(pname, budget, own, floor)
+        row = gradient_rows(ranks, {pname: want}, mine)[0]
+        if against:
+            row = _against_whole(row, ranks, pname, want, whole)
+        if not mine < UNBOUNDED:
+            row = not_judged(row, scale, against, mine / K_NOISE)
+        grads.append(row)
+    return grads, floored
+
+
+def _no_budget(name: str, case: Case, n: int, floor: dict) -> dict:
+    """A narrowed glue's case with no measured budget (no noise run ran): no verdict, said."""
+    return {"case": name, "words": case.words, "verdict": "no verdict", "targets": n,
+            "why": f"no noise run gave a finite change of the loss and the logits (loss {floor['loss']:.2g}, logits "
+                   f"{floor['logits']:.2g}): there is no budget to judge the glue's {case.name} by"}
 
 
 def _against_whole(row: dict, ranks: list[dict], pname: str, want, whole: float) -> dict:
@@ -166,7 +190,8 @@ def _against_whole(row: dict, ranks: list[dict], pname: str, want, whole: float)
     n u ||g||: a key bias, which softmax's shift invariance makes analytically zero) has no
     relative error to judge: both sides are rounding residue, and ||a - b|| / ||b|| compares
     residue with residue (a correct glue read 2.6 on roberta's key.bias). Its error is judged as
-    that part of the whole gradient vector: ||a - b|| / ||g||, against the same budget."""
+    that part of the whole gradient vector: ||a - b|| / ||g||, against its budget (for a narrowed
+    glue, measured the same way: `ringcheck.models.budgets.judged_scale`)."""
     worst = max((math.inf if r["grads"].get(pname) is None else
                  float((r["grads"][pname].double() - want.double()).norm()) / whole) for r in ranks)
     return {**row, "error": worst, "ratio": worst / row["budget"], "against": "whole gradient (cancels to rounding)"}
@@ -237,10 +262,11 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel, tr
     narrow = None if narrow == config.dtype else narrow
     ring_errors = _failed_cases(ring)
     ref = _truth(config, processes, first, checked.glue.layout, narrow, ring_errors, truths, kw)
-    noise = None if narrow is None or not ref["cases"] else narrow_unit(ref["cases"], narrow)
     truth = truth_dtype(config, ref.get("float32_steps", 0))
     layout = checked.glue.layout
     cases = {name: model_case(name, checked.tiny, config.world_size, layout) for name in names}
+    noise = None if narrow is None or not ref["cases"] else narrow_unit(
+        ref["cases"], narrow, {n: _targets(cases[n], mesh.rings) for n in ref["cases"]}, truth)
     rows = []
     for name in names:
         if name in ring_errors:
@@ -294,22 +320,6 @@ def _diagnose(rows: list[dict], config: ModelStepConfig, processes, first: int, 
         row["diagnosis"] = found.get(row["case"], {"matched": False, "words": "no diagnosis"})
 
 
-def narrow_unit(cases: dict[str, dict], narrow: str) -> dict[str, Any]:
-    """The measured budgets of a glue run in `narrow`: `K_NOISE` x the largest relative change of
-    the loss, the logits and any gradient over the noise runs and the cases (the unit is the
-    model's, not one case's), as `ringcheck.step.noise` measures a narrowed ring's."""
-    rows = [{**r, "case": name} for name, c in cases.items() for r in c.get("narrow", {}).get("rows", [])]
-    skipped = {run: why for c in cases.values() for run, why in c.get("narrow", {}).get("skipped", {}).items()}
-    unit = {k: max((r[k] for r in rows), default=math.nan) for k in ("loss", "logits", "gradient")}
-    floor = {k: K_NOISE * v if rows and math.isfinite(v) else math.inf for k, v in unit.items()}
-    return {"dtype": narrow, "k": K_NOISE, "unit": unit, "floor": floor, "rows": rows, "skipped": skipped,
-            "words": f"the glue runs the model in {narrow}: the budgets are {K_NOISE:g} x the largest relative change "
-                     f"of the loss ({unit['loss']:.2g}), the logits ({unit['logits']:.2g}) and any gradient "
-                     f"({unit['gradient']:.2g}) when the model runs in {narrow} at CP=1 with transformers' own "
-                     f"attention ({', '.join(sorted({r['run'] for r in rows})) or 'none ran'}) instead of the "
-                     f"float64 truth" + (f"; not run: {skipped}" if skipped else "")}
-
-
 def model_words(tiny) -> dict[str, Any]:
     """The tiny model for the report: what was scaled, kept and switched off, and its layers'
     attention (the features a glue must carry)."""
@@ -332,17 +342,23 @@ def model_words(tiny) -> dict[str, Any]:
 
 def _why(rows: list[dict]) -> str:
     bad = [r for r in rows if r["verdict"] == "fail"]
-    skipped = [r for r in rows if r["verdict"] == "not run"]
+    skipped = [r for r in rows if r["verdict"] in ("not run", "no verdict")]
     judged = [r for r in rows if r["verdict"] == "pass"]
     tail = f"; not run: {', '.join(r['case'] for r in skipped)}" if skipped else ""
+    unjudged = {g["name"]: g["why"] for r in rows for g in r.get("not_judged", [])}
+    if unjudged:
+        name = next(iter(unjudged))
+        tail += (f"; {len(unjudged)} parameter(s)' gradients not judged, their measured noise no bound (e.g. "
+                 f"{name}: {unjudged[name]})")
     if not bad and not judged:
         reasons = list(dict.fromkeys(r["why"] for r in skipped))
         if len(reasons) == 1:  # one cause, said once (a model the glue cannot build raises in every case)
             return f"no case could be judged: every case ({len(skipped)}): {reasons[0]}"
         return "no case could be judged: " + "; ".join(f"{r['case']}: {r['why']}" for r in skipped)
     if not bad:
-        worst = max(max(r["loss"]["ratio"], r["logits"]["ratio"], max((g["ratio"] for g in r["gradients"]),
-                                                                      default=0)) for r in judged)
+        worst = max(max(r["loss"]["ratio"], r["logits"]["ratio"], max((g["ratio"] for g in r["gradients"]
+                                                                       if g.get("judged", True)), default=0))
+                    for r in judged)
         return (f"every judged case's loss, logits and gradients at CP=P equal the model's own attention at CP=1 "
                 f"within the budget (worst {worst:.2g} of it){tail}")
     parts = []
@@ -350,8 +366,11 @@ def _why(rows: list[dict]) -> str:
         d = r.get("diagnosis") or {}
         what = d.get("words") if d.get("matched") else "no lost semantic matched" + (
             f" ({d['words']})" if d.get("words") else "")
+        first = r.get("first_out")
+        grad = "" if first is None else (f", gradient of {first['name']} {first['error']:.2g} off (budget "
+                                         f"{first['error'] / first['ratio']:.2g}, x{first['factor']:.4g})")
         parts.append(f"{r['case']}: logits {r['logits']['error']:.2g} off (budget {r['logits']['budget']:.2g}), "
-                     f"loss {r['loss']['error']:.2g}; {what}")
+                     f"loss {r['loss']['error']:.2g}{grad}; {what}")
     return "; ".join(parts) + tail
 
 
@@ -364,9 +383,12 @@ def model_rule_words(config: ModelStepConfig, truth: str, float32_steps: int = 0
                      "kept apart (ringcheck.models.native.native_step)",
             "loss": "|L_P - L_1| <= 2 n max(K_COND u, u_truth) |L_1|, n the case's target positions",
             "logits": "||z_P - z_1|| <= 2 n max(K_COND u, u_truth) ||z_1||, every micro-batch",
-            "gradients": "per parameter, every rank: ||g_P - g_1|| <= max(2 n max(K_COND u, u_truth), K_NOISE x noise) "
-                         "||g_1||, noise the parameter's relative change when the truth's loss is summed over the "
-                         "ranks' targets part by part (the model's own float32 steps, e.g. Gemma's norms)",
+            "gradients": "per parameter, every rank: ||g_P - g_1|| <= max(2 n max(K_COND u, u_truth), K_NOISE x noise, "
+                         "K_NOISE x narrow) ||g_1||, noise the parameter's relative change when the truth's loss is "
+                         "summed over the ranks' targets part by part (the model's own float32 steps, e.g. Gemma's "
+                         "norms), narrow its own largest relative change over a narrowed glue's noise runs; ||g_1|| "
+                         "the whole gradient's norm where the parameter's cancels to rounding (n u_truth ||g||: a key "
+                         "bias); a budget of 1 or more admits a gradient of zeros: that parameter is not judged",
             "k_noise": K_NOISE}
 
 

@@ -10,14 +10,15 @@ over the ranks: a correct glue then sits ~1e-8 from the truth on those parameter
 So the budget of every gradient is floored by a measurement, as `ringcheck.step.noise` does for a
 narrowed attention: the truth's gradients taken once more with the targets split into the P parts
 the ranks hold (one forward, one backward per part, the parts' gradients summed in float64), the
-same loss summed in another order. `K_NOISE` x the relative change, per parameter, floors that
-parameter's budget. Where the model computes in float64 throughout the change is ~1e-16 and the
+same loss summed in another order. `K_NOISE` x the change, per parameter (relative as the
+parameter is judged: `ringcheck.models.budgets.judged_scale`), floors that parameter's budget. Where the model computes in float64 throughout the change is ~1e-16 and the
 derived budget stands (2 n K_COND u is larger); where a parameter's gradient passes through
 float32, its floor says so in the report.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,9 +66,17 @@ def split_gradients(model, batches: list[dict], logits_of, *, layout: str, world
     return sums
 
 
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| in float64 (inf where `a` is not finite)."""
+    a = a.double()
+    return float((a - b.double()).norm()) if bool(torch.isfinite(a).all()) else math.inf
+
+
 def truth_noise(split: dict[str, torch.Tensor], truth: dict[str, torch.Tensor | None]) -> dict[str, float]:
-    """Per parameter, the relative change of its gradient between the truth and `split`."""
-    return {n: relative(split[n], g) for n, g in truth.items() if g is not None and n in split}
+    """Per parameter, the distance ||split - truth|| of its gradient (the judge scales it as it
+    judges the parameter, `ringcheck.models.budgets.judged_scale`: relative to its true gradient,
+    or to the whole gradient where the true one cancels to rounding, as a key bias's does)."""
+    return {n: _distance(split[n], g) for n, g in truth.items() if g is not None and n in split}
 
 
 # the legitimate attentions of a narrowed glue's noise runs: the model built in the glue's dtype, at CP=1, with
@@ -91,8 +100,10 @@ def token_change(logits: list[torch.Tensor], truth: list[torch.Tensor], batches:
 def narrow_noise(tiny, config, batches: list[dict], truth: dict, dtype) -> dict[str, Any]:
     """How far a correct step moves from the truth when the whole model runs in `dtype` (the
     glue's, e.g. bfloat16), at CP=1 with each attention of `NARROW_RUNS`: the relative change of
-    the loss, of the logits (the worst micro-batch) and of any parameter's gradient, per run; a
-    run that raises (gemma2's sdpa refuses a softcap) is left out and said."""
+    the loss and of the logits (the worst micro-batch), and per parameter the distance of its
+    gradient ||g - g_truth|| (`diffs`: `ringcheck.models.budgets.narrow_unit` scales each as the
+    parameter is judged), per run; a run that raises (gemma2's sdpa refuses a softcap) is left out
+    and said."""
     # start-up time: the truth imports transformers, only for a --model run
     from .native import native_step, run_documents, step_with
 
@@ -105,11 +116,11 @@ def narrow_noise(tiny, config, batches: list[dict], truth: dict, dtype) -> dict[
         except Exception as exc:  # a legitimate attention that cannot run this model: said
             skipped[attn] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             continue
-        grad = max((relative(grads[n].double(), g) for n, g in truth["grads"].items() if g is not None and n in grads),
-                   default=0.0)
+        diffs = {n: _distance(grads[n], g) for n, g in truth["grads"].items()
+                 if g is not None and grads.get(n) is not None}
         rows.append({"run": attn, "loss": token_change(logits, truth["logits"], batches),
                      "logits": max(relative(z.double(), w) for z, w in zip(logits, truth["logits"])),
-                     "gradient": grad})
+                     "diffs": diffs})
     return {"rows": rows, "skipped": skipped}
 
 

@@ -20,16 +20,22 @@ def case_rows(doc: dict) -> list[tuple[str, ...]]:
     rows = []
     for c in doc["cases"]:
         shape = (c.get("shape") or {}).get("brief", "-")
-        if c["verdict"] == "not run":
-            rows.append((c["case"], shape, "-", "-", "-", "-", "-", "-", "not run"))
+        if c["verdict"] in ("not run", "no verdict"):
+            rows.append((c["case"], shape, "-", "-", "-", "-", "-", "-", c["verdict"]))
             continue
         first = c["first_out"]
         grads = bool(c["gradients"])
         rows.append((c["case"], shape, f"{c['loss']['error']:.2g}", f"{c['logits']['error']:.2g}",
                      f"{c['logits']['budget']:.2g}", f"{c['worst_gradient']:.2g}" if grads else "-",
-                     f"{c['gradient_budget']:.2g}" if grads else "-",
+                     _budgets(c) if grads else "-",
                      "-" if first is None else f"{first['name']} (x{first['factor']:.4g})", c["verdict"]))
     return rows
+
+
+def _budgets(c: dict) -> str:
+    """The case's gradient budgets: one, or the range of the parameters' own (a narrowed glue's)."""
+    low, high = c.get("gradient_budgets") or (c["gradient_budget"], c["gradient_budget"])
+    return f"{high:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}-{high:.2g}"
 
 
 def model_lines(doc: dict) -> list[str]:
@@ -68,9 +74,12 @@ def finding_lines(doc: dict) -> list[str]:
         lines.append(f"{len(floored)} parameters' gradients pass through the model's own float32 steps (e.g. "
                      f"{next(iter(floored))}): the truth itself moves by up to {worst:.2g} when its sums are reordered or its float32 steps run in float64, "
                      f"and their budget is {doc['rule']['k_noise']:g} x that, measured")
+    unjudged = {g["name"]: g["why"] for c in doc["cases"] for g in c.get("not_judged", [])}
+    for name, why in unjudged.items():
+        lines.append(f"{name}: not judged: {why}")
     for c in doc["cases"]:
-        if c["verdict"] == "not run":
-            lines.append(f"{c['case']}: not run: {c['why']}")
+        if c["verdict"] in ("not run", "no verdict"):
+            lines.append(f"{c['case']}: {c['verdict']}: {c['why']}")
         elif c["verdict"] == "fail":
             d = c.get("diagnosis") or {}
             if d.get("matched"):
@@ -90,7 +99,8 @@ def print_model_summary(doc: dict, console: Console | None = None) -> None:
     for name in HEADERS:
         table.add_column(name, justify="left" if name in ("case", "tokens, shard", "first parameter out")
                          else "right", no_wrap=True)
-    marks = {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "not run": "[yellow]not run[/]"}
+    marks = {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "not run": "[yellow]not run[/]",
+             "no verdict": "[yellow]no verdict[/]"}
     for row in case_rows(doc):
         table.add_row(*row[:-1], marks[row[-1]])
     console.print(table)
