@@ -27,7 +27,7 @@ from typing import Any
 from ..documents import STEP_SCHEMA, header
 from ..harness.settings import torch_threads
 from ..launch.audit import check_own_code
-from ..models.budgets import UNBOUNDED, gradient_budget, judged_scale, narrow_unit, not_judged, scaled, whole_norm
+from ..models.budgets import gradient_budget, narrow_unit
 from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
@@ -44,6 +44,7 @@ from ..models.step import (
 )
 from ..models.step_noise import K_NOISE
 from ..step.cases import CASES, Case
+from ..step.scales import UNBOUNDED, judged_scale, not_judged, scaled, whole_norm
 from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
