@@ -18,9 +18,14 @@ import math
 
 import torch
 
-from .verdict import unit_roundoff
+from ..spec import REFERENCE_DTYPES
 
+K_NOISE = 4.0  # a measured budget: this many times the noise (docs/explanation/step-verdict.md)
 UNBOUNDED = 1.0  # a relative budget this wide passes a gradient of zeros: no bound at all
+
+
+def unit_roundoff(dtype: str) -> float:
+    return float(torch.finfo(REFERENCE_DTYPES[dtype]).eps) / 2
 
 
 def whole_norm(grads: dict) -> float:
@@ -39,6 +44,23 @@ def judged_scale(want: torch.Tensor, whole: float, n: int, truth: str) -> tuple[
     return norm, False
 
 
+def case_scales(want: dict, exact: dict | None, n: int, truth: str) -> dict[str, tuple[float, bool]]:
+    """Per parameter of one case, what its error is divided by and whether that is the whole
+    gradient (`judged_scale`): the norms are `want`'s (the reference the run is compared with),
+    the cancellation is read on `exact` (the same step's gradients in the dtype `truth` it is exact
+    to: a narrowed ring's unrounded noise run, whose key bias is float64 residue where the
+    reference's is its bfloat16 attention's; default `want`)."""
+    exact = want if exact is None else exact
+    whole, whole_exact = whole_norm(want), whole_norm(exact)
+    out = {}
+    for name, g in want.items():
+        if g is None:
+            continue
+        against = exact.get(name) is not None and judged_scale(exact[name], whole_exact, n, truth)[1]
+        out[name] = (whole, True) if against else (float(g.double().norm()), False)
+    return out
+
+
 def scaled(distance: float, scale: float) -> float:
     """A distance ||a - b|| as a relative change of `scale` (`judged_scale`)."""
     return distance / scale if scale > 0 else (0.0 if distance == 0 else math.inf)
@@ -50,6 +72,17 @@ def distance(a: torch.Tensor | None, b: torch.Tensor) -> float:
         return math.inf
     a = a.double()
     return float((a - b.double()).norm()) if bool(torch.isfinite(a).all()) else math.inf
+
+
+def against_whole(row: dict, ranks: list[dict], name: str, want: torch.Tensor, whole: float) -> dict:
+    """A parameter whose true gradient cancels to the rounding of the whole gradient (at most
+    n u ||g||: a key bias, which softmax's shift invariance makes analytically zero) has no
+    relative error to judge: both sides are rounding residue, and ||a - b|| / ||b|| compares
+    residue with residue (a correct glue read 2.6 on roberta's key.bias, a correct plain step 1.1
+    on a key bias). Its error is judged as that part of the whole gradient vector: ||a - b|| /
+    ||g||, against its budget (measured the same way where measured: `judged_scale`)."""
+    worst = max(scaled(distance(r["grads"].get(name), want), whole) for r in ranks)
+    return {**row, "error": worst, "ratio": worst / row["budget"], "against": "whole gradient (cancels to rounding)"}
 
 
 def not_judged(row: dict, scale: float, against_whole: bool, noise: float) -> dict:
