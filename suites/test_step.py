@@ -391,8 +391,67 @@ def test_a_reference_that_is_not_finite_gives_no_verdict():
                      {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None, False)
     assert good["verdict"] == "pass" and bad["verdict"] == "fail" and bad["first_out"]["name"] == "w"
     blind = judge_case("one_sequence", ranks, {"loss": 1.0, "grads": {"w": torch.ones(3)}}, 64, "float64", None,
-                       False, floor=(float("nan"), 1e-3))  # a noise run that was not finite: no budget
+                       False, floor=(float("nan"), {"w": 1e-3}))  # a noise run that was not finite: no budget
     assert blind["verdict"] == "no verdict" and "noise run" in blind["why"]
+
+
+def _key_bias_case(seed: int = 0):
+    """A reference with a weight and a key bias whose gradient cancels to float64 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    bias = 1e-17 * torch.randn(8, generator=gen, dtype=torch.float64)  # analytically zero: residue
+    return gen, {"loss": 1.0, "grads": {"w": weight, "key.bias": bias}}
+
+
+def test_a_narrowed_ring_is_judged_per_parameter_against_its_own_noise():
+    """`noise_unit` keeps each parameter's own largest change over the noise runs, scaled as it is
+    judged: the key bias (its reference the bfloat16 residue 1e-6, its unrounded run ~1e-17)
+    against the whole gradient, not itself. One unit for all (its relative change, ~1) made every
+    budget 4 and a halved weight passed; per parameter the weight's budget is 0.04 and the halved
+    weight fails, the noise passes."""
+    from ringcheck.step.noise import noise_unit
+    from ringcheck.step.verdict import judge_case
+
+    gen, exact = _key_bias_case()
+    ref = {"loss": 1.0, "grads": {"w": exact["grads"]["w"] * (1 + 1e-3),
+                                  "key.bias": 1e-6 * torch.randn(8, generator=gen, dtype=torch.float64)}}
+    naive = {"loss": 1.0 + 1e-5, "grads": {"w": ref["grads"]["w"] * (1 + 0.01),
+                                           "key.bias": 1e-6 * torch.randn(8, generator=gen, dtype=torch.float64)}}
+    noise = noise_unit({"one_sequence": ref}, {"unrounded": {"one_sequence": exact}, "naive": {"one_sequence": naive}},
+                       ("one_sequence",), {"one_sequence": 64}, "float64")
+    assert noise["gradients"]["w"] == pytest.approx(0.01, rel=0.01) and noise["gradients"]["key.bias"] < 1e-6
+    assert noise["gradient"] == noise["gradients"]["w"] and noise["finite"] and not noise["unbounded"]
+    floor = (noise["k"] * noise["loss"], noise["floors"])
+    ranks = [{"where": (0, 0), "loss": 1.0, "grads": {k: g * (1 + 1e-3) for k, g in ref["grads"].items()}}]
+    row = judge_case("one_sequence", ranks, ref, 64, "float64", None, False, floor=floor,
+                     exact=exact["grads"])
+    assert row["verdict"] == "pass" and row["gradient_budget"] == pytest.approx(0.04, rel=0.01), row
+    assert next(g for g in row["gradients"] if g["name"] == "key.bias")["against"].startswith("whole")
+    halved = [{**ranks[0], "grads": {**ranks[0]["grads"], "w": 0.5 * ref["grads"]["w"]}}]
+    row = judge_case("one_sequence", halved, ref, 64, "float64", None, False, floor=floor, exact=exact["grads"])
+    assert row["verdict"] == "fail" and row["first_out"]["name"] == "w"
+    assert row["first_out"]["factor"] == pytest.approx(0.5)
+
+
+def test_a_gradient_that_cancels_to_rounding_is_judged_as_part_of_the_whole_and_no_bound_is_not_judged():
+    """A key bias at float64: both runs' gradients are rounding residue, 1.1 apart relative to
+    themselves (a correct step failed): judged as a part of the whole gradient, it passes. A
+    measured budget of 1 or more (a gradient of zeros would pass) is not judged, said, and never
+    widens another parameter's."""
+    from ringcheck.step.verdict import judge_case
+
+    gen, ref = _key_bias_case(1)
+    ranks = [{"where": (0, 0), "loss": 1.0,
+              "grads": {"w": ref["grads"]["w"].clone(), "key.bias": 1e-17 * torch.randn(8, generator=gen,
+                                                                                        dtype=torch.float64)}}]
+    row = judge_case("one_sequence", ranks, ref, 64, "float64", None, False)
+    assert row["verdict"] == "pass", row["gradients"]
+    bias = next(g for g in row["gradients"] if g["name"] == "key.bias")
+    assert bias["against"].startswith("whole") and bias["error"] < 1e-15
+    zeros = [{**ranks[0], "grads": {**ranks[0]["grads"], "w": torch.zeros(8, 8, dtype=torch.float64)}}]
+    row = judge_case("one_sequence", zeros, ref, 64, "float64", None, False, floor=(1e-3, {"w": 1.5, "key.bias": 1e-3}))
+    assert row["verdict"] == "pass" and [g["name"] for g in row["not_judged"]] == ["w"], row
+    assert "a gradient of zeros would pass" in row["not_judged"][0]["why"] and row["gradient_budget"] < 1e-2
 
 
 def test_pytorch_context_parallel_inside_the_step(ring_processes):

@@ -175,3 +175,42 @@ def test_a_diagnosis_that_cannot_recompute_the_step_leaves_the_verdict_and_says_
     assert judged["verdict"] == "fail" and judged["cases"][0]["diagnosis"] is None
     assert any("could not recompute the step" in line and "this model runs on shards only" in line
                for line in judged["found"]), judged["found"]
+
+
+# ---- f. a parameter whose gradient is analytically zero: each gradient against its own noise -------
+
+def test_a_key_bias_is_judged_as_part_of_the_whole_gradient_and_a_correct_step_passes(ring_processes):
+    """The user's attention adds a key bias: its gradient is analytically zero (softmax ignores a
+    per-row constant), float64 residue at CP=1 and CP=P alike. Judged relative to itself it read
+    1.1 against a budget of 2.3e-13, a correct step failed (ringcheck's defect); judged as a part
+    of the whole gradient it is ~1e-18 of it. The bug with the key biases is still named."""
+    judged = _step(ring_processes, recipe=f"{PLAIN}:key_bias", cases=("one_sequence",))
+    assert judged["verdict"] == "pass", judged["why"]
+    rows = {g["name"]: g for g in judged["cases"][0]["gradients"]}
+    for name in ("blocks.0.key_bias", "blocks.1.key_bias"):
+        assert rows[name]["against"].startswith("whole gradient") and rows[name]["error"] < 1e-15, rows[name]
+    bad = _step(ring_processes, recipe=f"{PLAIN}:key_bias_grads_averaged", cases=("one_sequence",))
+    (row,) = bad["cases"]  # before: matches no known transformation (the key biases' residues never matched)
+    assert row["verdict"] == "fail" and row["diagnosis"]["name"] == "grads_over_p", row.get("candidates")
+
+
+def test_a_narrowed_ring_judges_each_gradient_against_its_own_noise(ring_processes):
+    """Our ring called in bfloat16 (--attention-dtype): the budgets are measured from the noise
+    runs. One unit for every parameter, the largest relative change of any, was the key bias's
+    (2.7: its reference is its bfloat16 attention's residue, its unrounded run float64's), and
+    every gradient was judged against 11: a step that averages one layer's gradients over the CP
+    group (halved at CP=2, the loss right) passed (0.046 of it; ringcheck's defect). Per parameter,
+    the key bias judged as a part of the whole gradient (its cancellation read on the unrounded
+    run), every budget is a bound: the bug fails and the correct step passes."""
+    settings = dict(attention_dtype="bfloat16", cases=("one_sequence",))
+    judged = _step(ring_processes, recipe=f"{PLAIN}:key_bias", **settings)
+    assert judged["verdict"] == "pass", judged["why"]
+    (row,) = judged["cases"]
+    assert row["gradient_budget"] < 0.1 and not row["not_judged"] and not judged["noise"]["unbounded"], row
+    assert max(g["ratio"] for g in row["gradients"]) < 0.5 and judged["noise"]["gradient"] > 1e-4  # really bf16
+    assert {g["name"] for g in row["gradients"] if g.get("against")} == {"blocks.0.key_bias", "blocks.1.key_bias"}
+    bad = _step(ring_processes, recipe=f"{PLAIN}:key_bias_layer_averaged", **settings)
+    (row,) = bad["cases"]
+    assert bad["verdict"] == "fail" and row["first_out"]["name"].startswith("blocks.1."), bad["why"]
+    assert row["first_out"]["factor"] == pytest.approx(0.5) and row["first_out"]["ratio"] > 10
+    assert row["loss"]["ratio"] <= 1  # only the gradients tell

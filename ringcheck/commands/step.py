@@ -15,6 +15,7 @@ step) on process groups of `ringcheck.launch`:
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 from ..adapters import accepted_keywords
@@ -166,13 +167,15 @@ def _run_and_judge(config: StepConfig, processes) -> dict[str, Any]:
     ring = run_cases(processes, mesh.plan, first, config, names, pos0, "ring", kw, not_run)
     pool = names if config.narrow is None else noise_cases(names)
     ref = run_cases(processes, ref_mesh.plan, first, config, pool, pos0, "reference", kw, not_run)
-    noise = None
+    noise, exact = None, {}
     if config.narrow is not None and ref is not None:  # the noise runs: the step at CP=1, other legitimate attentions
         runs = {role: run_cases(processes, ref_mesh.plan, first, config, pool, pos0, role, kw, not_run)
                 for role in NOISE_RUNS}
         pool = tuple(n for n in pool if n not in not_run)
-        noise = noise_unit(ref[0][0]["cases"], {role: r[0][0]["cases"] for role, r in runs.items() if r}, pool)
-    floor = None if noise is None else (noise["k"] * noise["loss"], noise["k"] * noise["gradient"])
+        runs = {role: r[0][0]["cases"] for role, r in runs.items() if r}
+        noise = noise_unit(ref[0][0]["cases"], runs, pool, {n: _targets(n, mesh.rings) for n in pool}, config.dtype)
+        exact = {n: c["grads"] for n, c in runs.get("unrounded", {}).items()}  # the step unrounded: a truth cancels
+    floor = None if noise is None else (noise["k"] * noise["loss"], noise["floors"])
     loss_dtype, loss_found = loss_rounding(recipe.loss_dtype, config.dtype, _facts(ref).get("transformers"),
                                            [c["loss"] for c in (ref[0][0]["cases"].values() if ref else ())])
     rows = []
@@ -182,7 +185,7 @@ def _run_and_judge(config: StepConfig, processes) -> dict[str, Any]:
             rows.append(not_run_row(name, n, not_run[name]))
             continue
         rows.append(judge_case(name, _ranks(ring, name), ref[0][0]["cases"][name], n, config.dtype,
-                               loss_dtype, CASES[name].evaluate, attention_dtype(config), floor))
+                               loss_dtype, CASES[name].evaluate, attention_dtype(config), floor, exact.get(name)))
     names = tuple(n for n in names if n not in not_run)  # the cases judged
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
     conv_case = "two_micro_batches" if "two_micro_batches" in names else (names or (None,))[0]
@@ -230,11 +233,13 @@ def _diagnose(rows: list[dict], ring, ref, cands: dict, config: StepConfig, loss
         n = row["targets"]
         loss_budget, grad_budget = budgets(n, config.dtype, loss_dtype, attn)[0], 2 * n * K_COND * diag_u
         if floor is not None:
-            loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
+            loss_budget = max(loss_budget, floor[0])
+        per = {g["name"]: (max(grad_budget, floor[1].get(g["name"], math.inf) if floor else 0.0),
+                           g["scale"] if g.get("against") else None) for g in row["gradients"] if g.get("judged", True)}
         found = match(_ranks(ring, row["case"]), ref[0][0]["cases"][row["case"]],
                       cands.get(f"{row['case']}@{config.world_size}", {}), P=config.world_size,
                       loss_budget=loss_budget, grad_budget=grad_budget,
-                      evaluate=CASES[row["case"]].evaluate, relative=relative)
+                      evaluate=CASES[row["case"]].evaluate, relative=relative, per=per)
         row["candidates"] = found
         row["diagnosis"] = found[0] if found and found[0]["matches"] else None
 
@@ -252,6 +257,11 @@ def _why(rows, data=None) -> str:
     rows = [r for r in rows if r["verdict"] != "not run"]
     tail = "" if not skipped else (f"; not run: {', '.join(r['case'] for r in skipped)} (the step raised in "
                                    f"{'them' if len(skipped) > 1 else 'it'}: why and the fix above)")
+    unjudged = {g["name"]: g["why"] for r in rows for g in r.get("not_judged", [])}
+    if unjudged:
+        name = next(iter(unjudged))
+        tail += (f"; {len(unjudged)} parameter(s)' gradients not judged, their measured noise no bound (e.g. {name}: "
+                 f"{unjudged[name]})")
     if not rows:
         lost = f"data: {data['words']}; " if data is not None and data["verdict"] == "fail" else ""
         return lost + "no case was judged" + tail
@@ -266,7 +276,8 @@ def _judged_why(rows, data=None) -> str:
     if blind and not bad:
         return f"no verdict in {', '.join(blind)}: " + next(r["why"] for r in rows if r["verdict"] == "no verdict")
     if not bad:
-        worst = max(max(r["loss"]["ratio"], max((g["ratio"] for g in r["gradients"]), default=0)) for r in rows)
+        worst = max(max(r["loss"]["ratio"], max((g["ratio"] for g in r["gradients"] if g.get("judged", True)),
+                                                default=0)) for r in rows)
         return f"every case's loss and gradients at CP=P equal CP=1 within the budget (worst {worst:.2g} of it)"
     parts = []
     for r in bad:
@@ -291,7 +302,10 @@ def rule_words(config: StepConfig, loss_dtype: str, attention: str | None = None
             "attention_dtype": attention or ring_dtype(config), "attention": words,
             "narrowed": noise is not None,
             "loss": "|L_P - L_1| <= 2 n max(u_loss, K_COND u) |L_1|, n the case's target positions",
-            "gradients": "per parameter, every rank: ||g_P - g_1|| <= 2 n K_COND u ||g_1||",
+            "gradients": "per parameter, every rank: ||g_P - g_1|| <= max(2 n K_COND u, K_NOISE x noise) ||g_1||, "
+                         "noise (a narrowed ring's) the parameter's own largest change over the noise runs; ||g_1|| "
+                         "the whole gradient's norm where the parameter's cancels to rounding (n u ||g||: a key "
+                         "bias); a budget of 1 or more admits a gradient of zeros: that parameter is not judged",
             "diagnosis": "the transformation whose loss and every gradient the CP=P run equals within the budgets "
                          "(u of the loss's dtype for the gradients)",
             "classes": {n: {"class": w[0], "reports": w[2]} for n, w in WORDS.items()}}

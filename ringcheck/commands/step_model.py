@@ -27,7 +27,7 @@ from typing import Any
 from ..documents import STEP_SCHEMA, header
 from ..harness.settings import torch_threads
 from ..launch.audit import check_own_code
-from ..models.budgets import UNBOUNDED, gradient_budget, judged_scale, narrow_unit, not_judged, scaled, whole_norm
+from ..models.budgets import gradient_budget, narrow_unit
 from ..models.regimes import model_case, regime_reading, shape_words
 from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
@@ -44,6 +44,7 @@ from ..models.step import (
 )
 from ..models.step_noise import K_NOISE
 from ..step.cases import CASES, Case
+from ..step.scales import UNBOUNDED, against_whole, judged_scale, not_judged, scaled, whole_norm
 from ..step.verdict import K_COND, budgets, gradient_rows, relative, unit_roundoff
 
 EXIT_OF = {"pass": 0, "fail": 1, "no verdict": 2}
@@ -171,7 +172,7 @@ def _gradient_rows(ranks: list[dict], ref: dict, n: int, config: ModelStepConfig
         mine = gradient_budget(pname, budget, own, floor)
         row = gradient_rows(ranks, {pname: want}, mine)[0]
         if against:
-            row = _against_whole(row, ranks, pname, want, whole)
+            row = against_whole(row, ranks, pname, want, whole)
         if not mine < UNBOUNDED:
             row = not_judged(row, scale, against, mine / K_NOISE)
         grads.append(row)
@@ -183,18 +184,6 @@ def _no_budget(name: str, case: Case, n: int, floor: dict) -> dict:
     return {"case": name, "words": case.words, "verdict": "no verdict", "targets": n,
             "why": f"no noise run gave a finite change of the loss and the logits (loss {floor['loss']:.2g}, logits "
                    f"{floor['logits']:.2g}): there is no budget to judge the glue's {case.name} by"}
-
-
-def _against_whole(row: dict, ranks: list[dict], pname: str, want, whole: float) -> dict:
-    """A parameter whose true gradient cancels to the rounding of the whole gradient (at most
-    n u ||g||: a key bias, which softmax's shift invariance makes analytically zero) has no
-    relative error to judge: both sides are rounding residue, and ||a - b|| / ||b|| compares
-    residue with residue (a correct glue read 2.6 on roberta's key.bias). Its error is judged as
-    that part of the whole gradient vector: ||a - b|| / ||g||, against its budget (for a narrowed
-    glue, measured the same way: `ringcheck.models.budgets.judged_scale`)."""
-    worst = max((math.inf if r["grads"].get(pname) is None else
-                 float((r["grads"][pname].double() - want.double()).norm()) / whole) for r in ranks)
-    return {**row, "error": worst, "ratio": worst / row["budget"], "against": "whole gradient (cancels to rounding)"}
 
 
 def not_run(name: str, why: str, case: Case | None = None) -> dict[str, Any]:

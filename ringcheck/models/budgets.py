@@ -16,7 +16,8 @@ docs/findings/trainers.md).
 
 A budget of `UNBOUNDED` (relative 1) or wider admits a zero gradient, a contribution dropped
 whole: it is no evidence, and the parameter is reported **not judged** with the numbers, never
-passed.
+passed. The scaling and the not-judged row are `ringcheck.step.scales`, which plain `ringcheck
+step` shares.
 """
 
 from __future__ import annotations
@@ -24,33 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from ..step.noise import K_NOISE
-from ..step.verdict import unit_roundoff
-
-UNBOUNDED = 1.0  # a relative budget this wide passes a gradient of zeros: no bound at all
-
-
-def whole_norm(grads: dict) -> float:
-    """The norm of the whole gradient (every parameter's, as one vector: what clipping reads)."""
-    return math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads.values() if g is not None))
-
-
-def judged_scale(want: torch.Tensor, whole: float, n: int, truth: str) -> tuple[float, bool]:
-    """What a parameter's gradient error is divided by, and whether that is the whole gradient:
-    its true gradient's norm, or the whole gradient's where the true one cancels to the rounding of
-    the whole (at most n u ||g||, u the unit roundoff the truth is exact to: a key bias, which
-    softmax's shift invariance makes analytically zero)."""
-    norm = float(want.double().norm())
-    if norm <= n * unit_roundoff(truth) * whole:
-        return whole, True
-    return norm, False
-
-
-def scaled(distance: float, scale: float) -> float:
-    """A distance ||a - b|| as a relative change of `scale` (`judged_scale`)."""
-    return distance / scale if scale > 0 else (0.0 if distance == 0 else math.inf)
+from ..step.scales import UNBOUNDED, judged_scale, scaled, whole_norm
 
 
 def _changes(diffs: dict[str, float], scales: dict[str, float]) -> dict[str, float]:
@@ -106,11 +82,3 @@ def gradient_budget(name: str, derived: float, own_noise: float, floor: dict | N
     if floor is not None:
         budget = max(budget, floor.get("gradients", {}).get(name, math.inf))
     return budget
-
-
-def not_judged(row: dict, scale: float, against_whole: bool, noise: float) -> dict:
-    """A gradient row whose budget is no bound (`UNBOUNDED` or wider): reported, never passed."""
-    what = "of the whole gradient" if against_whole else "of its true gradient"
-    why = (f"its budget {row['budget']:.2g} {what} (norm {scale:.2g}) is no bound: a gradient of zeros would pass; "
-           f"the noise runs move it by {noise:.2g} of that")
-    return {**row, "judged": False, "why": why}

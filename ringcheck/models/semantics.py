@@ -30,6 +30,7 @@ from ringcheck.reference import dense_attention
 
 from ..spec import REFERENCE_DTYPES
 from ..step.contract import IGNORE, shift_labels
+from ..step.scales import distance, judged_scale, scaled, whole_norm
 from ..step.verdict import K_COND, budgets, relative
 from .heads import shard_candidates, shard_inputs, ulysses_candidates
 from .losses import LOSSES, Candidate, LayerSemantics, candidates, local_key_length, on_layers  # noqa: F401 (re-exported)
@@ -222,9 +223,12 @@ def _as_list(logits) -> list[torch.Tensor]:
     return [logits] if isinstance(logits, torch.Tensor) else list(logits)
 
 
-def _distances(a, b) -> tuple[list[float], dict[str, float] | None]:
+def _distances(a, b, scale: tuple[int, str]) -> tuple[list[float], dict[str, float] | None]:
     """Per micro-batch logits and per parameter gradient distances of figures a to figures b
-    (each (logits list, grads dict or None))."""
+    (each (logits list, grads dict or None)); each gradient's relative to b's, or to b's whole
+    gradient where b's cancels to rounding (`ringcheck.step.scales.judged_scale`, `scale`: the
+    target positions and the dtype the figures are exact to): a key bias's gradient, analytically
+    zero, read 1.1e+13 relative to its own float64 residue."""
     (za, ga), (zb, gb) = a, b
     if len(za) != len(zb) or any(x.shape != y.shape for x, y in zip(za, zb)):
         raise ValueError(f"observed logits of shapes {[tuple(x.shape) for x in za]} cannot be compared with the "
@@ -235,7 +239,15 @@ def _distances(a, b) -> tuple[list[float], dict[str, float] | None]:
     missing = sorted(set(gb) - set(ga))
     if missing:
         raise ValueError(f"observed gradients lack {len(missing)} parameters of the model, e.g. {missing[:3]}")
-    return logits, {k: relative(ga[k].detach().cpu(), gb[k].cpu()) for k in gb}
+    whole = whole_norm(gb)
+    out = {}
+    for k, want in gb.items():
+        if want is None:
+            continue
+        norm, against = judged_scale(want.cpu(), whole, *scale)
+        got = ga[k].detach().cpu()
+        out[k] = scaled(distance(got, want.cpu()), norm) if against else relative(got, want.cpu())
+    return logits, out
 
 
 class Diagnoser:
@@ -263,12 +275,13 @@ class Diagnoser:
         head_dims = {layer.index: int(layer.head_dim) for layer in tiny.layers}
         n = max(1, sum(int((shift_labels(mb["labels"]) != IGNORE).sum()) for mb in micro_batches))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        exact = budgets(n, dtype if dtype in REFERENCE_DTYPES else "float32", None)[1]
+        self._scale = (n, dtype if dtype in REFERENCE_DTYPES else "float32")
+        exact = budgets(n, self._scale[1], None)[1]
         self.tolerance = exact if tolerance is None else float(tolerance)
         self.truth = self._step(None)
         self.error, self.shape_dependence, self.candidates, self._logits, self._grads = "", 0.0, [], [], {}
         try:
-            noise_z, noise_g = _distances(self._step(native), self.truth)
+            noise_z, noise_g = _distances(self._step(native), self.truth, self._scale)
         except (RuntimeError, ValueError, TypeError) as exc:  # e.g. an attention module no layer describes
             self.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             noise_z, noise_g = [math.inf], None
@@ -293,15 +306,15 @@ class Diagnoser:
                                             mb["position_ids"]], 1),
                                  (0, 16, *[16 + b for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))]))
                  for mb in micro_batches]
-        moved = max(_distances(([x[:, 16:] for x in z], None), (self.truth[0], None))[0])
+        moved = max(_distances(([x[:, 16:] for x in z], None), (self.truth[0], None), self._scale)[0])
         self.shape_dependence = moved if moved > rounding else 0.0
         if packed:
             whole = self._step(native, whole=True)
-            dz, dg = _distances(whole, self.truth)
+            dz, dg = _distances(whole, self.truth, self._scale)
             if max([*dz, *(dg or {}).values()]) <= rounding:
                 shapes.append(whole)
         for figures in shapes:
-            dz, dg = _distances(figures, self.truth)
+            dz, dg = _distances(figures, self.truth, self._scale)
             noise_z = [max(a, b) for a, b in zip(noise_z, dz)]
             noise_g = None if noise_g is None else {k: max(v, dg[k]) for k, v in noise_g.items()}
         self.noise = max(noise_z), max((noise_g or {0: 0.0}).values())
@@ -350,7 +363,7 @@ class Diagnoser:
         return self._logits[i], self._grads.get(i)
 
     def _match(self, candidate, observed, figures) -> Match:
-        dz, dg = _distances(observed, figures)
+        dz, dg = _distances(observed, figures, self._scale)
         within = max(dz) <= self.tol_z and (dg is None or all(v <= self.tol_g.get(k, self.tolerance) for k, v in dg.items()))
         return Match(candidate, max(dz), None if dg is None else max(dg.values(), default=0.0), within)
 

@@ -18,7 +18,6 @@ float32, its floor says so in the report.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from ..ring.layouts import positions
 from ..spec import RingSpec
 from ..step.contract import IGNORE, shift_labels
 from ..step.noise import K_NOISE
+from ..step.scales import distance
 from ..step.verdict import relative
 
 __all__ = ["K_NOISE", "float64_throughout", "split_gradients", "truth_noise"]
@@ -66,17 +66,11 @@ def split_gradients(model, batches: list[dict], logits_of, *, layout: str, world
     return sums
 
 
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| in float64 (inf where `a` is not finite)."""
-    a = a.double()
-    return float((a - b.double()).norm()) if bool(torch.isfinite(a).all()) else math.inf
-
-
 def truth_noise(split: dict[str, torch.Tensor], truth: dict[str, torch.Tensor | None]) -> dict[str, float]:
     """Per parameter, the distance ||split - truth|| of its gradient (the judge scales it as it
     judges the parameter, `ringcheck.models.budgets.judged_scale`: relative to its true gradient,
     or to the whole gradient where the true one cancels to rounding, as a key bias's does)."""
-    return {n: _distance(split[n], g) for n, g in truth.items() if g is not None and n in split}
+    return {n: distance(split[n], g) for n, g in truth.items() if g is not None and n in split}
 
 
 # the legitimate attentions of a narrowed glue's noise runs: the model built in the glue's dtype, at CP=1, with
@@ -116,7 +110,7 @@ def narrow_noise(tiny, config, batches: list[dict], truth: dict, dtype) -> dict[
         except Exception as exc:  # a legitimate attention that cannot run this model: said
             skipped[attn] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             continue
-        diffs = {n: _distance(grads[n], g) for n, g in truth["grads"].items()
+        diffs = {n: distance(grads[n], g) for n, g in truth["grads"].items()
                  if g is not None and grads.get(n) is not None}
         rows.append({"run": attn, "loss": token_change(logits, truth["logits"], batches),
                      "logits": max(relative(z.double(), w) for z, w in zip(logits, truth["logits"])),

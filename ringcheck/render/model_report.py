@@ -9,7 +9,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .step_report import VERDICT_WORDS, write_step_reports
+from .step_report import VERDICT_WORDS, budgets_text, write_step_reports
 
 _STYLE = {"pass": "bold green", "fail": "bold red", "no verdict": "bold yellow"}
 HEADERS = ("case", "tokens, shard", "loss error", "logits error", "logits budget", "worst gradient error", "gradient budget",
@@ -27,15 +27,9 @@ def case_rows(doc: dict) -> list[tuple[str, ...]]:
         grads = bool(c["gradients"])
         rows.append((c["case"], shape, f"{c['loss']['error']:.2g}", f"{c['logits']['error']:.2g}",
                      f"{c['logits']['budget']:.2g}", f"{c['worst_gradient']:.2g}" if grads else "-",
-                     _budgets(c) if grads else "-",
+                     budgets_text(c) if grads else "-",
                      "-" if first is None else f"{first['name']} (x{first['factor']:.4g})", c["verdict"]))
     return rows
-
-
-def _budgets(c: dict) -> str:
-    """The case's gradient budgets: one, or the range of the parameters' own (a narrowed glue's)."""
-    low, high = c.get("gradient_budgets") or (c["gradient_budget"], c["gradient_budget"])
-    return f"{high:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}-{high:.2g}"
 
 
 def model_lines(doc: dict) -> list[str]:

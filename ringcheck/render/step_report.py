@@ -25,15 +25,23 @@ def case_rows(doc: dict) -> list[tuple[str, ...]]:
         first = c["first_out"]
         rows.append((c["case"], f"{c['loss']['error']:.2g}", f"{c['loss']['budget']:.2g}",
                      f"{c['worst_gradient']:.2g}" if c["gradients"] else "-",
-                     f"{c['gradient_budget']:.2g}" if c["gradients"] else "-",
+                     budgets_text(c) if c["gradients"] else "-",
                      "-" if first is None else f"{first['name']} (x{first['factor']:.4g})", c["verdict"]))
     return rows
+
+
+def budgets_text(c: dict) -> str:
+    """A case's gradient budgets: one, or the range of the parameters' own (measured per parameter)."""
+    low, high = c.get("gradient_budgets") or (c["gradient_budget"], c["gradient_budget"])
+    return f"{high:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}-{high:.2g}"
 
 
 def diagnosis_lines(doc: dict) -> list[str]:
     """One line per failed case: the transformation its figures match, or the nearest ones."""
     lines = [f"found: {line}" for line in doc.get("found", [])]
     lines += [f"{c['case']}: not run: {c['why']}; fix: {c['fix']}" for c in doc["cases"] if c["verdict"] == "not run"]
+    lines += [f"{c['case']}: gradient of {g['name']} not judged: {g['why']}" for c in doc["cases"]
+              for g in c.get("not_judged", [])]
     for c in doc["cases"]:
         if c["verdict"] != "fail":
             continue

@@ -12,6 +12,7 @@ them, for the report's convention line (transformers #34191).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -191,10 +192,16 @@ def _sum_over_cp(ranks: list[dict]) -> dict[str, torch.Tensor | None]:
 
 
 def match(ranks: list[dict], ref: dict, cands: dict[str, Any], *, P: int, loss_budget: float, grad_budget: float,
-          evaluate: bool, relative) -> list[dict[str, Any]]:
+          evaluate: bool, relative, per: dict[str, tuple[float, float | None]] | None = None) -> list[dict[str, Any]]:
     """Every candidate's distance to the CP=P run (rank 0 of its first group), nearest first;
-    `matches` where the loss and every gradient are within the budgets."""
+    `matches` where the loss and every gradient are within the budgets (`per`: each judged
+    parameter's own budget and the whole gradient's norm where its error is a part of the whole,
+    None where relative to itself: `judge_case`'s rows; a parameter not in it is not judged)."""
     user = ranks[0]
+
+    def gradients(want: dict, f: float = 1.0) -> tuple[float, float]:
+        return _gradient_ratio(user["grads"], want, f, grad_budget, per, relative)
+
     pool = {n: c for n, c in cands.items() if n != "token_mean"}
     if not evaluate:
         for name, f in (("grads_times_p", P), ("grads_over_p", 1 / P)):
@@ -204,26 +211,37 @@ def match(ranks: list[dict], ref: dict, cands: dict[str, Any], *, P: int, loss_b
         scaled = []
         for f in c.get("scales", (1.0,)):  # a candidate whose count (its loss's denominator) may be either
             loss_err = None if c["loss"] is None else relative(user["loss"], c["loss"] * f)
-            grad_err = None
-            if not evaluate:
-                grad_err = max((relative(user["grads"][n], g * f) if user["grads"].get(n) is not None
-                                else float("inf")) for n, g in c["grads"].items() if g is not None)
-            scaled.append(_row(name, loss_err, grad_err, loss_budget, grad_budget))
+            grad = (None, None) if evaluate else gradients(c["grads"], f)
+            scaled.append(_row(name, loss_err, grad, loss_budget))
         rows.append(min(scaled, key=lambda r: (not r["matches"], max(r["loss_ratio"] or 0, r["gradient_ratio"] or 0))))
         if c.get("changed"):
             rows[-1]["words"] += f" ({c['changed']} targets at shard boundaries lost or wrong in this case)"
     if not evaluate and P > 1:
         summed = _sum_over_cp(ranks)
-        grad_err = max(relative(summed[n], g) if summed.get(n) is not None else float("inf")
-                       for n, g in ref["grads"].items() if g is not None)
-        rows.append(_row("no_cp_reduction", None, grad_err, loss_budget, grad_budget))
+        grad = _gradient_ratio(summed, ref["grads"], 1.0, grad_budget, per, relative)
+        rows.append(_row("no_cp_reduction", None, grad, loss_budget))
     rows = [r for r in rows if r["loss_error"] is not None or r["gradient_error"] is not None]
     return sorted(rows, key=lambda r: (not r["matches"], max(r["loss_ratio"] or 0, r["gradient_ratio"] or 0)))
 
 
-def _row(name, loss_err, grad_err, loss_budget, grad_budget) -> dict[str, Any]:
+def _gradient_ratio(got: dict, want: dict, f: float, budget: float, per: dict | None, relative) -> tuple[float, float]:
+    """(the worst gradient error, the worst error in its parameter's budget) of `got` against `want`
+    times `f`: every parameter against `budget` relative to itself, or as `per` says."""
+    err, ratio = 0.0, 0.0
+    for n, g in want.items():
+        if g is None or (per is not None and n not in per):
+            continue
+        mine, whole = (budget, None) if per is None else per[n]
+        a = got.get(n)
+        e = (math.inf if a is None else relative(a, g * f) if whole is None else
+             float((a.double() - g.double() * f).norm()) / whole)
+        err, ratio = max(err, e), max(ratio, e / mine)
+    return err, ratio
+
+
+def _row(name, loss_err, grad: tuple[float | None, float | None], loss_budget) -> dict[str, Any]:
     lr = None if loss_err is None else loss_err / loss_budget
-    gr = None if grad_err is None else grad_err / grad_budget
+    grad_err, gr = grad
     ok = all(x is None or x <= 1 for x in (lr, gr)) and (lr is not None or gr is not None)
     cls, words, reports = WORDS[name]
     return {"name": name, "class": cls, "words": words, "reports": reports, "loss_error": loss_err,
@@ -232,7 +250,7 @@ def _row(name, loss_err, grad_err, loss_budget, grad_budget) -> dict[str, Any]:
 
 def convention(ref: dict, cands: dict[str, Any], *, loss_budget: float, relative) -> dict[str, Any]:
     """Which loss convention the reference step follows (informative: the same at CP=1 and CP=P)."""
-    rows = [_row(n, relative(ref["loss"], cands[n]["loss"]), None, loss_budget, 1.0) for n in CONVENTIONS
+    rows = [_row(n, relative(ref["loss"], cands[n]["loss"]), (None, None), loss_budget) for n in CONVENTIONS
             if n in cands]
     found = next((r for r in rows if r["matches"]), None)
     return {"follows": None if found is None else found["name"], "rows": rows,

@@ -12,7 +12,11 @@ rows x tokens: the longest sum, the loss's and every weight gradient's over the 
   that casts logits to float32 declares `loss_dtype = "float32"`), at least `K_COND` u of
   the step's dtype (the model's own roundings reach the cross-entropies);
 - every parameter's gradient, normwise: ||g_P - g_1|| <= 2 n K_COND u ||g_1||, with a condition
-  allowance K_COND = 16 (a gradient's per-token terms have both signs).
+  allowance K_COND = 16 (a gradient's per-token terms have both signs); where the true gradient
+  cancels to the rounding of the whole (at most n u ||g||: a key bias, analytically zero) ||g_1||
+  is the whole gradient's norm (`ringcheck.step.scales`); a narrowed ring's budget is floored
+  per parameter by its own measured noise (`ringcheck.step.noise`), and a budget of 1 or more
+  is no bound: that parameter is reported not judged.
 
 A ring other than ours (torch backends) is not known to compute float64 inputs in float64
 throughout (PyTorch's context parallel keeps float32 statistics): its attention's dtype is taken
@@ -29,13 +33,9 @@ from typing import Any
 
 import torch
 
-from ..spec import REFERENCE_DTYPES
+from .scales import K_NOISE, UNBOUNDED, against_whole, case_scales, not_judged, unit_roundoff
 
 K_COND = 16.0
-
-
-def unit_roundoff(dtype: str) -> float:
-    return float(torch.finfo(REFERENCE_DTYPES[dtype]).eps) / 2
 
 
 def budgets(n: int, dtype: str, loss_dtype: str | None, attention_dtype: str | None = None) -> tuple[float, float]:
@@ -122,36 +122,70 @@ def reference_is_finite(ref: dict) -> bool:
     return math.isfinite(ref["loss"]) and all(bool(torch.isfinite(g).all()) for g in grads)
 
 
+def judged_gradients(ranks: list[dict], ref: dict, derived: float, floors: dict[str, float] | None,
+                     scales: dict[str, tuple[float, bool]]) -> list[dict[str, Any]]:
+    """Per parameter, its row against its own budget: the derived one, floored by its own measured
+    noise budget (`floors`, a narrowed ring's; a parameter the noise runs did not measure has
+    none: unbounded); its error relative to its own reference gradient, or to the whole gradient
+    where its truth cancels to rounding (`scales`: `ringcheck.step.scales.case_scales`). A budget
+    of `UNBOUNDED` or wider is no bound: the row is not judged (`not_judged`)."""
+    rows = []
+    for name, want in ref.items():
+        if want is None:
+            continue
+        budget = derived if floors is None else max(derived, floors.get(name, math.inf))
+        (row,) = gradient_rows(ranks, {name: want}, budget)
+        scale, against = scales[name]
+        row["scale"] = scale
+        if against:
+            row = against_whole(row, ranks, name, want, scale)
+        if not budget < UNBOUNDED:
+            row = not_judged(row, scale, against, budget / K_NOISE)
+        rows.append(row)
+    return rows
+
+
+def _blind(ref: dict, floor: tuple[float, dict[str, float]] | None) -> str | None:
+    if not reference_is_finite(ref):  # the step itself gives NaN/Inf at CP=1: nothing to compare with
+        return "the reference (the same step at CP=1) is not finite: nothing can be judged"
+    if floor is not None and not (math.isfinite(floor[0]) and all(math.isfinite(f) for f in floor[1].values())):
+        return "a noise run (the step at CP=1 with another legitimate attention) is not finite: no budget"
+    return None
+
+
 def judge_case(name: str, ranks: list[dict], ref: dict, n: int, dtype: str, loss_dtype: str | None,
                evaluate: bool, attention_dtype: str | None = None,
-               floor: tuple[float, float] | None = None) -> dict[str, Any]:
+               floor: tuple[float, dict[str, float]] | None = None, exact: dict | None = None) -> dict[str, Any]:
     """One case: every rank of the CP=P run (`ranks`: {where, loss, grads}) against the reference
-    (`ref`: rank 0 of the CP=1 run); `floor`: the (loss, gradient) budgets measured for a
-    narrowed attention (`ringcheck.step.noise`), where they are wider than the derived ones."""
+    (`ref`: rank 0 of the CP=1 run); `floor`: the loss budget and each parameter's gradient budget
+    measured for a narrowed attention (`ringcheck.step.noise`), where wider than the derived ones;
+    `exact`: the case's gradients in the step's own dtype throughout (a narrowed ring's unrounded
+    noise run), on which a gradient that cancels to rounding is told (default the reference's)."""
     loss_budget, grad_budget = budgets(n, dtype, loss_dtype, attention_dtype)
     if floor is not None:
-        loss_budget, grad_budget = max(loss_budget, floor[0]), max(grad_budget, floor[1])
-    blind = None
-    if not reference_is_finite(ref):  # the step itself gives NaN/Inf at CP=1: nothing to compare with
-        blind = "the reference (the same step at CP=1) is not finite: nothing can be judged"
-    elif floor is not None and not all(math.isfinite(f) for f in floor):
-        blind = "a noise run (the step at CP=1 with another legitimate attention) is not finite: no budget"
+        loss_budget = max(loss_budget, floor[0])
+    blind = _blind(ref, floor)
     if blind is not None:
         return {"case": name, "verdict": "no verdict", "targets": n,
                 "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": math.nan, "budget": loss_budget,
                          "ratio": math.nan},
                 "gradient_budget": grad_budget, "worst_gradient": math.nan, "first_out": None, "gradients": [],
-                "why": blind}
+                "not_judged": [], "why": blind}
     loss_err = max(relative(r["loss"], ref["loss"]) for r in ranks)
-    grads = [] if evaluate else gradient_rows(ranks, ref["grads"], grad_budget)
-    out = [g for g in grads if not g["ratio"] <= 1]
+    scales = case_scales(ref["grads"], exact, n, attention_dtype or dtype)
+    grads = [] if evaluate else judged_gradients(ranks, ref["grads"], grad_budget, floor and floor[1], scales)
+    judged = [g for g in grads if g.get("judged", True)]
+    out = [g for g in judged if not g["ratio"] <= 1]
     passed = loss_err <= loss_budget and not out
     first = out[0] if out else None
     return {"case": name, "verdict": "pass" if passed else "fail", "targets": n,
             "loss": {"ring": ranks[0]["loss"], "reference": ref["loss"], "error": loss_err, "budget": loss_budget,
                      "ratio": loss_err / loss_budget},
-            "gradient_budget": grad_budget,
-            "worst_gradient": max((g["error"] for g in grads), default=0.0),
+            "gradient_budget": max((g["budget"] for g in judged), default=grad_budget),
+            "gradient_budgets": [min((g["budget"] for g in judged), default=grad_budget),
+                                 max((g["budget"] for g in judged), default=grad_budget)],
+            "worst_gradient": max((g["error"] for g in judged), default=0.0),
+            "not_judged": [{k: g[k] for k in ("name", "budget", "why")} for g in grads if not g.get("judged", True)],
             "first_out": None if first is None else {k: first[k] for k in ("name", "error", "ratio", "factor", "rank")},
             "gradients": grads}
 

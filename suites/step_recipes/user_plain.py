@@ -6,7 +6,10 @@
 own choice, not a case's); `labels_in_shards_reentrant` adds a bug (labels shifted inside each
 shard) so that ringcheck's diagnosis has to run through the reentrant checkpoints (and
 `labels_in_shards_logits_raise`, whose logits hook raises, so that it cannot); `no_vocab` has
-no `vocab_size` (ringcheck reads it from the model's first `nn.Embedding`).
+no `vocab_size` (ringcheck reads it from the model's first `nn.Embedding`); `key_bias` gives each
+attention a key bias (its gradient analytically zero: softmax ignores a per-row constant) and
+`key_bias_layer_averaged` adds a bug to it (block 1's gradients averaged over the CP group where
+the others are summed: halved at CP=2), `key_bias_grads_averaged` averages every gradient.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from ringcheck.step import active_cp
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, key_bias: bool = False):
         super().__init__()
         self.heads = heads
+        self.key_bias = nn.Parameter(0.1 * torch.randn(dim)) if key_bias else None
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.out = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
@@ -32,16 +36,18 @@ class Block(nn.Module):
     def forward(self, x, cp):
         b, n, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        k = k if self.key_bias is None else k + self.key_bias.view(self.heads, d // self.heads)
         x = x + self.out(cp.attention(q, k, v).reshape(b, n, d))
         return x + self.mlp(self.norm2(x))
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, layers: int = 2, reentrant: bool = False):
+    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, layers: int = 2, reentrant: bool = False,
+                 key_bias: bool = False):
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.places = nn.Embedding(128, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, key_bias) for _ in range(layers))
         self.head = nn.Linear(dim, vocab, bias=False)
         self.reentrant = reentrant
 
@@ -64,10 +70,11 @@ def all_reduce_grads(model, cp) -> None:
 class Recipe:
     vocab_size = 50
     reentrant = False
+    key_bias = False
     loss_in = None  # the dtype the logits are cast to for the loss (None: the model's)
 
     def model(self):
-        return Decoder(reentrant=self.reentrant)
+        return Decoder(reentrant=self.reentrant, key_bias=self.key_bias)
 
     def step(self, model, micro_batches, cp):
         total = sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
@@ -121,12 +128,37 @@ class LabelsInShardsLogitsRaise(LabelsInShardsReentrant):
         raise RuntimeError("this model runs on shards only")
 
 
+class KeyBias(Recipe):
+    key_bias = True
+
+
+class KeyBiasLayerAveraged(KeyBias):
+    """Block 1's gradients averaged over the CP group (a parameter group reduced with AVG), the
+    rest summed: at CP=2 that layer's gradients are halved, the loss is right."""
+
+    averaged = "blocks.1."  # the parameters whose gradients are averaged (a prefix of their names)
+
+    def step(self, model, micro_batches, cp):
+        logged = super().step(model, micro_batches, cp)
+        for name, p in model.named_parameters():
+            if p.grad is not None and name.startswith(self.averaged):
+                p.grad.div_(cp.size)
+        return logged
+
+
+class KeyBiasGradsAveraged(KeyBiasLayerAveraged):
+    """Every gradient averaged over the CP group (grads_over_p), on the model with key biases."""
+
+    averaged = ""
+
+
 class NoVocab:
     """`Recipe` without `vocab_size` (and without a logits hook): only model() and step()."""
 
     model = Recipe.model
     step = Recipe.step
     reentrant = False
+    key_bias = False
     loss_in = None
 
 
@@ -136,3 +168,6 @@ reentrant = Reentrant()
 labels_in_shards_reentrant = LabelsInShardsReentrant()
 labels_in_shards_logits_raise = LabelsInShardsLogitsRaise()
 no_vocab = NoVocab()
+key_bias = KeyBias()
+key_bias_layer_averaged = KeyBiasLayerAveraged()
+key_bias_grads_averaged = KeyBiasGradsAveraged()
