@@ -26,7 +26,9 @@ from ringcheck.ring.comm import RingComm
 from ringcheck.testing.cases import DISTRIBUTED_CASES, DISTRIBUTED_FAULT_CASES, DISTRIBUTED_LSE_CASES
 from ringcheck.testing.cases import case as one_case
 
-SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones
+# largest first: its local ring then serves the smaller ones; make test runs 4, 3 and 1 (even, odd, one),
+# 8 and 2 carry the marker thorough (make test-thorough, in CI)
+SIZES = [pytest.param(8, marks=pytest.mark.thorough), 4, 3, pytest.param(2, marks=pytest.mark.thorough), 1]
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 

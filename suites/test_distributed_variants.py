@@ -14,7 +14,9 @@ from ringcheck.judge.inputs import make_inputs
 from ringcheck.ring.loops import sum_in_rank_order
 from ringcheck.testing.variant_cases import DISTRIBUTED_VARIANT_CASES
 
-SIZES = [8, 4, 3, 2, 1]  # largest first: its local ring then serves the smaller ones
+# largest first: its local ring then serves the smaller ones; make test runs 4, 3 and 1 (even, odd, one),
+# 8 and 2 carry the marker thorough (make test-thorough, in CI)
+SIZES = [pytest.param(8, marks=pytest.mark.thorough), 4, 3, pytest.param(2, marks=pytest.mark.thorough), 1]
 TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 

@@ -135,8 +135,10 @@ def _judged(ring_processes, model, glue, world_size):
 
 
 @needs_transformers
+# each mutant at P=2 in make test; mistral's again at P=4 carries the marker thorough (make test-thorough, CI)
 @pytest.mark.parametrize("model, mutant, world_size", [("mistral", "window_dropped_short_shard", 2),
-                                                       ("mistral", "window_dropped_short_shard", 4),
+                                                       pytest.param("mistral", "window_dropped_short_shard", 4,
+                                                                    marks=pytest.mark.thorough),
                                                        ("llama4_text", "chunk_dropped_short_shard", 2)])
 def test_a_glue_right_only_on_long_shards_fails_at_small_rings_naming_it(ring_processes, model, mutant, world_size):
     judged = _judged(ring_processes, model, f"ringcheck.catalogue.glue_mutants:{mutant}", world_size)

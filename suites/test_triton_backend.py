@@ -79,11 +79,16 @@ def verdict_of(case: Case, backend=None):
     return run_case(case, impl=impl)
 
 
-# make test runs P=8 in one mode (causal) and float32 and float16 at P=4 in two modes each (the kernels are
+# make test runs every shape case (head dims, heads, tiles) and, of the grid of ring size x mode x dtype, a
+# covering subset: every ring size (1, 2, 4, 8), every mode and every dtype at least once (the kernels are
 # per block: a larger ring adds blocks, not code); the other combinations carry the marker thorough
 # (make test-thorough, in CI)
 _THOROUGH = {"p8_zigzag_bf16_h2kv1_triton", "p8_bidirectional_bf16_h2kv1_triton", "p4_causal_fp32_h2kv1_triton",
-             "p4_striped_fp32_h2kv1_triton", "p4_zigzag_fp16_h2kv1_triton", "p4_bidirectional_fp16_h2kv1_triton"}
+             "p4_striped_fp32_h2kv1_triton", "p4_zigzag_fp16_h2kv1_triton", "p4_bidirectional_fp16_h2kv1_triton",
+             "p1_causal_bf16_h2kv1_triton", "p1_zigzag_bf16_h2kv1_triton", "p1_striped_bf16_h2kv1_triton",
+             "p2_bidirectional_bf16_h2kv1_triton", "p2_zigzag_bf16_h2kv1_triton", "p2_striped_bf16_h2kv1_triton",
+             "p4_bidirectional_bf16_h2kv1_triton", "p4_causal_bf16_h2kv1_triton", "p4_zigzag_fp32_h2kv1_triton",
+             "p4_striped_fp16_h2kv1_triton"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.thorough) if n in _THOROUGH else n

@@ -192,9 +192,12 @@ def test_an_implementation_without_lse_is_checked_on_out_and_gradients(ring_proc
     ("ringcheck.catalogue.bad_impls:no_gradient_to_k", "no gradient flows to k"),
     ("ringcheck.catalogue.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
 ])
-def test_contract_breaches_are_reported_with_the_rank(ring_processes, impl, words):
+def test_contract_breaches_are_reported_with_the_rank(ring_processes, torchrun_world, impl, words):
+    # on the ring alone (locally): a breach is the ring's, and a failing ring's diagnosis starts fresh
+    # processes for each of its runs (the embedding's eight instead of four)
+    alone = {"mesh": "cp=4"} if torchrun_world is None else {}
     with pytest.raises(RingError) as info:
-        _rows(ring_processes, impl=impl, distributions=("normal",), local_lengths=(2,))
+        _rows(ring_processes, impl=impl, distributions=("normal",), local_lengths=(2,), **alone)
     assert words in str(info.value)
 
 
@@ -202,7 +205,7 @@ def test_an_implementation_that_never_returns_times_out_naming_the_rank(torchrun
     if torchrun_world is not None:
         pytest.skip("a rank that never returns cannot be stopped in-process under torchrun")
     target = Target(**{**SMALL, "impl": "ringcheck.catalogue.bad_impls:never_returns_on_rank_zero",
-                       "distributions": ("normal",), "local_lengths": (2,)})
+                       "distributions": ("normal",), "local_lengths": (2,), "mesh": "cp=4"})  # the ring alone
     with LocalRings(timeout=2) as rings, pytest.raises(RingError) as info:
         validate(target, rings, recompute=False)
     assert "rank 0" in str(info.value)
