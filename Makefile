@@ -2,7 +2,8 @@
 #   make validate   run `ringcheck validate` on its built-in default
 #   make test       run the test suites (all but the end-to-end command tests)
 #   make test-cli   run the end-to-end command tests (those that start ringcheck or pytest in a subprocess)
-#   make test-thorough  run the rest of the case grids whose covering subsets make test runs (CI runs all three)
+#   make test-thorough  run the rest of the case grids whose covering subsets make test runs, and every
+#                   property at its whole search (make test: at most 20 examples each); CI runs all three
 #   make trainer-envs  build each trainer's own environment (.trainer-envs/) and run the --model check there
 PYTHON ?= python3
 VENV   ?= .venv
@@ -39,15 +40,17 @@ validate: $(STAMP)
 # process of its own, importing torch again) are test-cli's; .ci/run runs both targets
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "not cli and not thorough"
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "not cli and not thorough" --search-examples 20
 
 test-cli: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m cli
 
 # marker thorough: a grid's cases beyond its covering subset (every ring size, mode, placement and dtype
-# is in make test at least once; these are the other combinations of them); CI runs it after make test-cli
+# is in make test at least once; these are the other combinations of them); and the property tests
+# (marker hypothesis) again at the search profile's own count (make test: at most 20 examples each);
+# CI runs it after make test-cli
 test-thorough: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "thorough and not cli"
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "(thorough or hypothesis) and not cli"
 
 # each trainer's environment at the transformers it pins (benchmarks/trainer_envs.py: one row a trainer;
 # ENVS=oldest,verl picks some), ringcheck installed into it, the --model suites and step --model llama run there

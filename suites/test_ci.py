@@ -9,6 +9,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LIST = ROOT / ".ci" / "torchrun-suites"
 # main imported from the CLI, the CLI module's main called, or the command started as a process
@@ -122,13 +124,14 @@ def test_every_test_that_starts_a_command_is_marked_cli():
 
 def test_each_command_test_runs_once_in_ci():
     """make test deselects the cli tests and the thorough cases, make test-cli selects the cli tests,
-    make test-thorough the thorough ones but no cli test; .ci/run runs the three targets and deselects
+    make test-thorough the thorough ones and the property tests at their whole search, but no cli test; .ci/run runs the three targets and deselects
     the cli tests under torchrun (where they start their own worlds and would skip or repeat)."""
     makefile = (ROOT / "Makefile").read_text()
     test, test_cli, thorough = (makefile[makefile.index(f"\n{target}: "):].split("\n\n")[0]
                                 for target in ("test", "test-cli", "test-thorough"))
     assert '-m "not cli and not thorough"' in test and re.search(r"pytest suites .*-m cli\b", test_cli), (test, test_cli)
-    assert '-m "thorough and not cli"' in thorough, thorough
+    # make test caps the search (--search-examples): test-thorough runs every property again at the profile's count
+    assert '-m "(thorough or hypothesis) and not cli"' in thorough and "--search-examples" not in thorough, thorough
     script = (ROOT / ".ci" / "run").read_text()
     for target in ("test", "test-cli", "test-thorough"):
         assert re.search(rf"^make {target}$", script, re.M), (target, script)
@@ -159,3 +162,27 @@ def test_the_trainer_envs_count_a_junit_report():
 
     xml = '<testsuites><testsuite name="pytest" errors="1" failures="2" skipped="3" tests="10" time="1.0">'
     assert junit_counts(xml) == "4 passed, 3 failed, 3 skipped" and junit_counts("") == "no result"
+
+
+def test_the_quick_loops_search_cap_caps_the_loaded_profile_and_refuses_nonsense():
+    """make test's `--search-examples N`: the loaded profile (whatever it is, derandomized under torchrun)
+    with at most N examples; a profile below N keeps its own count; N < 1 is a usage error."""
+    from types import SimpleNamespace
+
+    from hypothesis import settings
+
+    from ringcheck.testing import suite_defaults
+
+    before = settings.get_current_profile_name()
+    parent = settings.get_profile(before)
+    try:
+        for cap in (3, parent.max_examples + 5):
+            settings.load_profile(before)
+            suite_defaults.pytest_configure(SimpleNamespace(getoption=lambda name, cap=cap: cap))
+            now = settings.get_profile(settings.get_current_profile_name())
+            assert now.max_examples == min(cap, parent.max_examples), (cap, now)
+            assert now.derandomize == parent.derandomize and now.database == parent.database
+        with pytest.raises(pytest.UsageError, match="--search-examples must be >= 1, got 0"):
+            suite_defaults.pytest_configure(SimpleNamespace(getoption=lambda name: 0))
+    finally:
+        settings.load_profile(before)

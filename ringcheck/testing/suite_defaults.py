@@ -22,6 +22,10 @@ keep their threads and seeds).
   (`gc.freeze` once collection is done, undone at the end so the interpreter's exit frees it):
   torch and the collected items are hundreds of thousands of objects that every full collection
   walked again, 5-8% of the in-process tests' time.
+- `--search-examples N` (make test's quick loop): every property searches at most N examples of
+  the loaded profile (derandomized under torchrun as before). make test-thorough (CI) selects the
+  property tests again (marker hypothesis) at the profile's own count: the quick loop repeats less
+  of a search that CI runs whole on every change.
 - Under torchrun, every test runs without the launcher's variables: the plugin read them at
   start-up (the edge) and holds the world; a command a test runs, in this process or as a
   subprocess, is then a command of its own (local rings), as a user would start it, not a second
@@ -129,6 +133,27 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 preload_in_workers("torch._dynamo", CONTEXT_PARALLEL,
                    "ringcheck.ring.backends.triton_backend")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--search-examples", type=int, default=None, metavar="N",
+                     help="every property searches at most N examples of the loaded --profile (this repository's "
+                          "make test; make test-thorough searches at the profile's own count)")
+
+
+@pytest.hookimpl(trylast=True)  # after the plugin loaded the --profile (derandomized under torchrun)
+def pytest_configure(config):
+    cap = config.getoption("--search-examples")
+    if cap is None:
+        return
+    if cap < 1:
+        raise pytest.UsageError(f"--search-examples must be >= 1, got {cap}")
+    from hypothesis import settings
+
+    name = settings.get_current_profile_name()
+    parent = settings.get_profile(name)
+    settings.register_profile(f"{name}-at-most-{cap}", parent=parent, max_examples=min(cap, parent.max_examples))
+    settings.load_profile(f"{name}-at-most-{cap}")
 
 
 def pytest_collection_finish(session):
