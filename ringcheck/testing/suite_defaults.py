@@ -45,6 +45,7 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import settings
 
 from ..launch.start import preload_in_workers
 from ..thirdparty.torch_private import CONTEXT_PARALLEL
@@ -148,8 +149,6 @@ def pytest_configure(config):
         return
     if cap < 1:
         raise pytest.UsageError(f"--search-examples must be >= 1, got {cap}")
-    from hypothesis import settings
-
     name = settings.get_current_profile_name()
     parent = settings.get_profile(name)
     settings.register_profile(f"{name}-at-most-{cap}", parent=parent, max_examples=min(cap, parent.max_examples))
