@@ -399,6 +399,7 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from . import semantics
     from .native import NATIVE
+    from .tiny import zoo_names  # a model_type's tiny model is one per process; a config file may change
 
     diagnose = getattr(semantics, "diagnose", None)
     if diagnose is None:
@@ -410,9 +411,10 @@ def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: 
         model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
         if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
             grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
-        found = diagnose(model, tiny, case_batches(config, tiny, model_case(name, tiny, config.world_size, glue.layout),
-                                                    dp), logits, grads or None,
-                         world_size=config.world_size, layout=glue.layout, tolerance=tolerance)
+        case = model_case(name, tiny, config.world_size, glue.layout)
+        found = diagnose(model, tiny, case_batches(config, tiny, case, dp), logits, grads or None,
+                         world_size=config.world_size, layout=glue.layout, tolerance=tolerance,
+                         key=(config.model, config.dtype, config.seed, dp, case) if config.model in zoo_names() else None)
     return diagnosis_dict(found)
 
 
