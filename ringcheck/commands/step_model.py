@@ -29,7 +29,7 @@ from ..harness.settings import torch_threads
 from ..launch.audit import check_own_code
 from ..models.budgets import gradient_budget, narrow_unit
 from ..models.regimes import model_case, regime_reading, shape_words
-from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
+from ..models.shares import diagnoses_task, merged_truth, placed_shares, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
     MODEL_CASES,
     NOT_RUN_AFTER,
@@ -343,10 +343,10 @@ def _diagnose(rows: list[dict], config: ModelStepConfig, processes, first: int, 
         return
     jobs = [(row["case"], assemble_logits(ring, row["case"]), ring[0][0]["cases"][row["case"]]["grads"],
              row["logits"]["budget"] if within_budget else None) for row in failed]
-    shares = shares_of(jobs, config.mesh_spec.size)
+    held, shares = placed_shares(jobs, [config.cases.index(row["case"]) for row in failed], config.mesh_spec.size)
     try:
         found = {}
-        for group in processes.run_groups(shares_plan(first, shares, "diagnosis by semantics"), diagnoses_task,
+        for group in processes.run_groups(shares_plan(first, shares, "diagnosis by semantics", held), diagnoses_task,
                                           config, shares, config.mesh_spec.rings, **kw):
             found.update(group[0])
     except Exception as exc:  # the verdicts stand; the report says the diagnosis could not be made

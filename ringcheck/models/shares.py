@@ -22,10 +22,23 @@ def shares_of(items: list | tuple, ranks: int) -> tuple[tuple, ...]:
     return tuple(tuple(items[i::count]) for i in range(count) if items[i::count])
 
 
-def shares_plan(first: int, shares: tuple, label: str) -> GroupPlan:
-    """One group of one rank per share, from global rank `first` on."""
-    return GroupPlan(tuple((first + i,) for i in range(len(shares))), label=f"{label}, on {len(shares)} "
-                                                                            f"rank{'s' if len(shares) > 1 else ''}")
+def placed_shares(items: list | tuple, places: list[int], ranks: int) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
+    """`items` dealt by their `places` (each one's index, e.g. its case's among the run's cases)
+    modulo `ranks`: an item goes to the same rank whichever others are dealt with it (the
+    diagnoser a rank kept for a case, `semantics.diagnose`'s key, serves the next glue's same
+    case). (The ranks that have a share, their shares), the empty ones left out."""
+    count = max(1, int(ranks))
+    dealt = [tuple(x for x, p in zip(items, places) if p % count == r) for r in range(count)]
+    held = tuple(r for r in range(count) if dealt[r])
+    return held, tuple(dealt[r] for r in held)
+
+
+def shares_plan(first: int, shares: tuple, label: str, held: tuple[int, ...] | None = None) -> GroupPlan:
+    """One group of one rank per share, from global rank `first` on (`held`: each share's rank,
+    counted from `first`; default the first ranks in turn)."""
+    held = tuple(range(len(shares))) if held is None else held
+    return GroupPlan(tuple((first + i,) for i in held), label=f"{label}, on {len(shares)} "
+                                                              f"rank{'s' if len(shares) > 1 else ''}")
 
 
 def reference_shares_task(member, config, shares: tuple[tuple[str, ...], ...], dp: int, layout: str,
