@@ -487,3 +487,25 @@ def test_semantics_that_do_not_reproduce_the_model_diagnose_nothing(layers, word
     out = d.diagnose([z * 1.001 for z in d.truth[0]], d.truth[1])
     assert not d.reproducible and not d.candidates and out.matched is None
     assert out.summary().startswith("no diagnosis by semantics") and words in out.summary()
+
+
+def test_a_kept_diagnoser_judges_another_glues_figures_within_their_own_tolerance(monkeypatch):
+    """`diagnose(..., key=)`: the recomputations of a model and batch made once per process and
+    kept; another glue's figures (another tolerance: a bf16 glue's budget) get the diagnosis a
+    diagnoser of their own gives, and the first glue's again its own."""
+    from ringcheck.models import semantics
+
+    model, tiny, mbs, d = _diagnoser("gemma2")
+    [planted] = [c for c in d.candidates if c.parts == ("softcap_dropped",) and c.layers == (0,)]
+    figures = _ring_like(d.figures(planted))
+    made = []
+    real = semantics.Diagnoser.__init__
+    monkeypatch.setattr(semantics.Diagnoser, "__init__", lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(semantics, "_MADE", {})
+    key = ("gemma2", "a batch")
+    runs = [(figures, None), (figures, 1e-3), (_ring_like(d.truth), 1e-3), (figures, None)]
+    kept = [diagnose(model, tiny, mbs, *f, world_size=4, tolerance=t, key=key) for f, t in runs]
+    assert len(made) == 1
+    alone = [diagnose(model, tiny, mbs, *f, world_size=4, tolerance=t) for f, t in runs]
+    assert [k.to_dict() for k in kept] == [a.to_dict() for a in alone]
+    assert kept[0].matched == "softcap_dropped" and kept[2].matched == "none" and kept[1].tolerance == 1e-3

@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ringcheck.commands.step_model import check_model_before_start, model_report_dict, run_model_step
+from ringcheck.commands.step_model import CASE_TRUTHS, check_model_before_start, model_report_dict, run_model_step
 from ringcheck.glues import GlueRefused
 from ringcheck.models.step import ModelStepConfig
 from ringcheck.models.tiny import ModelRefused
@@ -51,14 +51,20 @@ class _Spy:
     """The ring's processes, recording which tasks were run on them."""
 
     def __init__(self, processes):
-        self.processes, self.tasks = processes, []
+        self.processes, self.tasks, self.args = processes, [], []
 
     def __getattr__(self, name):
         return getattr(self.processes, name)
 
     def run_groups(self, plan, task, *args, **kw):
         self.tasks.append(task.__name__)
+        self.args.append(args)
         return self.processes.run_groups(plan, task, *args, **kw)
+
+
+def _truths_by_run(truths: dict) -> dict:
+    """A caller's `truths` without the cases' own (`CASE_TRUTHS`): one entry per truth computed."""
+    return {k: v for k, v in truths.items() if k != CASE_TRUTHS}
 
 
 def test_glues_that_share_a_truth_are_judged_against_one_computed_once(ring_processes):
@@ -66,11 +72,11 @@ def test_glues_that_share_a_truth_are_judged_against_one_computed_once(ring_proc
     the second is judged against it, and a bug in the second is still caught and named."""
     truths: dict = {}
     first = run_model_step(ModelStepConfig(model="llama", world_size=2, cases=("packed",)), ring_processes, truths=truths)
-    assert first["verdict"] == "pass" and len(truths) == 1, first["why"]
+    assert first["verdict"] == "pass" and len(_truths_by_run(truths)) == 1, first["why"]
     spy = _Spy(ring_processes)
     second = run_model_step(ModelStepConfig(model="llama", glue="ringcheck.catalogue.glue_mutants:documents_crossed",
                                             world_size=2, cases=("packed",)), spy, truths=truths)
-    assert len(truths) == 1 and "reference_shares_task" not in spy.tasks and "model_step_task" in spy.tasks
+    assert len(_truths_by_run(truths)) == 1 and "reference_shares_task" not in spy.tasks and "model_step_task" in spy.tasks
     assert second["verdict"] == "fail" and "documents" in second["why"], second["why"]
     alone = run_model_step(ModelStepConfig(model="llama", glue="ringcheck.catalogue.glue_mutants:documents_crossed",
                                            world_size=2, cases=("packed",)), ring_processes)
@@ -89,13 +95,32 @@ def test_a_glue_run_narrower_adds_only_its_noise_runs_to_a_shared_truth(ring_pro
     spy = _Spy(ring_processes)
     narrow = ModelStepConfig(model="llama", glue="ring_flash_attn", world_size=2, cases=("one_sequence",))
     shared = run_model_step(narrow, spy, truths=truths)
-    assert spy.tasks.count("reference_shares_task") == 1 and len(truths) == 1
-    assert all("narrow" not in case for case in next(iter(truths.values()))["cases"].values())
+    assert spy.tasks.count("reference_shares_task") == 1 and len(_truths_by_run(truths)) == 1
+    assert all("narrow" not in case for case in next(iter(_truths_by_run(truths).values()))["cases"].values())
     alone = run_model_step(narrow, ring_processes)
     assert shared["verdict"] == alone["verdict"] == "pass", shared["why"]
     assert shared["noise"] == alone["noise"] and shared["noise"] is not None
     assert shared["cases"][0]["logits"] == alone["cases"][0]["logits"]
     assert shared["cases"][0]["gradients"] == alone["cases"][0]["gradients"]
+
+
+def test_a_cases_truth_found_on_another_ring_is_taken_and_only_the_split_sums_run_again(ring_processes):
+    """A case's truth, and the model's own rounding (llama's norms cast to float32), depend on its
+    batch, not on the ring: a run in another layout (or size) takes them from `truths` (each case's,
+    `CASE_TRUTHS`), and its verdict and every figure are the ones it gets alone."""
+    truths: dict = {}
+    run_model_step(ModelStepConfig(model="llama", world_size=2, cases=("packed",)), ring_processes, truths=truths)
+    spy = _Spy(ring_processes)
+    zigzag = ModelStepConfig(model="llama", world_size=2, layout="zigzag", cases=("packed",))
+    shared = run_model_step(zigzag, spy, truths=truths)
+    known = [a[-1] for t, a in zip(spy.tasks, spy.args) if t == "reference_shares_task"]
+    assert len(known) == 1 and known[0] is not None and {"loss", "logits", "grads", "own"} <= set(known[0][0]["packed"])
+    alone = run_model_step(zigzag, ring_processes)
+    assert shared["verdict"] == alone["verdict"] == "pass", shared["why"]
+    assert shared["float32_steps"] == alone["float32_steps"] > 0
+    assert shared["cases"][0]["logits"] == alone["cases"][0]["logits"]
+    assert shared["cases"][0]["gradients"] == alone["cases"][0]["gradients"]
+    assert shared["cases"][0]["noise_floored"] == alone["cases"][0]["noise_floored"]
 
 
 def test_the_report_says_what_was_scaled_kept_and_switched_off(ring_processes):
@@ -311,3 +336,61 @@ def test_the_models_own_float32_steps_run_in_float64_for_the_truths_own_rounding
             assert narrowed.dtype == torch.float64 and bool(narrowed == x)
         assert x.to(torch.float16).dtype == torch.float16
         assert torch.ones(2, dtype=torch.float32).double().dtype == torch.float64
+
+
+def _counting_builds(monkeypatch) -> list:
+    """Every model transformers makes from here on (a build; a copy of one is none)."""
+    import transformers
+
+    builds, real = [], transformers.AutoModelForCausalLM.from_config
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: builds.append(a) or real(*a, **k))
+    return builds
+
+
+def test_the_model_of_the_own_rounding_is_built_once_a_task_with_the_same_figures(monkeypatch):
+    """`own_rounding` with the task's `built`: the model built under `float64_throughout` once,
+    each case a copy, and each case's figures those of a build of its own."""
+    from ringcheck.harness.settings import default_dtype
+    from ringcheck.models.native import NATIVE, native_step
+    from ringcheck.models.regimes import model_case
+    from ringcheck.models.step import case_batches, tiny_of
+    from ringcheck.models.step_noise import own_rounding
+
+    config = ModelStepConfig(model="llama", world_size=2)
+    tiny = tiny_of(config)
+    with default_dtype(torch.float64):
+        truths = [(batches, native_step(tiny.build(NATIVE, dtype=torch.float64), batches)[1]) for batches in
+                  (case_batches(config, tiny, model_case(n, tiny, 2, "contiguous"), 1) for n in ("one_sequence", "packed"))]
+        builds, built = _counting_builds(monkeypatch), {}
+        kept = [own_rounding(tiny, config, batches, grads, built) for batches, grads in truths]
+        assert len(builds) == 1
+        assert kept == [own_rounding(tiny, config, batches, grads) for batches, grads in truths] and all(kept)
+
+
+def test_a_share_of_diagnoses_builds_the_model_once_with_the_same_diagnoses(monkeypatch):
+    """`diagnoses_task`: one build for the rank's share (`reused_builds`), each case's diagnosis
+    the one it gets with a build of its own."""
+    from types import SimpleNamespace
+
+    from ringcheck.harness.settings import default_dtype
+    from ringcheck.models.native import NATIVE, native_step
+    from ringcheck.models.regimes import model_case
+    from ringcheck.models.shares import diagnoses_task
+    from ringcheck.models.step import case_batches, diagnosis_task, tiny_of
+
+    config = ModelStepConfig(model="llama", world_size=2, cases=("one_sequence", "batch2"))
+    tiny = tiny_of(config)
+    jobs = []
+    with default_dtype(torch.float64):
+        for name in config.cases:
+            batches = case_batches(config, tiny, model_case(name, tiny, 2, "contiguous"), 1)
+            _, grads, logits = native_step(tiny.build(NATIVE, dtype=torch.float64), batches)
+            jobs.append((name, [z.detach() for z in logits] if isinstance(logits, list) else [logits.detach()],
+                         {n: g.detach() for n, g in grads.items()}, None))
+    member = SimpleNamespace(group_index=0)
+    builds = _counting_builds(monkeypatch)
+    shared = diagnoses_task(member, config, (tuple(jobs),), 1)
+    assert len(builds) == 1 and set(shared) == set(config.cases)
+    alone = {job[0]: diagnosis_task(member, config, *job[:1], 1, *job[1:]) for job in jobs}
+    assert shared == alone and all("no semantic is lost" in d["words"] for d in shared.values()), shared

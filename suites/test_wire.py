@@ -72,3 +72,15 @@ def test_what_it_writes_is_plain_pickle():
     t = torch.randn(4, dtype=torch.bfloat16)
     assert _same(pickle.loads(wire.dumps(t)), t)
     assert len(wire.dumps(t)) < len(pickle.dumps(t))  # no legacy torch.save header per storage
+
+
+def test_a_tensor_comes_back_as_its_own_bytearray_and_an_older_pickle_of_bytes_still_loads():
+    """The bytes travel in band as the tensor's own memory and come back as one bytearray the
+    tensor takes over (writable, no second copy); a pickle an older ringcheck wrote (bytes) loads."""
+    t = torch.randn(4, 5, dtype=torch.float64)
+    back = wire.loads(wire.dumps({"a": t, "b": t.clone()}))
+    assert _same(back["a"], t) and _same(back["b"], t)
+    assert back["a"].untyped_storage().data_ptr() != back["b"].untyped_storage().data_ptr()
+    older = pickle.dumps(wire._rebuild(t.numpy().tobytes(), t.dtype, tuple(t.shape)))
+    assert _same(pickle.loads(older), t)
+    assert _same(wire._rebuild(t.numpy().tobytes(), t.dtype, tuple(t.shape)), t)

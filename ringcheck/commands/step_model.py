@@ -29,7 +29,7 @@ from ..harness.settings import torch_threads
 from ..launch.audit import check_own_code
 from ..models.budgets import gradient_budget, narrow_unit
 from ..models.regimes import model_case, regime_reading, shape_words
-from ..models.shares import diagnoses_task, merged_truth, reference_shares_task, shares_of, shares_plan
+from ..models.shares import diagnoses_task, merged_truth, placed_shares, reference_shares_task, shares_of, shares_plan
 from ..models.step import (
     MODEL_CASES,
     NOT_RUN_AFTER,
@@ -211,11 +211,55 @@ def truth_key(config: ModelStepConfig, layout: str) -> tuple:
             layout)
 
 
+CASE_TRUTHS = "by case"  # the key in a caller's `truths` under which each case's own is kept (`case_truth_key`)
+
+
+def case_truth_key(config: ModelStepConfig, case) -> tuple:
+    """What a case's truth, the model's own rounding and a glue's noise runs depend on: the model,
+    the dtype, the seed, the replicas and the case as it runs (its batch: a regime case's is made
+    for the ring); not the ring's size or layout, which only the split sums depend on."""
+    return ("case", config.model, config.dtype, config.seed, config.mesh_spec.rings, case)
+
+
+def _known_cases(config: ModelStepConfig, shares: tuple, cases: dict, narrow: str | None,
+                 truths: dict | None) -> tuple[dict, ...] | None:
+    """Per share, what runs of the same cases found (`case_truth_key`; a glue's noise runs: its own)."""
+    if truths is None:
+        return None
+    kept, out = truths.get(CASE_TRUTHS, {}), []
+    for share in shares:
+        known = {}
+        for name in share:
+            key = case_truth_key(config, cases[name])
+            was = dict(kept.get(key, {}))
+            if narrow is not None and (key, narrow, config.glue) in kept:
+                was["narrow"] = kept[(key, narrow, config.glue)]
+            if was:
+                known[name] = was
+        out.append(known)
+    return tuple(out) if any(out) else None
+
+
+def _keep_cases(config: ModelStepConfig, ref: dict, cases: dict, narrow: str | None, truths: dict | None) -> None:
+    """Each case's truth, own rounding and noise runs kept for another ring size (`_known_cases`),
+    in `truths[CASE_TRUTHS]`."""
+    if truths is None:
+        return
+    kept = truths.setdefault(CASE_TRUTHS, {})
+    for name, c in ref["cases"].items():
+        key = case_truth_key(config, cases[name])
+        kept[key] = {**kept.get(key, {}), **{k: c[k] for k in ("loss", "logits", "grads", "own") if k in c}}
+        if narrow is not None and "narrow" in c:
+            kept[(key, narrow, config.glue)] = c["narrow"]
+
+
 def _truth(config: ModelStepConfig, processes, first: int, layout: str, narrow: str | None, ring_errors: dict,
-           truths: dict | None, kw: dict) -> dict[str, Any]:
+           truths: dict | None, kw: dict, cases: dict) -> dict[str, Any]:
     """Every case's truth (`reference_task`, the cases shared among the ranks). With `truths`, the
     one computed for another glue where it depends on nothing that differs (`truth_key`), and for a
-    glue run in a narrow dtype only its noise runs computed on top of it."""
+    glue run in a narrow dtype only its noise runs computed on top of it; a case's truth, own
+    rounding and noise runs found at another ring size are taken, not computed again (`cases`: each
+    case as it runs, `case_truth_key`)."""
     names, mesh = config.cases, config.mesh_spec
     key = truth_key(config, layout)
     known = None if truths is None else truths.get(key)
@@ -225,8 +269,11 @@ def _truth(config: ModelStepConfig, processes, first: int, layout: str, narrow: 
 
     def run(only_narrow: bool) -> dict[str, Any]:
         plan = shares_plan(first, shares, "the truth: transformers' eager attention at CP=1")
-        return merged_truth(processes.run_groups(plan, reference_shares_task, config, shares, mesh.rings, layout, narrow,
-                                                 only_narrow, **kw), names)
+        out = merged_truth(processes.run_groups(plan, reference_shares_task, config, shares, mesh.rings, layout, narrow,
+                                                only_narrow, _known_cases(config, shares, cases, narrow, truths),
+                                                **kw), names)
+        _keep_cases(config, out, cases, narrow, truths)
+        return out
 
     if known is None:
         ref = run(False)
@@ -250,10 +297,10 @@ def _run_and_judge(config: ModelStepConfig, processes, checked: CheckedModel, tr
     narrow = run_dtype(config, checked.glue)
     narrow = None if narrow == config.dtype else narrow
     ring_errors = _failed_cases(ring)
-    ref = _truth(config, processes, first, checked.glue.layout, narrow, ring_errors, truths, kw)
-    truth = truth_dtype(config, ref.get("float32_steps", 0))
     layout = checked.glue.layout
     cases = {name: model_case(name, checked.tiny, config.world_size, layout) for name in names}
+    ref = _truth(config, processes, first, layout, narrow, ring_errors, truths, kw, cases)
+    truth = truth_dtype(config, ref.get("float32_steps", 0))
     noise = None if narrow is None or not ref["cases"] else narrow_unit(
         ref["cases"], narrow, {n: _targets(cases[n], mesh.rings) for n in ref["cases"]}, truth)
     rows = []
@@ -296,10 +343,10 @@ def _diagnose(rows: list[dict], config: ModelStepConfig, processes, first: int, 
         return
     jobs = [(row["case"], assemble_logits(ring, row["case"]), ring[0][0]["cases"][row["case"]]["grads"],
              row["logits"]["budget"] if within_budget else None) for row in failed]
-    shares = shares_of(jobs, config.mesh_spec.size)
+    held, shares = placed_shares(jobs, [config.cases.index(row["case"]) for row in failed], config.mesh_spec.size)
     try:
         found = {}
-        for group in processes.run_groups(shares_plan(first, shares, "diagnosis by semantics"), diagnoses_task,
+        for group in processes.run_groups(shares_plan(first, shares, "diagnosis by semantics", held), diagnoses_task,
                                           config, shares, config.mesh_spec.rings, **kw):
             found.update(group[0])
     except Exception as exc:  # the verdicts stand; the report says the diagnosis could not be made

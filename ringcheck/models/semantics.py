@@ -276,7 +276,7 @@ class Diagnoser:
         n = max(1, sum(int((shift_labels(mb["labels"]) != IGNORE).sum()) for mb in micro_batches))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self._scale = (n, dtype if dtype in REFERENCE_DTYPES else "float32")
-        exact = budgets(n, self._scale[1], None)[1]
+        self._exact = exact = budgets(n, self._scale[1], None)[1]
         self.tolerance = exact if tolerance is None else float(tolerance)
         self.truth = self._step(None)
         self.error, self.shape_dependence, self.candidates, self._logits, self._grads = "", 0.0, [], [], {}
@@ -287,7 +287,7 @@ class Diagnoser:
             noise_z, noise_g = [math.inf], None
         self.reproduced = max(noise_z)
         self.reproducible = self.reproduced <= exact
-        self.noise, self.tol_z, self.tol_g = (self.reproduced, math.inf), self.tolerance, {}
+        self.noise, self.tol_z, self.tol_g, self._noise = (self.reproduced, math.inf), self.tolerance, {}, None
         if not self.reproducible:
             return
         packed = any(len(segments(mb["input_ids"].shape[1], mb.get("cu_seqlens"))) > 1 for mb in micro_batches)
@@ -318,10 +318,8 @@ class Diagnoser:
             noise_z = [max(a, b) for a, b in zip(noise_z, dz)]
             noise_g = None if noise_g is None else {k: max(v, dg[k]) for k, v in noise_g.items()}
         self.noise = max(noise_z), max((noise_g or {0: 0.0}).values())
-        if tolerance is None and max(self.noise) > exact:  # the model's own float32 steps show: float32's 2 n u
-            self.tolerance = budgets(n, "float32", None)[1] / K_COND
-        self.tol_z = max(self.tolerance, 16 * max(noise_z))
-        self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
+        self._noise = (noise_z, noise_g)
+        self.tolerate(tolerance)
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
         longest = max(b - a for mb in micro_batches for a, b in segments(mb["input_ids"].shape[1], mb.get("cu_seqlens")))
         self.candidates = candidates(native, head_dims, seq_len=seq_len, world_size=world_size, layout=layout,
@@ -333,6 +331,20 @@ class Diagnoser:
                                             longest=longest, gradients=gradients)
         self.world_size, self.layout = world_size, layout
         self._logits = [self._candidate_step(c, grad=False)[0] for c in self.candidates]
+
+    def tolerate(self, tolerance: float | None) -> Diagnoser:
+        """This diagnoser judging within `tolerance` (the constructor's argument; the recomputations
+        do not depend on it: another glue's figures on the same model and batch reuse them)."""
+        self.tolerance = self._exact if tolerance is None else float(tolerance)
+        if self._noise is None:  # not reproducible: nothing is diagnosed
+            self.tol_z, self.tol_g = self.tolerance, {}
+            return self
+        noise_z, noise_g = self._noise
+        if tolerance is None and max(self.noise) > self._exact:  # the model's own float32 steps show: float32's 2 n u
+            self.tolerance = budgets(self._scale[0], "float32", None)[1] / K_COND
+        self.tol_z = max(self.tolerance, 16 * max(noise_z))
+        self.tol_g = {k: max(self.tolerance, 16 * v) for k, v in (noise_g or {}).items()}
+        return self
 
     def _step(self, layers, micro_batches=None, *, whole: bool = False, grad: bool | None = None):
         """(logits, gradients or None) of the truth (layers None) or of a recomputation."""
@@ -388,13 +400,29 @@ class Diagnoser:
                          self.reproducible, self.tolerance, self.shape_dependence)
 
 
+_MADE: dict[tuple, Diagnoser] = {}  # per process, the latest diagnosers by what they depend on (`diagnose`'s key)
+KEPT = 16  # diagnosers kept (a model's failed cases at one ring size)
+
+
 def diagnose(model, tiny, micro_batches: list[dict], observed_logits, observed_grads, *, world_size: int,
-             layout: str = "contiguous", tolerance: float | None = None) -> Diagnosis:
+             layout: str = "contiguous", tolerance: float | None = None, key: tuple | None = None) -> Diagnosis:
     """The lost semantic (and on which layers) the observed CP=P figures match (`Diagnoser`).
 
     `observed_logits`: the gathered global logits, one (batch, seq, vocab) per micro-batch (or
     one tensor, for one micro-batch); `observed_grads`: {parameter name: gradient}, summed over
-    the CP group (None for an evaluation); `layout`: the sharding of the glue's ring."""
-    return Diagnoser(model, tiny, micro_batches, world_size=world_size, layout=layout,
-                     gradients=observed_grads is not None, tolerance=tolerance).diagnose(observed_logits, observed_grads)
+    the CP group (None for an evaluation); `layout`: the sharding of the glue's ring. `key`: what
+    the model and the batch are (the caller's word for them), under which the diagnoser is kept
+    for another glue's figures (with `world_size`, `layout` and whether gradients are observed):
+    its recomputations made once, each glue's figures judged within its own tolerance."""
+    gradients = observed_grads is not None
+    kept = None if key is None else (key, world_size, layout, gradients)
+    found = _MADE.get(kept) if kept is not None else None
+    if found is None:
+        found = Diagnoser(model, tiny, micro_batches, world_size=world_size, layout=layout, gradients=gradients,
+                          tolerance=tolerance)
+        if kept is not None:
+            while len(_MADE) >= KEPT:
+                _MADE.pop(next(iter(_MADE)))
+            _MADE[kept] = found
+    return found.tolerate(tolerance).diagnose(observed_logits, observed_grads)
 

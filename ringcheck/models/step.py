@@ -50,7 +50,7 @@ from ..step.run import check_ring_settings, on_device, step_mesh
 from ..thirdparty.transformers_private import enable_activation_checkpointing, keep_attention_state
 from .glue_hooks import glue_loss, glue_sharded, pad_positions, pad_rows, step_loss
 from .regimes import REGIME_CASES, model_case
-from .step_noise import float32_steps, float64_throughout, narrow_noise, split_gradients, truth_noise
+from .step_noise import float32_steps, narrow_noise, own_rounding, split_gradients, truth_noise
 
 DEFAULT_GLUE = "ringcheck"
 MODEL_DTYPES = ("float64", "float32")
@@ -323,36 +323,26 @@ def _as_list(logits, count: int) -> list[torch.Tensor]:
     return list(logits)
 
 
-def _own_rounding(tiny, config: ModelStepConfig, batches: list[dict], grads: dict) -> dict[str, float]:
-    """Per parameter, the truth's distance to the same code run with no float32 step of its own
-    (`float64_throughout`); {} where that run cannot be made (a model whose float32 step another
-    dtype breaks): the split sums' floor then stands alone."""
-    # start-up time: the truth imports transformers, only for a --model run
-    from .native import NATIVE, native_step
-
-    try:
-        with float64_throughout():
-            exact = native_step(tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed), batches)[1]
-    except Exception:  # the measurement is a floor, never a verdict: without it the derived budget stands
-        return {}
-    return truth_noise({n: g.double() for n, g in exact.items() if g is not None}, grads)
-
-
 def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: int, layout: str,
-                   narrow: str | None = None, only_narrow: bool = False) -> dict[str, Any]:
+                   narrow: str | None = None, only_narrow: bool = False, known: dict | None = None) -> dict[str, Any]:
     """The truth on one rank: `native_step` on every case's whole batch (every replica's rows),
     and per parameter the truth's own rounding noise (`ringcheck.models.step_noise`: the targets
     split as the ranks of `layout` hold them); for a glue run in a `narrow` dtype, the noise
     runs' changes against the truth (`narrow_noise`). `only_narrow`: those changes alone (the rest
-    known from another glue's run: no rounding noise, no float32 steps counted)."""
+    known from another glue's run: no rounding noise, no float32 steps counted). `known`: per case,
+    what a run of the same batch on the same model found (the truth's "loss", "logits" and "grads",
+    the model's own rounding "own", the noise runs "narrow"), taken instead of computed again: only
+    the split sums depend on the ring (`ringcheck.commands.step_model` keeps them across a model's
+    ring sizes)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from .native import NATIVE, native_logits, native_step
     from .tiny import reused_builds
 
     tiny = tiny_of(config)
-    out, errors, casts = {}, {}, None
+    out, errors, casts, built, known = {}, {}, None, {}, known or {}
     with default_dtype(config.torch_dtype), on_the_host(), reused_builds():  # the truth: on the CPU by design
         for name in names:
+            was = known.get(name, {})
             try:
                 model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
                 case = model_case(name, tiny, config.world_size, layout)
@@ -360,12 +350,14 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
                 if casts is None and config.dtype == "float64" and not only_narrow:
                     casts = float32_steps(model, batches[0], native_logits)
                 evaluate = case.evaluate
-                loss, grads, logits = native_step(model, batches)
+                loss, grads, logits = ((was["loss"], was["grads"], was["logits"]) if "grads" in was
+                                       else native_step(model, batches))
                 noise = {} if evaluate or only_narrow else truth_noise(split_gradients(
                     model, batches, native_logits, layout=layout, world_size=config.world_size,
                     total=count_targets(batches)), grads)
+                own = None
                 if noise and casts:  # the model's own float32 steps: the truth's distance to a float64 run of it
-                    own = _own_rounding(tiny, config, batches, grads)
+                    own = was["own"] if "own" in was else own_rounding(tiny, config, batches, grads, built)
                     noise = {n: max(v, own.get(n, 0.0)) for n, v in noise.items()}
             except Exception as exc:
                 errors[name] = error_words(exc)
@@ -373,9 +365,10 @@ def reference_task(member, config: ModelStepConfig, names: tuple[str, ...], dp: 
             out[name] = {"loss": float(loss), "logits": [t.detach().double().cpu() for t in _as_list(logits, len(batches))],
                          "grads": {} if evaluate else
                          {n: None if g is None else g.detach().double().cpu() for n, g in grads.items()},
-                         "noise": noise}
+                         "noise": noise, **({} if own is None else {"own": own})}
             if narrow is not None:
-                out[name]["narrow"] = narrow_noise(tiny, config, batches, out[name], REFERENCE_DTYPES[narrow])
+                out[name]["narrow"] = (was["narrow"] if "narrow" in was else
+                                       narrow_noise(tiny, config, batches, out[name], REFERENCE_DTYPES[narrow]))
     return {"cases": out, "errors": errors, "float32_steps": casts or 0}
 
 
@@ -397,26 +390,31 @@ def assemble_logits(groups: list[list[dict]], name: str) -> list[torch.Tensor]:
 
 
 def diagnosis_task(member, config: ModelStepConfig, name: str, dp: int, logits: list[torch.Tensor],
-                   grads: dict[str, torch.Tensor | None], tolerance: float | None = None) -> dict[str, Any]:
+                   grads: dict[str, torch.Tensor | None], tolerance: float | None = None,
+                   tiny=None) -> dict[str, Any]:
     """`diagnose` on one rank for a failed case: the lost semantic the CP=P figures match
-    (`tolerance`: a narrowed glue's measured budget; None: the diagnosis's own float64 one)."""
+    (`tolerance`: a narrowed glue's measured budget; None: the diagnosis's own float64 one; `tiny`:
+    the config's tiny model where the caller has it, so that a `reused_builds` scope around several
+    cases builds the model once)."""
     # start-up time: the model, the glue and the truth import transformers, only for a --model run
     from . import semantics
     from .native import NATIVE
+    from .tiny import zoo_names  # a model_type's tiny model is one per process; a config file may change
 
     diagnose = getattr(semantics, "diagnose", None)
     if diagnose is None:
         return {"matched": False, "words": "this ringcheck has no diagnosis by semantics (models.semantics.diagnose)"}
 
-    tiny = tiny_of(config)
+    tiny = tiny_of(config) if tiny is None else tiny
     glue = glue_of(config)
     with default_dtype(config.torch_dtype), on_the_host():  # the truth: on the CPU by design
         model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
         if grads:  # a parameter the glue's run left without a gradient (sinks it dropped): zeros, as the truth's
             grads = {n: torch.zeros_like(p) if grads.get(n) is None else grads[n] for n, p in model.named_parameters()}
-        found = diagnose(model, tiny, case_batches(config, tiny, model_case(name, tiny, config.world_size, glue.layout),
-                                                    dp), logits, grads or None,
-                         world_size=config.world_size, layout=glue.layout, tolerance=tolerance)
+        case = model_case(name, tiny, config.world_size, glue.layout)
+        found = diagnose(model, tiny, case_batches(config, tiny, case, dp), logits, grads or None,
+                         world_size=config.world_size, layout=glue.layout, tolerance=tolerance,
+                         key=(config.model, config.dtype, config.seed, dp, case) if config.model in zoo_names() else None)
     return diagnosis_dict(found)
 
 

@@ -18,6 +18,7 @@ float32, its floor says so in the report.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -116,6 +117,31 @@ def narrow_noise(tiny, config, batches: list[dict], truth: dict, dtype) -> dict[
                      "logits": max(relative(z.double(), w) for z, w in zip(logits, truth["logits"])),
                      "diffs": diffs})
     return {"rows": rows, "skipped": skipped}
+
+
+def own_rounding(tiny, config, batches: list[dict], grads: dict, built: dict | None = None) -> dict[str, float]:
+    """Per parameter, the truth's distance to the same code run with no float32 step of its own
+    (`float64_throughout`; `config`: the step's dtype and seed); {} where that run cannot be made
+    (a model whose float32 step another dtype breaks): the split sums' floor then stands alone.
+    `built`: a dict the caller keeps across its cases, where the model built under
+    `float64_throughout` is kept (each case a copy: the same build, made once a task instead of
+    once a case)."""
+    # start-up time: the truth imports transformers, only for a --model run
+    from .native import NATIVE, native_step
+
+    try:
+        if built is not None and "own" in built:
+            model = copy.deepcopy(built["own"])
+        else:
+            with float64_throughout():  # the build under it too: the mode may change what it makes
+                model = tiny.build(NATIVE, dtype=config.torch_dtype, seed=config.seed)
+            if built is not None:
+                built["own"] = copy.deepcopy(model)
+        with float64_throughout():
+            exact = native_step(model, batches)[1]
+    except Exception:  # the measurement is a floor, never a verdict: without it the derived budget stands
+        return {}
+    return truth_noise({n: g.double() for n, g in exact.items() if g is not None}, grads)
 
 
 def float32_steps(model, batch: dict, logits_of) -> int:
