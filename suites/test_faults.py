@@ -20,7 +20,8 @@ import ringcheck
 from ringcheck.launch import LocalRings, RingError
 from ringcheck.ring import RingConfig, run_ring
 
-TIMEOUT = 5.0
+TIMEOUT = 3.0  # the ring's: short, and still above the grace, so that "within the timeout" means something
+GRACE = 1.0    # what the other ranks get to report after a first failure (the launcher's default: 2 s)
 RING = 3
 VICTIM = 1
 
@@ -84,7 +85,7 @@ def rings(torchrun_world):
     if torchrun_world is not None:
         pytest.skip("fault injection kills and stalls processes: run it with plain pytest (it starts "
                     "its own local rings), not under torchrun")
-    with LocalRings(timeout=TIMEOUT) as rings:
+    with LocalRings(timeout=TIMEOUT, grace=GRACE) as rings:
         yield rings
 
 
@@ -111,7 +112,7 @@ def _fails_cleanly(rings, fault, says, bound):
 
 
 def test_a_rank_that_raises(rings):
-    # reported at once; the others, stuck waiting for it, are stopped after the grace (2 s)
+    # reported at once; the others, stuck waiting for it, are stopped after the grace
     error = _fails_cleanly(rings, "raise", "ValueError: planted", bound=TIMEOUT)
     others = ", ".join(str(r) for r in range(RING) if r != VICTIM)
     assert f"raised: {VICTIM}; stopped after the failure: {others}" in str(error).splitlines()[0], str(error)

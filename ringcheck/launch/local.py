@@ -372,8 +372,8 @@ class LocalRings:
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
                  log_dir: str | os.PathLike | None = None, setup: Task | None = None,
-                 idle_close: float = IDLE_CLOSE, audit: bool = False):
-        self.timeout = check_timeout(timeout)
+                 idle_close: float = IDLE_CLOSE, audit: bool = False, grace: float = GRACE):
+        self.timeout, self.grace = check_timeout(timeout), check_timeout(grace)  # grace: as LocalRingPool's
         self.audit = audit  # every rank's task under the device audit (ringcheck.launch.audit)
         self.start_timeout = check_timeout(start_timeout)
         self.log_dir = None if log_dir is None else str(log_dir)  # each rank's log: DIR/rank<G>.log
@@ -397,7 +397,7 @@ class LocalRings:
             del self._used[id(old)]
         if chosen is None:
             chosen = LocalRingPool(ring_size, timeout=self.timeout, start_timeout=self.start_timeout,
-                                   log_dir=self.log_dir, audit=self.audit)
+                                   grace=self.grace, log_dir=self.log_dir, audit=self.audit)
             if self.setup is not None:  # before any task, and again in every pool started after a failure
                 chosen.run(ring_size, self.setup)
             self._pools.append(chosen)
