@@ -4,6 +4,7 @@ imports only what is upstream of it. A violation names the module, the line and 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,16 @@ def _modules():
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
+@functools.cache
+def _parse(text: str, filename: str) -> ast.Module:
+    """A module's tree, parsed once per worker (most tests here read every module)."""
+    return ast.parse(text, filename=filename)
+
+
+def _tree(path: Path) -> ast.Module:
+    return _parse(path.read_text(), str(path))
+
+
 def _name(path: Path) -> str:
     folder, *rest = path.relative_to(ROOT).with_suffix("").parts
     return ".".join([PACKAGES[folder], *rest]).removesuffix(".__init__")
@@ -29,10 +40,17 @@ def _imports(path: Path):
     return _imports_of(path, _name(path))
 
 
-def _imports_of(path: Path, name: str):
+def _imports_of(path: Path, name: str) -> tuple:
     """(line, imported module, at function level) for every import of a module, resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    return _resolved_imports(path.read_text(), str(path), name, path.name == "__init__.py")
+
+
+@functools.cache
+def _resolved_imports(text: str, filename: str, name: str, is_package: bool) -> tuple:
+    return tuple(_each_import(_parse(text, filename), name.split(".") if is_package else name.split(".")[:-1]))
+
+
+def _each_import(tree: ast.Module, package: list[str]):
     nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
               for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
     for node in ast.walk(tree):
@@ -143,7 +161,7 @@ def test_the_rules_catch_a_planted_upstream_import(tmp_path):
 
 def _top_level_reference_imports(path: Path) -> list[int]:
     """The lines that import a top-level module named `reference` (absolute imports only)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _tree(path)
     return [node.lineno for node in ast.walk(tree)
             if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "reference" for a in node.names)
             or isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "reference"]
@@ -196,7 +214,7 @@ def test_function_level_imports_say_why():
 def test_tests_and_tools_import_no_private_names():
     private = []
     for path in sorted([*(ROOT / "suites").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 private += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}"
@@ -343,7 +361,7 @@ def _private_reaches(path: Path) -> list[str]:
         return ".".join([BOUND.get(node.id, node.id), *reversed(parts)])
 
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -378,7 +396,7 @@ MAX_FUNCTION_LINES = 80
 def _long_functions(path: Path, name: str) -> list[str]:
     """Every function (a method, a nested one, a Triton kernel) longer than MAX_FUNCTION_LINES,
     counted from its `def` to its last line."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _tree(path)
     return [f"{name}:{node.lineno} {node.name} is {n} lines" for node in ast.walk(tree)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES]
@@ -398,7 +416,7 @@ def _private_imports(path: Path, name: str) -> list[str]:
     (ringcheck, or ringcheck.reference), at any level, in any spelling of the import: what two
     modules share is public in the module that defines it. A third-party private name (torch's,
     transformers') is not the library's to rename: its door is elsewhere."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _tree(path)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = []
     for node in ast.walk(tree):

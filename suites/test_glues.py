@@ -93,8 +93,11 @@ def glue_call_task(member, layout, names):
     return errors
 
 
-@pytest.mark.parametrize("world_size", [4, 2])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+# layout x ring size: make test runs zigzag at 4 and contiguous at 2 (each level once); the other two carry
+# the marker thorough (make test-thorough, in CI)
+@pytest.mark.parametrize("layout, world_size", [("zigzag", 4), ("contiguous", 2),
+                                                pytest.param("zigzag", 2, marks=pytest.mark.thorough),
+                                                pytest.param("contiguous", 4, marks=pytest.mark.thorough)])
 def test_ringcheck_glue_calls_equal_dense_reference(run_on_ring, world_size, layout):
     for rank, errors in enumerate(run_on_ring(world_size, glue_call_task, layout, list(CALLS))):
         for name, (err, no_weights, shape) in errors.items():

@@ -45,7 +45,6 @@ from ..thirdparty.torch_private import (
     engine_run_backward,
     make_grads,
     tensor_or_tensors_to_tuple,
-    tree_flatten,
 )
 from .environment import AUDIT_ENV, audit_requested  # noqa: F401  (the audit's names, in one place)
 
@@ -69,6 +68,29 @@ _ENGINE_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.
 
 def _tuple(x) -> tuple:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def _tensors_in(obj, found: list) -> list:
+    """`found` with the tensors of `obj` (an op's arguments or result) appended: in tuples (named
+    ones and torch's return types too), lists and dicts, at any depth. What torch's pytree flatten
+    finds of them, without its bookkeeping per node: this runs on every op of an audited task."""
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                found.append(x)
+            elif isinstance(x, (tuple, list, dict)):
+                _tensors_in(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensors_in(x, found)
+    return found
+
+
+def _first_host(tags):
+    """The first host side among `tags`, or None."""
+    return next((tag for tag in tags if tag is not _RANK), None)
 
 
 class DeviceDefect(RuntimeError):
@@ -176,13 +198,6 @@ class DeviceAudit(TorchFunctionMode):
         except (RuntimeError, NotImplementedError):   # a tensor with no storage of its own
             return _RANK
 
-    def _host_of(self, tensors) -> _Host | None:
-        for t in tensors:
-            tag = self._tag(t)
-            if tag is not _RANK:
-                return tag
-        return None
-
     def _set(self, out, tag, inputs) -> None:
         """Tag `out`'s fresh storages; a view of an input keeps its storage's side."""
         seen = set()
@@ -191,9 +206,7 @@ class DeviceAudit(TorchFunctionMode):
                 seen.add(id(t.untyped_storage()))
             except (RuntimeError, NotImplementedError):
                 pass
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors_in(out, []):
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -217,22 +230,21 @@ class DeviceAudit(TorchFunctionMode):
         name = _name(func)
         if name in ("backward", "grad") and func in _ENGINE_CALLS:
             return self._autograd(func, args, kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors_in(kwargs, _tensors_in(args, []))
+        tags = [self._tag(t) for t in tensors]  # each input's side, looked up once
         if name not in _MIXES_LIKE_CUDA:
-            self._check_mix(name, tensors)
+            self._check_mix(name, tensors, tags)
         out = func(*args, **kwargs)
-        tag = self._out_tag(name, func, args, kwargs, tensors)
+        tag = self._out_tag(name, func, args, kwargs, tensors, tags)
         if name in _MOVES and isinstance(out, torch.Tensor) and (tag is _RANK) != (self._tag(out) is _RANK):
             out = out.clone()   # same real device, other side: a copy, as the move is on a GPU
         self._set(out, tag, tensors)
         return out
 
-    def _check_mix(self, name: str, tensors) -> None:
-        ranks = [t for t in tensors if self._tag(t) is _RANK]
-        hosts = [t for t in tensors if self._tag(t) is not _RANK and t.dim() > 0]
-        if not ranks or not hosts:
+    def _check_mix(self, name: str, tensors, tags) -> None:
+        host = next((tag for t, tag in zip(tensors, tags) if tag is not _RANK and t.dim() > 0), None)
+        if host is None or not any(tag is _RANK for tag in tags):
             return
-        host = self._tag(hosts[0])
         met, _ = _site()
         ours = host.ours
         if not ours and not self.judge_impl:
@@ -243,12 +255,12 @@ class DeviceAudit(TorchFunctionMode):
             f"Name the device where it is made (device=q.device, or .to(q.device) before it meets them)",
             created_at=host.site, met_at=met, ours=ours)
 
-    def _out_tag(self, name: str, func, args, kwargs, tensors):
+    def _out_tag(self, name: str, func, args, kwargs, tensors, tags):
         if isinstance(func, (OpOverload, OpOverloadPacket)):
             # an operator called by name: by a dispatch mode (measure.memory's tracker) on what
             # autograd's engine allocates, with the real device filled in; it makes nothing
             # on the host of its own accord
-            return (self._host_of(tensors) or _RANK) if tensors else _RANK
+            return _first_host(tags) or _RANK
         if name in ("cpu", "numpy"):
             return self._host(f"{name}()")
         if name == "cuda":
@@ -264,9 +276,9 @@ class DeviceAudit(TorchFunctionMode):
             return _RANK if side else self._host(f"{name}(device='cpu')")
         if not tensors:
             return self._host(f"torch.{name} without a device")
-        if any(self._tag(t) is _RANK for t in tensors) and all(t.dim() == 0 for t in tensors if self._tag(t) is not _RANK):
+        if any(tag is _RANK for tag in tags) and all(t.dim() == 0 for t, tag in zip(tensors, tags) if tag is not _RANK):
             return _RANK   # the rank's tensors with host scalars: CUDA computes it on the rank's device
-        return self._host_of(tensors) or _RANK
+        return _first_host(tags) or _RANK
 
     def _autograd(self, func, args, kwargs):
         """A backward (`Tensor.backward`, `torch.autograd.backward`, `torch.autograd.grad`) run by

@@ -134,10 +134,6 @@ def engine_run_backward(*args, **kwargs):
     return TORCH.reach("torch.autograd.graph", "_engine_run_backward")(*args, **kwargs)
 
 
-def tree_flatten(*args, **kwargs):
-    return TORCH.reach("torch.utils._pytree", "tree_flatten")(*args, **kwargs)
-
-
 def extension_build_directory(name: str) -> str:
     """Where torch builds (and locks) the C++ extension `name` (cpp_extension._get_build_directory:
     TORCH_EXTENSIONS_DIR, else the default root with the Python and device tag), made if absent."""
