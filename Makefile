@@ -3,7 +3,7 @@
 #   make test       run the test suites (all but the end-to-end command tests)
 #   make test-cli   run the end-to-end command tests (those that start ringcheck or pytest in a subprocess)
 #   make test-thorough  run the rest of the case grids whose covering subsets make test runs, and every
-#                   property at its whole search (make test: at most 20 examples each); CI runs all three
+#                   property at its whole search (make test: at most 10 examples each); CI runs all three
 #   make trainer-envs  build each trainer's own environment (.trainer-envs/) and run the --model check there
 PYTHON ?= python3
 VENV   ?= .venv
@@ -35,19 +35,21 @@ validate: $(STAMP)
 # on pytest-xdist workers, one per core (the suites' local rings are processes of their own);
 # with byte-code caches even where the environment turns them off (PYTHONDONTWRITEBYTECODE): the
 # suites start about a hundred Python processes, each importing ringcheck (and pytest rewriting
-# the test modules in each worker). First the lint: ruff, with the rules in pyproject.toml.
+# the test modules in each worker). Work stealing: a worker that runs out takes the other's pending
+# tests (load scheduling left one worker up to 11 s of the tail alone). First the lint: ruff, with the
+# rules in pyproject.toml.
 # The end-to-end command tests (marker cli: each starts ringcheck or pytest as a user would, in a
 # process of its own, importing torch again) are test-cli's; .ci/run runs both targets
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "not cli and not thorough" --search-examples 20
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto --dist worksteal -m "not cli and not thorough" --search-examples 10
 
 test-cli: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m cli
 
 # marker thorough: a grid's cases beyond its covering subset (every ring size, mode, placement and dtype
 # is in make test at least once; these are the other combinations of them); and the property tests
-# (marker hypothesis) again at the search profile's own count (make test: at most 20 examples each);
+# (marker hypothesis) again at the search profile's own count (make test: at most 10 examples each);
 # CI runs it after make test-cli
 test-thorough: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest suites -q -n auto -m "(thorough or hypothesis) and not cli"

@@ -35,8 +35,11 @@ def abs_error(got: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, tor
     if got.shape != truth.shape:
         raise ValueError(f"shape mismatch: got {tuple(got.shape)}, truth {tuple(truth.shape)}")
     g, t = got.detach().double(), truth.detach().double()
+    finite_g, finite_t = torch.isfinite(g), torch.isfinite(t)
+    if bool(finite_g.all()) and bool(finite_t.all()):  # the usual case: no infinity to match, nothing wrong
+        return (g - t).abs(), torch.zeros_like(finite_g)
     same_inf = torch.isinf(g) & torch.isinf(t) & (g == t)
-    bad = ~(torch.isfinite(g) & torch.isfinite(t)) & ~same_inf
+    bad = ~(finite_g & finite_t) & ~same_inf
     diff = (g - t).abs().masked_fill(same_inf, 0.0).masked_fill(bad, float("inf"))
     return diff, bad
 
@@ -49,14 +52,17 @@ def error_stats(got: torch.Tensor, truth: torch.Tensor,
     if numel == 0:
         return ErrorStats(0.0, (), 0.0, 0.0, 0.0, 0, 0)
     flat = int(diff.argmax())
-    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    worst, rest = [], flat
+    for size in reversed(diff.shape):  # the flat index as an index per dimension (row-major)
+        rest, i = divmod(rest, size)
+        worst.insert(0, i)
     ok = ~bad & torch.isfinite(truth.detach().double())
     g, t = got.detach().double()[ok], truth.detach().double()[ok]
     signed = (g - t)
     tnorm = float(t.norm())
     return ErrorStats(
         max_abs=float(diff.flatten()[flat]),
-        worst_index=worst,
+        worst_index=tuple(worst),
         mean_signed=float(signed.mean()) if signed.numel() else 0.0,
         rmse=float(signed.pow(2).mean().sqrt()) if signed.numel() else 0.0,
         rel_norm=float(signed.norm() / tnorm) if tnorm > 0 else float(signed.norm()),
