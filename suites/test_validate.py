@@ -21,6 +21,7 @@ from ringcheck.adapters import Impl, load_impl
 from ringcheck.catalogue.mutants import MUTANTS
 from ringcheck.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from ringcheck.commands.validate import CheckRow, Target, report_dict, validate
+from ringcheck.commands.validate.steps import LAYOUTS_ROW, TWO_CALLS_ROW
 from ringcheck.commands.validate.target import RAGGED_LENGTHS
 from ringcheck.documents import META_KEYS, VALIDATE_SCHEMA, dumps, load, loads, meta
 from ringcheck.judge.check import token_owners
@@ -39,8 +40,11 @@ SMALL = dict(seq_len=256, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16", ca
              layout="zigzag", world_size=4, local_lengths=(2, 6, 16), sample_rows=8,
              distributions=("normal", "sink"), ragged_lengths=())  # the ragged rows: suites/test_lengths.py
 
-# what each mutant needs to show itself (everything else: SMALL)
+# what each mutant needs to show itself (everything else: SMALL, on the normal distribution alone: every
+# mutant fails there but the overflowing merge, which needs the sink's large logits; the two distributions
+# together caught most of them twice over, in twice the time)
 SPECIAL = {
+    "merge_overflow": dict(distributions=("sink",)),
     # a bf16 round trip per hop stays within 2x the naive bf16 peer on causal rings of 4; it
     # shows on bidirectional near-tied rows over same-sign V with long local blocks at 8 ranks
     "low_precision_partial": dict(causal=False, world_size=8, local_lengths=(64,), seq_len=512,
@@ -64,6 +68,13 @@ def test_correct_rings_pass(ring_processes, impl):
     assert "ragged shards (66, 130 tokens per rank)" in checks
     assert any(c.startswith("forward  full length 256") for c in checks)
     assert "determinism (two runs, same bits)" in checks and "no NaN/Inf" in checks
+    # at the default embedding (suites/test_embedded.py runs its own gather ring there): the views and the two
+    # calls judged and passed, and the mesh's two rings placed as the mesh says
+    rows = {r.check: r for r in rows}
+    assert rows[LAYOUTS_ROW].status == "pass" and rows[TWO_CALLS_ROW].status == "pass"
+    mesh = next(r for r in rows.values() if r.check.startswith("mesh:"))
+    if ring_processes.size is None:
+        assert mesh.status == "pass" and "0,2,4,6 | 1,3,5,7" in mesh.detail
 
 
 @pytest.mark.parametrize("changes", [dict(world_size=1), dict(head_dim_v=16, world_size=2)], ids=["ring of one",
@@ -85,7 +96,8 @@ def test_every_mutant_fails(ring_processes, torchrun_world, mutant):
     # on its ring alone (locally; a torchrun world places it itself): the default embedding runs the same
     # cases again on a second ring (cp=P,tp=2), and group handling is test_embedded's catalogue
     alone = {"mesh": f"cp={ring}"} if torchrun_world is None else {}
-    rows = _rows(ring_processes, impl=f"ringcheck.catalogue.mutants:{mutant}", **alone, **SPECIAL.get(mutant, {}))
+    rows = _rows(ring_processes, impl=f"ringcheck.catalogue.mutants:{mutant}", **alone,
+                 **{"distributions": ("normal",), **SPECIAL.get(mutant, {})})
     failed = _failed(rows)
     assert failed, f"validate passed the mutant {mutant!r} ({MUTANTS[mutant]})"
     if mutant in ("block_lse_backward", "stale_kv_backward", "dkdv_not_home", "scale_twice_backward"):
