@@ -162,7 +162,8 @@ def test_a_transfer_waited_at_once_exposes_the_delay_and_one_waited_later_hides_
 def coalesced_delay_task(member, delay):
     """One exchange waited at once, through a `batch_isend_irecv` shaped like NCCL's: the
     transfers complete inside it, and it answers with one new `Work` for the whole batch, which no
-    dispatched op returned (NCCL's coalesced work). (injected, exposed, seconds the wait took)."""
+    dispatched op returned (NCCL's coalesced work). (injected, exposed, seconds the wait took, seconds the
+    batch took: its transfers completed inside it, while the hold ran)."""
     peer = dist.get_global_rank(member.group, 1 - member.rank)
     x, y = torch.ones(64), torch.empty(64)
     gloo_batch, plain_wait = dist.batch_isend_irecv, dist.Work.wait
@@ -178,6 +179,7 @@ def coalesced_delay_task(member, delay):
     try:
         counter = CommCounter(delay)
         with counter:
+            posted = time.monotonic()
             (work,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, member.group),
                                               dist.P2POp(dist.irecv, y, peer, member.group)])
             start = time.monotonic()
@@ -185,16 +187,19 @@ def coalesced_delay_task(member, delay):
             took = time.monotonic() - start
     finally:
         dist.batch_isend_irecv = gloo_batch
-    return counter.injected("forward"), counter.exposed("forward"), took
+    return counter.injected("forward"), counter.exposed("forward"), took, start - posted
 
 
 def test_a_coalesced_batch_is_held_like_its_transfers(run_on_ring):
     """NCCL's batch answers with one coalesced work; held through `batch_isend_irecv` (before,
     nothing was held on a GPU: exposed 0, hidden 100% for any ring, --require overlap never FLAGs)."""
     delay = 0.1
-    for injected, exposed, took in run_on_ring(2, coalesced_delay_task, delay):
+    for injected, exposed, took, batch in run_on_ring(2, coalesced_delay_task, delay):
         assert injected == pytest.approx(delay, abs=0.03)
-        assert exposed == pytest.approx(delay, abs=0.03) and took >= 0.7 * delay
+        # the wait sleeps out what the batch left of the hold: all of it where the peer answered at once, less
+        # where it lagged (a loaded machine: 0.065 s exposed once, CI beside a second CI run)
+        assert delay - batch - 0.03 <= exposed <= delay + 0.03, (exposed, batch)
+        assert took == pytest.approx(exposed, abs=0.03), (took, exposed)
 
 
 def test_a_counter_restores_each_modules_batch_as_it_found_it():
