@@ -21,7 +21,7 @@ from ringcheck.cli import EXIT_USAGE, main
 from ringcheck.commands.validate import Target, placement, validate
 from ringcheck.harness import Mesh
 from ringcheck.judge.inputs import make_inputs
-from ringcheck.launch import GroupPlan, LocalRings, RingError
+from ringcheck.launch import GroupPlan, RingError
 from ringcheck.spec import AttentionSpec, RingSpec
 
 EMBEDDED = "ringcheck.catalogue.embedded_mutants"
@@ -156,18 +156,6 @@ def test_correct_rings_pass_inside_the_default_mesh(ring_processes, impl):
         assert mesh.status == "pass" and "0,2,4,6 | 1,3,5,7" in mesh.detail
 
 
-@pytest.fixture(scope="module")
-def impatient_rings(ring_processes):
-    """Local rings whose other ranks get half a second, not the launcher's 2 s, to report after a first
-    failure (a mutant that raises inside the mesh leaves the others blocked, twice: the case, then its
-    plain call alone); under torchrun its world."""
-    if ring_processes.size is not None:
-        yield ring_processes
-        return
-    with LocalRings(grace=0.5) as rings:
-        yield rings
-
-
 @pytest.mark.parametrize("mutant", list(EMBEDDED_MUTANTS))
 def test_every_embedded_mutant_fails_validate_at_its_defaults(ring_processes, impatient_rings, mutant):
     if ring_processes.size is not None and EXPECTED[mutant][0] == "mesh:" and ring_processes.size < 8:
@@ -278,6 +266,7 @@ def test_drift_refuses_a_mesh_whose_ring_is_smaller_than_the_sweep(capsys):
 
 def test_bench_times_the_rings_of_a_mesh_at_once(tmp_path):
     from ringcheck.commands.bench import BenchSpec, run_speed
+    from ringcheck.launch import LocalRings
 
     spec = BenchSpec(impls=("ringcheck",), dtypes=("float32",), ring_sizes=(2,), tokens=(32,), heads=1, head_dim=8,
                      modes=("bidirectional",), passes=("fwd",), repeats=1, warmup=0, mesh="cp=2,tp=2")

@@ -198,28 +198,18 @@ def test_an_implementation_without_lse_is_checked_on_out_and_gradients(ring_proc
     assert "no lse returned" in shape_row.detail
 
 
-@pytest.fixture(scope="module")
-def impatient_rings():
-    """Local rings whose other ranks get half a second, not the launcher's 2 s, to report after a first
-    failure: a breach raised on one rank leaves the others blocked in the ring's own collectives, twice
-    (the case, then its plain call alone)."""
-    with LocalRings(grace=0.5) as rings:
-        yield rings
-
-
 @pytest.mark.parametrize("impl, words", [
     ("ringcheck.catalogue.bad_impls:wrong_shape", "returned out of shape"),
     ("ringcheck.catalogue.bad_impls:wrong_dtype", "dtype torch.float64"),
     ("ringcheck.catalogue.bad_impls:no_gradient_to_k", "no gradient flows to k"),
     ("ringcheck.catalogue.bad_impls:raises_on_rank_one", "rank 1 ran out of patience"),
 ])
-def test_contract_breaches_are_reported_with_the_rank(ring_processes, impatient_rings, torchrun_world, impl, words):
+def test_contract_breaches_are_reported_with_the_rank(impatient_rings, torchrun_world, impl, words):
     # on the ring alone (locally): a breach is the ring's, and a failing ring's diagnosis starts fresh
     # processes for each of its runs (the embedding's eight instead of four)
     alone = {"mesh": "cp=4"} if torchrun_world is None else {}
     with pytest.raises(RingError) as info:
-        _rows(ring_processes if torchrun_world else impatient_rings, impl=impl, distributions=("normal",),
-              local_lengths=(2,), **alone)
+        _rows(impatient_rings, impl=impl, distributions=("normal",), local_lengths=(2,), **alone)
     assert words in str(info.value)
 
 
